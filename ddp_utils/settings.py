@@ -1,0 +1,195 @@
+"""One frozen settings object for a run: what to train, how, and where the other ranks are.
+
+Build it from keyword arguments (notebooks), from the command line (``python -m ddp_utils train``)
+or from the variables torchrun sets (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``). It is saved as ``settings.json`` in every run folder and inside every checkpoint.
+Defaults are laptop-friendly: the ``demo`` data set on CPU, one process.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DATASETS = ("imagenet", "cinic10", "demo", "fake")
+BACKENDS = ("auto", "gloo", "nccl")
+AMP_MODES = ("auto", "bf16", "fp16", "off")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+# Fields that every rank must share, or the ranks would silently train different things.
+MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_reference_batch",
+              "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
+              "max_steps_per_epoch", "world_size", "master_port")
+
+
+def _f(default, help: str, **kw):
+    """A dataclass field whose ``help`` text feeds the command line and the docs."""
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class Settings:
+    # -- data ---------------------------------------------------------------------------------
+    dataset: str = _f("demo", "data preset: imagenet, cinic10, demo (ships with the kit) or fake",
+                      choices=DATASETS)
+    data_dir: str = _f("data/demo", "folder holding the preset's split folders (train/, val/ or valid/)")
+    val_split: str = _f("", "split to evaluate on; empty = the preset's (val for imagenet, valid for cinic10)")
+    image_size: int = _f(0, "training crop in pixels; 0 = the preset's (224 imagenet, 32 cinic10/demo)")
+    workers: int = _f(2, "DataLoader worker processes per rank (the course used 2 per GPU)")
+    # -- model --------------------------------------------------------------------------------
+    arch: str = _f("convnet", "convnet (small, fast on CPU), resnet18_cifar (32 px stem) or any "
+                              "torchvision classifier name such as resnet18, resnet50")
+    sync_bn: bool = _f(False, "convert BatchNorm to SyncBatchNorm so statistics use the global batch")
+    # -- optimisation -------------------------------------------------------------------------
+    epochs: int = _f(2, "passes over the training split")
+    batch_size: int = _f(64, "images per rank per step; the global batch is this times world_size")
+    lr: float = _f(0.1, "learning rate at lr_reference_batch images (scaled, see scale_lr)")
+    scale_lr: bool = _f(True, "scale lr linearly with the global batch: lr * global_batch / lr_reference_batch")
+    lr_reference_batch: int = _f(256, "global batch at which lr is given (Goyal et al. use 256)")
+    warmup_epochs: float = _f(0.0, "linear warm-up length before the cosine decay, in epochs")
+    momentum: float = _f(0.9, "SGD momentum")
+    weight_decay: float = _f(1e-4, "SGD weight decay (not applied to norm layers and biases)")
+    max_steps_per_epoch: int = _f(0, "stop each epoch after this many steps; 0 = the whole split")
+    # -- speed --------------------------------------------------------------------------------
+    amp: str = _f("auto", "mixed precision: auto (bf16 on GPUs that have it, fp16 + grad scaler on "
+                          "others, off on CPU), bf16, fp16 or off", choices=AMP_MODES)
+    channels_last: bool = _f(True, "NHWC memory layout on GPU (faster convolutions; ignored on CPU)")
+    compile: bool = _f(False, "torch.compile the model (first steps are slow while it compiles)")
+    seed: int = _f(0, "seed for weights, shuffling and augmentation; same on every rank")
+    # -- output -------------------------------------------------------------------------------
+    run_dir: str = _f("", "folder for logs, TensorBoard, checkpoints; empty = runs/<dataset>-<arch>-ws<N>-<time>")
+    wandb: str = _f("auto", "Weights & Biases: auto (online if a key is set up, else offline), online, "
+                            "offline or disabled", choices=WANDB_MODES)
+    wandb_project: str = _f("ddp-course", "W&B project name")
+    log_every: int = _f(20, "steps between TensorBoard scalars on rank 0")
+    # -- distributed --------------------------------------------------------------------------
+    master_addr: str = _f("127.0.0.1", "IP of the rank-0 node: its private IP on a cloud network")
+    master_port: int = _f(29500, "TCP port rank 0 listens on; open it (and the ports NCCL/Gloo add) "
+                                 "between the nodes")
+    rank: int = _f(0, "this process's rank: 0 on the master, 1..world_size-1 on the others")
+    world_size: int = _f(1, "number of processes in the job (2 for two nodes with one GPU each)")
+    local_rank: int = _f(0, "GPU index on this node (torchrun sets LOCAL_RANK)")
+    backend: str = _f("auto", "auto (nccl when this rank has a GPU, else gloo), gloo or nccl",
+                      choices=BACKENDS)
+    init_timeout: float = _f(300.0, "seconds to wait for the other ranks before failing (also the "
+                                    "timeout of every collective)")
+    socket_ifname: str = _f("", "network interface for NCCL/Gloo traffic; empty = the one that routes "
+                                "to master_addr (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win if set)")
+    init_method: str = _f("tcp", "tcp (tcp://master_addr:master_port) or env (under torchrun, whose "
+                                 "agent already holds the port)", choices=("tcp", "env"))
+
+    # ---------------------------------------------------------------------------------------
+    def __post_init__(self):
+        problems = self.problems()
+        if problems:
+            raise ValueError("Invalid settings:\n  - " + "\n  - ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every inconsistency in these settings, phrased as what is wrong and what to do."""
+        out = []
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                out.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
+        if self.world_size < 1:
+            out.append(f"world_size={self.world_size}: must be at least 1")
+        if not 0 <= self.rank < max(self.world_size, 1):
+            out.append(f"rank={self.rank} with world_size={self.world_size}: rank must be in "
+                       f"0..{self.world_size - 1} (0 on the master node)")
+        if not 1 <= self.master_port <= 65535:
+            out.append(f"master_port={self.master_port}: must be a TCP port, 1..65535 (e.g. 29500)")
+        for name in ("epochs", "batch_size", "lr_reference_batch", "init_timeout"):
+            if getattr(self, name) <= 0:
+                out.append(f"{name}={getattr(self, name)}: must be positive")
+        for name in ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr",
+                     "weight_decay", "momentum", "local_rank", "log_every"):
+            if getattr(self, name) < 0:
+                out.append(f"{name}={getattr(self, name)}: must not be negative")
+        if not str(self.master_addr).strip():
+            out.append("master_addr is empty: set it to the master node's IP address")
+        return out
+
+    # -- derived values (computed, never stored, so they cannot go stale) ---------------------
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def effective_lr(self) -> float:
+        """The lr the optimiser really uses: scaled with the global batch when scale_lr is set."""
+        if self.scale_lr:
+            return self.lr * self.global_batch_size / self.lr_reference_batch
+        return self.lr
+
+    @property
+    def url(self) -> str:
+        return "env://" if self.init_method == "env" else f"tcp://{self.master_addr}:{self.master_port}"
+
+    # -- conversions -------------------------------------------------------------------------
+    def replace(self, **changes) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Settings":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Unknown setting(s): {', '.join(unknown)}. Known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides) -> "Settings":
+        """Settings from torchrun's variables (when present) plus keyword overrides.
+
+        Under torchrun (``TORCHELASTIC_RUN_ID`` set) its agent already listens on MASTER_PORT,
+        so the process group joins that store with ``env://`` instead of binding the port again.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for var, name, kind in (("MASTER_ADDR", "master_addr", str), ("MASTER_PORT", "master_port", int),
+                                ("RANK", "rank", int), ("WORLD_SIZE", "world_size", int),
+                                ("LOCAL_RANK", "local_rank", int)):
+            if env.get(var, "") != "":
+                try:
+                    values[name] = kind(env[var])
+                except ValueError:
+                    raise ValueError(f"Environment variable {var}={env[var]!r} is not a valid {name}") from None
+        if env.get("TORCHELASTIC_RUN_ID"):
+            values["init_method"] = "env"
+        values.update(overrides)
+        return cls.from_dict(values)
+
+
+def add_arguments(parser: argparse.ArgumentParser, skip=()) -> None:
+    """One ``--flag`` per settings field (``--batch-size``), typed and documented from the dataclass."""
+    for f in fields(Settings):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = type(f.default)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{f.metadata['help']} (default: {f.default})")
+        else:
+            parser.add_argument(flag, type=kind, default=None, choices=f.metadata.get("choices"),
+                                help=f"{f.metadata['help']} (default: {f.default!r})")
+
+
+def from_args(args: argparse.Namespace, environ=None) -> Settings:
+    """Settings from parsed arguments: defaults, then torchrun's environment, then explicit flags."""
+    given = {f.name: getattr(args, f.name) for f in fields(Settings)
+             if getattr(args, f.name, None) is not None}
+    return Settings.from_env(environ, **given)
