@@ -1,0 +1,181 @@
+"""Checkpoints that are never half-written, and that load without running anyone's code.
+
+``save_checkpoint`` writes to a temporary file beside the target, forces it to disk, checks that it
+loads back, and only then renames it over the old file (``os.replace`` is atomic). A crash, a full
+disk or a killed worker while saving leaves the previous checkpoint exactly as it was.
+
+``load_checkpoint`` uses ``torch.load(weights_only=True)``: only tensors and plain Python values
+(dict, list, tuple, str, int, float, bool, None) are accepted, so a tampered file cannot execute
+code. Everything we store must therefore be plain: ``settings.to_dict()``, ``str(torch.__version__)``
+(a ``TorchVersion`` object is refused), ``rng_state()`` (no numpy arrays).
+
+Layout of a run folder's checkpoints (rank 0 writes them, on the rank-0 node only)::
+
+    <run_dir>/last.pt   end of the latest epoch: resume from here
+    <run_dir>/best.pt   the epoch with the best validation acc1
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import random
+import re
+from pathlib import Path
+
+import torch
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be used (truncated, not a checkpoint, unsafe content)."""
+
+
+def checkpoint_paths(run_dir) -> tuple[Path, Path]:
+    """``(run_dir/last.pt, run_dir/best.pt)``."""
+    run_dir = Path(run_dir)
+    return run_dir / "last.pt", run_dir / "best.pt"
+
+
+# -- saving --------------------------------------------------------------------------------------
+def save_checkpoint(path, state: dict, verify: bool = True) -> None:
+    """Write ``state`` to ``path`` atomically: either the complete new file or the old one, never half.
+
+    ``verify`` loads the temporary file back with ``weights_only=True`` before it replaces the old
+    checkpoint, so a state that could not be resumed from is refused now (CheckpointError) instead
+    of being discovered after the crash it was meant to survive.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Same folder as the target: os.replace is only atomic within one file system.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them "the" file
+        if verify:
+            _check_loads_back(tmp, path)
+        os.replace(tmp, path)
+    except BaseException:  # also KeyboardInterrupt: never leave a temp file behind
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_folder(path.parent)  # make the rename itself survive a power cut
+
+
+def _check_loads_back(tmp: Path, path: Path) -> None:
+    try:
+        _torch_load(tmp, "cpu")
+    except Exception as e:
+        raise CheckpointError(
+            f"Not saving {path}: torch.load(weights_only=True) could not read the state back "
+            f"({_why(e)}). Store only tensors and plain values: state_dict()s, settings.to_dict(), "
+            f"str(torch.__version__), rng_state(). Any earlier {path.name} is unchanged.") from e
+
+
+def _fsync_folder(folder: Path) -> None:
+    if os.name != "posix":
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems (network mounts) do not support it; the data is safe anyway
+        pass
+    finally:
+        os.close(fd)
+
+
+# -- loading -------------------------------------------------------------------------------------
+_HAS_WEIGHTS_ONLY = "weights_only" in inspect.signature(torch.load).parameters  # torch >= 1.13
+
+
+def _torch_load(path, map_location):
+    if _HAS_WEIGHTS_ONLY:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    return torch.load(path, map_location=map_location)  # very old torch: no safe mode to ask for
+
+
+def load_checkpoint(path, map_location="cpu") -> dict:
+    """The dict saved by ``save_checkpoint``, with tensors moved to ``map_location``.
+
+    Raises FileNotFoundError for a missing file and CheckpointError for a truncated file, a file
+    that is not a checkpoint, or one holding Python objects that ``weights_only`` refuses.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"No checkpoint at {path}. Checkpoints are <run_dir>/last.pt and <run_dir>/best.pt, "
+            f"written by rank 0 on the rank-0 node only: check the path, copy the file to this node, "
+            f"or start without --resume.")
+    try:
+        state = _torch_load(path, map_location)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():
+            raise _damaged(path, e) from e
+        raise CheckpointError(
+            f"{path} holds Python objects that torch.load(weights_only=True) refuses ({_why(e)}). "
+            f"Loading them could run arbitrary code. If you made this file yourself and trust it, "
+            f"load it with torch.load({str(path)!r}, weights_only=False) and re-save its plain "
+            f"parts with save_checkpoint.") from e
+    except Exception as e:  # RuntimeError (bad zip), EOFError (empty), KeyError (not a pickle) ...
+        raise _damaged(path, e) from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dict "
+                              f"(expected keys such as 'model', 'optimizer', 'epoch').")
+    return state
+
+
+def _damaged(path: Path, error: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is not a complete checkpoint ({path.stat().st_size:,} bytes; {_why(error)}). "
+        f"It is probably truncated (the disk filled up, or a copy was interrupted) or not a "
+        f"torch.save file. Resume from the other checkpoint (last.pt / best.pt) or start afresh.")
+
+
+def _why(error: Exception) -> str:
+    """The useful line of a torch.load error (its messages run to many lines)."""
+    text = str(error)
+    found = re.search(r"Unsupported (global: GLOBAL [\w.]+|operand \d+)", text)
+    if found:
+        return found.group(0)
+    first = text.strip().splitlines()[0].split(". ")[0] if text.strip() else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+# -- random number generators ----------------------------------------------------------------------
+def rng_state() -> dict:
+    """Every RNG a training step may draw from, as plain values that load with ``weights_only``.
+
+    Keys: ``python`` (random module), ``torch`` (CPU generator), ``cuda`` (one state per visible
+    GPU; empty without CUDA) and ``numpy`` (the legacy global generator, if numpy is installed).
+    """
+    state = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # numpy arrays are refused by weights_only loading: store plain Python numbers instead.
+    state["numpy"] = (name, keys.tolist(), int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what ``rng_state()`` captured; the next random numbers repeat the saved run's."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"].cpu())
+    if torch.cuda.is_available():
+        # Resuming on a node with fewer GPUs: restore the ones that exist.
+        for device, cuda_state in enumerate(state.get("cuda", [])[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state.cpu(), device)
+    if "numpy" in state:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))

@@ -1,0 +1,320 @@
+"""One folder per run, written by rank 0 only: text log, TensorBoard, Weights & Biases, results.
+
+Rank 0 gets a ``RunLogger``; every other rank gets a ``NullLogger`` with the same methods that do
+nothing, so the training loop calls ``log.scalars(...)`` on every rank without an ``if rank == 0``::
+
+    log = make_logger(settings, rank)            # DDP: only rank 0 writes files or W&B runs
+    log.info(f"global batch {settings.global_batch_size}")
+    log.scalars({"Loss/train": 2.31, "lr": 0.1}, step=20)
+    log.results({"acc1": 71.2, "wall_time_s": 4480})
+    log.close()
+
+What a run folder holds (``runs/<dataset>-<arch>-ws<world_size>-<YYYYmmdd-HHMMSS>`` by default)::
+
+    settings.json         the Settings of the run (after a resume with changed settings the old
+                          file is kept as settings.<YYYYmmdd-HHMMSS>.json)
+    log.txt               everything info() printed on the console
+    model_summary.txt     the layer table from model_summary()
+    tb/                   TensorBoard event files: tensorboard --logdir runs
+    wandb/                the W&B run (offline-run-*/ until uploaded with `wandb sync`)
+    wandb_run_id.txt      lets a resumed run continue the same W&B run
+    results.json          final numbers, rewritten atomically by results()
+    last.pt, best.pt      checkpoints (see checkpoint.py)
+
+TensorBoard tags the course uses (the logger writes whatever dict it is given, with these names
+the curves line up with the course's)::
+
+    Loss/train  acc1/train  acc5/train       training loss and top-1 / top-5 accuracy in %
+    Loss/val    acc1/val    acc5/val         the same on the validation split (global, all ranks)
+    lr                                       learning rate of the optimiser's first group
+    throughput/images_per_s                  global images per second (all ranks together)
+    time/data_s  time/compute_s              seconds per step waiting for data / computing
+
+Weights & Biases never prompts: ``auto`` runs online when a key is set up (``WANDB_API_KEY`` or
+``wandb login``, which stores it in ~/.netrc), offline otherwise. The key is never written into the
+run folder: Settings has no field for it and nothing here reads it.
+"""
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from torch.utils.tensorboard import SummaryWriter
+
+from .summary import model_summary as _model_summary_text
+
+# A folder holding any of these already holds a run: starting another one there would mix them.
+RUN_MARKERS = ("settings.json", "results.json", "log.txt", "last.pt", "best.pt")
+
+
+def default_run_dir(settings) -> Path:
+    """``settings.run_dir`` if set, else ``runs/<dataset>-<arch>-ws<world_size>-<YYYYmmdd-HHMMSS>``."""
+    if settings.run_dir:
+        return Path(settings.run_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{settings.dataset}-{settings.arch}-ws{settings.world_size}-{stamp}"
+
+
+# -- Weights & Biases mode -----------------------------------------------------------------------
+def wandb_mode(settings, environ=None) -> str:
+    """The W&B mode to run: ``online``, ``offline`` or ``disabled``; never one that would prompt.
+
+    ``auto`` follows ``WANDB_MODE`` if that is set, else is ``online`` when an API key is set up
+    (``WANDB_API_KEY``, or ``wandb login``'s entry in ~/.netrc) and ``offline`` otherwise.
+    ``online`` without any key raises ValueError (W&B would otherwise ask for the key and a
+    headless run or a notebook cell would wait forever).
+    """
+    env = os.environ if environ is None else environ
+    mode = settings.wandb
+    if mode == "auto":
+        mode = env.get("WANDB_MODE", "")
+        if mode not in ("online", "offline", "disabled"):
+            mode = "online" if has_wandb_key(env) else "offline"
+    if mode == "online" and not has_wandb_key(env):
+        raise ValueError(
+            "W&B mode 'online' needs an API key and none is set up on this node (no WANDB_API_KEY "
+            "and no W&B entry in ~/.netrc). Run `wandb login` once in a terminal on this node, or "
+            "`export WANDB_API_KEY=...` before starting Python; never paste the key into a notebook "
+            "or a file that goes to git. Or use wandb='offline' (upload later with `wandb sync`) "
+            "or wandb='disabled'.")
+    return mode
+
+
+def has_wandb_key(environ=None) -> bool:
+    """True when W&B can log in without asking: ``WANDB_API_KEY`` or a netrc entry for its host."""
+    env = os.environ if environ is None else environ
+    if env.get("WANDB_API_KEY"):
+        return True
+    host = urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    netrc_path = Path(env["NETRC"]) if env.get("NETRC") else home / ".netrc"
+    try:
+        entry = netrc.netrc(netrc_path).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])  # entry = (login, account, password); the key is the password
+
+
+# -- the loggers ---------------------------------------------------------------------------------
+class RunLogger:
+    """Writes one run folder (see the module docstring). Use it on rank 0 only: ``make_logger``.
+
+    ``resume=True`` continues a run in an existing folder: log.txt is appended to, TensorBoard
+    starts a new event file beside the old ones, and W&B continues the same run. ``resume_step``
+    (the step the checkpoint was saved at) makes TensorBoard drop the points the interrupted run
+    logged after that step, so the curves do not show them twice.
+    """
+
+    def __init__(self, settings, run_dir: Path | None = None, resume: bool = False,
+                 resume_step: int | None = None):
+        self.settings = settings
+        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir(settings)
+        self._closed = False
+        mode = wandb_mode(settings)  # a missing key fails here, before anything is written
+        if not resume:
+            _refuse_existing_run(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume and (self.run_dir / "log.txt").exists():
+            self.info(f"=== resumed {time.strftime('%Y-%m-%d %H:%M:%S')} ===")
+        self._write_settings()
+        self.tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=resume_step,
+                                flush_secs=10)  # curves appear in TensorBoard within 10 s
+        self.info(f"Run folder: {self.run_dir}  (TensorBoard: tensorboard --logdir {self.run_dir.parent})")
+        self.wandb_run = self._start_wandb(mode, resume)
+
+    def info(self, msg: str) -> None:
+        """Print ``msg`` and append it to log.txt."""
+        print(msg, flush=True)
+        with open(self.run_dir / "log.txt", "a", encoding="utf-8") as f:
+            f.write(f"{msg}\n")
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        """Log ``{tag: number}`` at ``step`` (global optimiser steps) to TensorBoard and W&B."""
+        self._check_open()
+        values = {tag: float(value) for tag, value in values.items()}  # also 0-d tensors
+        for tag, value in values.items():
+            self.tb.add_scalar(tag, value, step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(values, step=step)
+
+    def model_summary(self, model, input_shape: tuple) -> str:
+        """Write model_summary.txt (see summary.py) and return its text."""
+        self._check_open()
+        text = _model_summary_text(model, input_shape)
+        (self.run_dir / "model_summary.txt").write_text(text, encoding="utf-8")
+        return text
+
+    def results(self, values: dict) -> None:
+        """Write results.json atomically (never half a file) and put the values in the W&B summary."""
+        self._check_open()
+        text = json.dumps(values, indent=2, sort_keys=True, default=_plain)
+        _atomic_write_text(self.run_dir / "results.json", text + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update(json.loads(text))
+
+    def close(self, exit_code: int = 0) -> None:
+        """Flush TensorBoard and finish the W&B run. Calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self.tb.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish(exit_code=exit_code)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(exit_code=0 if exc_type is None else 1)  # W&B marks a crashed run as failed
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"This RunLogger for {self.run_dir} is closed; to log more, "
+                               f"make a new one with resume=True.")
+
+    def _write_settings(self) -> None:
+        """settings.json; on a resume with different settings the old file is kept, renamed."""
+        path = self.run_dir / "settings.json"
+        text = self.settings.to_json() + "\n"
+        if path.exists():
+            old = path.read_text(encoding="utf-8")
+            if old == text:
+                return
+            kept = _unused(self.run_dir, f"settings.{time.strftime('%Y%m%d-%H%M%S')}", ".json")
+            os.replace(path, kept)
+            self.info(f"Settings differ from this run's earlier ones ({_changed(old, self.settings)}); "
+                      f"the earlier ones are kept in {kept.name}")
+        _atomic_write_text(path, text)
+
+    def _start_wandb(self, mode: str, resume: bool):
+        if mode == "disabled":
+            return None
+        os.environ.setdefault("WANDB_SILENT", "true")  # no banners; we print the one line that matters
+        import wandb  # imported here: it is slow to import and not needed when disabled
+
+        id_file = self.run_dir / "wandb_run_id.txt"
+        run_id = id_file.read_text().strip() if resume and id_file.exists() else None
+        kwargs = {"project": self.settings.wandb_project, "name": self.run_dir.name,
+                  "config": self.settings.to_dict(), "dir": str(self.run_dir),
+                  "id": run_id, "resume": "allow" if run_id else None,  # continue the same run
+                  "reinit": "finish_previous"}  # re-running a notebook cell ends the old run
+        try:
+            run = wandb.init(mode=mode, **kwargs)
+        except Exception as e:
+            if mode != "online":
+                raise
+            # A W&B outage or a bad key must not stop a training run: keep the data locally.
+            self.info(f"W&B online start failed ({type(e).__name__}: {e}); logging offline instead")
+            mode = "offline"
+            run = wandb.init(mode=mode, **kwargs)
+        id_file.write_text(run.id + "\n")
+        if mode == "offline":
+            self.info(f"W&B offline; upload later with: wandb sync {Path(run.dir).parent}")
+        else:
+            self.info(f"W&B run: {run.url}")
+        return run
+
+
+class NullLogger:
+    """What ranks other than 0 get: the RunLogger methods, doing nothing (info prints nothing)."""
+
+    run_dir = None
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def info(self, msg: str) -> None:
+        pass
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        pass
+
+    def model_summary(self, model, input_shape: tuple) -> str:
+        return ""
+
+    def results(self, values: dict) -> None:
+        pass
+
+    def close(self, exit_code: int = 0) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        pass
+
+
+def make_logger(settings, rank: int, run_dir=None, resume: bool = False,
+                resume_step: int | None = None) -> RunLogger | NullLogger:
+    """A RunLogger on rank 0, a NullLogger on every other rank."""
+    if rank == 0:
+        return RunLogger(settings, run_dir=run_dir, resume=resume, resume_step=resume_step)
+    return NullLogger()
+
+
+# -- reading back --------------------------------------------------------------------------------
+def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` from a run's TensorBoard files (``run_dir/tb`` or a tb folder)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb_dir = Path(run_dir) / "tb"
+    if not tb_dir.is_dir():
+        tb_dir = Path(run_dir)
+    events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})  # 0 = keep every point
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+# -- small file helpers --------------------------------------------------------------------------
+def _refuse_existing_run(run_dir: Path) -> None:
+    found = [name for name in RUN_MARKERS if (run_dir / name).exists()]
+    if found:
+        raise FileExistsError(
+            f"{run_dir} already holds a run ({', '.join(found)}); choose another run_dir, delete "
+            f"that folder, or resume with --resume {run_dir / 'last.pt'}")
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary file, then rename it over ``path``: readers see old or new, never half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _unused(folder: Path, stem: str, suffix: str) -> Path:
+    """``folder/stem+suffix``, or ``stem-2+suffix`` ... if that exists already."""
+    path, n = folder / f"{stem}{suffix}", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{stem}-{n}{suffix}"
+    return path
+
+
+def _changed(old_json: str, settings) -> str:
+    try:
+        old = json.loads(old_json)
+    except ValueError:
+        return "the old file is not valid JSON"
+    new = settings.to_dict()
+    names = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in names)
+
+
+def _plain(value):
+    """JSON fallback for results: tensors and numpy numbers as numbers, anything else as text."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)

@@ -1,0 +1,201 @@
+"""checkpoint.py: atomic saves, weights_only loads with clear errors, RNG round trips."""
+import math
+import os
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ddp_utils.checkpoint import (
+    CheckpointError,
+    checkpoint_paths,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from ddp_utils.settings import Settings
+
+
+class NotAllowed:
+    """An arbitrary Python object: weights_only loading must refuse it."""
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+
+def training_state(epochs=3):
+    """The dict the train module saves, after one real step (momentum buffers, BN statistics)."""
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    scaler = torch.amp.GradScaler("cpu")
+    loss = nn.functional.cross_entropy(model(torch.randn(4, 3, 8, 8)), torch.tensor([0, 1, 2, 3]))
+    loss.backward()
+    optimizer.step()
+    warmup.step()
+    cosine.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": {"warmup": warmup.state_dict(), "cosine": cosine.state_dict()},
+            "scaler": scaler.state_dict(), "epoch": 1, "step": 1, "best_acc1": 12.5,
+            "settings": Settings().to_dict(), "rng": rng_state(),
+            "torch_version": str(torch.__version__)}
+
+
+def assert_same(a, b, where="state"):
+    """Deep equality: tensors by value, dtype and shape; everything else with ==."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    else:
+        assert a == b, where
+
+
+def test_checkpoint_paths_are_last_and_best_in_the_run_dir(tmp_path):
+    assert checkpoint_paths(tmp_path) == (tmp_path / "last.pt", tmp_path / "best.pt")
+
+
+def test_training_state_round_trips_exactly(tmp_path):
+    state = training_state()
+    path = tmp_path / "new_folder" / "last.pt"  # the folder is created
+    save_checkpoint(path, state)
+    assert_same(state, load_checkpoint(path))
+
+
+def test_training_state_loads_with_plain_torch_load_weights_only(tmp_path):
+    save_checkpoint(tmp_path / "last.pt", training_state())
+    torch.load(tmp_path / "last.pt", weights_only=True)
+
+
+def test_loaded_state_restores_model_optimizer_and_schedulers(tmp_path):
+    state = training_state()
+    save_checkpoint(tmp_path / "last.pt", state)
+    loaded = load_checkpoint(tmp_path / "last.pt")
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=3)
+    model.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    cosine.load_state_dict(loaded["scheduler"]["cosine"])
+    assert_same(state["model"], model.state_dict())
+    assert_same(state["optimizer"], optimizer.state_dict())
+    assert cosine.last_epoch == 1
+
+
+def test_save_replaces_the_previous_checkpoint(tmp_path):
+    save_checkpoint(tmp_path / "last.pt", {"epoch": 1})
+    save_checkpoint(tmp_path / "last.pt", {"epoch": 2})
+    assert load_checkpoint(tmp_path / "last.pt") == {"epoch": 2}
+    assert os.listdir(tmp_path) == ["last.pt"]
+
+
+@pytest.mark.parametrize("failure", [OSError("No space left on device"), KeyboardInterrupt()])
+def test_failed_save_keeps_old_checkpoint_and_leaves_no_temp_file(tmp_path, monkeypatch, failure):
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, {"epoch": 1, "w": torch.arange(10)})
+
+    def save_half_then_fail(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a zip file")
+        raise failure
+
+    monkeypatch.setattr(torch, "save", save_half_then_fail)
+    with pytest.raises(type(failure)):
+        save_checkpoint(path, {"epoch": 2, "w": torch.zeros(10)})
+    monkeypatch.undo()
+    assert_same(load_checkpoint(path), {"epoch": 1, "w": torch.arange(10)})
+    assert os.listdir(tmp_path) == ["last.pt"]
+
+
+def test_save_refuses_a_state_that_weights_only_cannot_load_back(tmp_path):
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, {"epoch": 1})
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(path, {"epoch": 2, "torch_version": torch.__version__})  # a TorchVersion
+    assert "TorchVersion" in str(err.value) and "str(torch.__version__)" in str(err.value)
+    assert load_checkpoint(path) == {"epoch": 1}
+    assert os.listdir(tmp_path) == ["last.pt"]
+
+
+def test_load_refuses_arbitrary_python_objects_with_a_clear_message(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "extra": NotAllowed()}, path)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    message = str(err.value)
+    assert str(path) in message and "NotAllowed" in message and "weights_only" in message
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_load_refuses_a_plain_pickle_of_an_object(tmp_path):
+    path = tmp_path / "object.pkl"
+    path.write_bytes(pickle.dumps(NotAllowed()))
+    with pytest.raises(CheckpointError, match="weights_only"):
+        load_checkpoint(path)
+
+
+def test_truncated_file_gives_an_error_naming_the_path(tmp_path):
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, training_state())
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert str(path) in str(err.value) and "truncated" in str(err.value)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, not a checkpoint\n"])
+def test_non_checkpoint_file_gives_an_error_naming_the_path(tmp_path, content):
+    path = tmp_path / "notes.pt"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match="not a complete checkpoint") as err:
+        load_checkpoint(path)
+    assert str(path) in str(err.value)
+
+
+def test_a_file_holding_no_dict_is_not_a_checkpoint(tmp_path):
+    torch.save(torch.ones(3), tmp_path / "tensor.pt")
+    with pytest.raises(CheckpointError, match="not a checkpoint dict"):
+        load_checkpoint(tmp_path / "tensor.pt")
+
+
+def test_missing_file_error_names_the_path_and_what_to_do(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        load_checkpoint(tmp_path / "runs" / "x" / "last.pt")
+    assert str(tmp_path / "runs" / "x" / "last.pt") in str(err.value)
+    assert "--resume" in str(err.value)
+
+
+def draw():
+    return random.random(), torch.rand(5), float(np.random.rand())
+
+
+def test_rng_round_trip_repeats_the_same_random_numbers(tmp_path):
+    random.seed(1), torch.manual_seed(1), np.random.seed(1)
+    draw()  # move away from the seeded state
+    save_checkpoint(tmp_path / "last.pt", {"rng": rng_state()})
+    expected = draw()
+    draw()  # the run goes on, then crashes
+    set_rng_state(load_checkpoint(tmp_path / "last.pt")["rng"])
+    assert_same(draw(), expected)
+
+
+def test_rng_state_holds_plain_values_only():
+    state = rng_state()
+    assert set(state) >= {"python", "torch", "cuda"}
+    assert not any(isinstance(v, np.ndarray) for v in state.get("numpy", ()))

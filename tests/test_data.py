@@ -1,0 +1,412 @@
+"""ddp_utils.data: presets, folder checks, per-rank samplers and loaders, the demo set.
+
+Small folders in the exact layouts of ImageNet (JPEG, wnid folders) and CINIC-10 (PNG, ten class
+names) are written into tmp_path; every image is one solid colour so normalisation is checkable.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import transforms as T
+
+from ddp_utils import data as data_mod
+from ddp_utils.data import (PRESETS, Data, DataError, EpochLoader, EvalShardSampler, ImageFolderDataset,
+                            build_data, check_data, eval_transform, load_preset, prepare_demo,
+                            train_transform)
+from ddp_utils.demo_data import DEMO_CLASSES, DEMO_JSON, read_demo_info
+from ddp_utils.settings import Settings
+from tests import procs
+
+WNIDS = ["n01440764", "n01443537", "n01484850"]  # tench, goldfish, great white shark
+CINIC = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def solid(path: Path, size: tuple[int, int], rgb: tuple[int, int, int]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, rgb).save(path)
+
+
+def make_imagenet(root: Path, train_per_class: int = 3, val_per_class: int = 2) -> Path:
+    """root/train/<wnid>/<wnid>_<n>.JPEG and root/val/<wnid>/ILSVRC2012_val_<n>.JPEG, odd sizes."""
+    rng = random.Random(0)
+    n_val = 0
+    for wnid in WNIDS:
+        for i in range(train_per_class):
+            solid(root / "train" / wnid / f"{wnid}_{1000 + i}.JPEG", (rng.randint(40, 80), rng.randint(30, 60)),
+                  (rng.randrange(256), rng.randrange(256), rng.randrange(256)))
+        for _ in range(val_per_class):
+            n_val += 1
+            solid(root / "val" / wnid / f"ILSVRC2012_val_{n_val:08d}.JPEG", (64, 48), (120, 60, 200))
+    return root
+
+
+def make_cinic(root: Path, per_class: int = 2) -> Path:
+    """root/{train,valid,test}/<class>/*.png, 32x32 RGB, ten CINIC-10 classes."""
+    for split in ("train", "valid", "test"):
+        for c, name in enumerate(CINIC):
+            for i in range(per_class):
+                solid(root / split / name / f"cifar10-{split}-{c * 100 + i}.png", (32, 32), (10 * c, 100, 250))
+    return root
+
+
+def settings(path="", dataset="cinic10", **kw) -> Settings:
+    return Settings(**{"dataset": dataset, "data_dir": str(path), "workers": 0, "batch_size": 2, **kw})
+
+
+@pytest.fixture
+def imagenet(tmp_path):
+    return make_imagenet(tmp_path / "imagenet")
+
+
+@pytest.fixture
+def cinic(tmp_path):
+    return make_cinic(tmp_path / "cinic10")
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory):
+    """The demo set, written by check_data because the folder does not exist yet."""
+    root = tmp_path_factory.mktemp("demo_parent") / "demo"
+    summary = check_data(settings(root, "demo"))
+    assert summary["splits"]["train"] == {"images": 1078, "classes": 10}
+    return root
+
+
+def read_png(path: Path) -> np.ndarray:
+    with Image.open(path) as image:
+        return np.asarray(image)
+
+
+def normalize_of(transform: T.Compose) -> T.Normalize:
+    return next(t for t in transform.transforms if isinstance(t, T.Normalize))
+
+
+def train_indices(loader: EpochLoader, epoch: int) -> list[int]:
+    loader.sampler.set_epoch(epoch)
+    return list(loader.sampler)
+
+
+# ---------------------------------------------------------------------------------------------
+# Samplers
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_train_shards_are_disjoint_equal_and_cover_all_but_the_remainder(cinic, demo_dir, world_size):
+    for path, dataset in ((cinic, "cinic10"), (demo_dir, "demo")):  # 20 and 1078 train images
+        shards = [train_indices(build_data(settings(path, dataset), r, world_size).train, epoch=3)
+                  for r in range(world_size)]
+        n = len(ImageFolderDataset(path / "train"))
+        assert all(len(s) == n // world_size for s in shards)          # same steps on every rank
+        union = [i for s in shards for i in s]
+        assert len(set(union)) == len(union) == world_size * (n // world_size)  # disjoint, no padding
+
+
+def test_train_order_changes_with_epoch_and_repeats_with_the_same_seed(demo_dir):
+    a = build_data(settings(demo_dir, "demo"), 0, 2).train
+    b = build_data(settings(demo_dir, "demo"), 0, 2).train
+    c = build_data(settings(demo_dir, "demo", seed=1), 0, 2).train
+    assert train_indices(a, 0) != train_indices(a, 1)
+    assert train_indices(a, 1) == train_indices(b, 1)
+    assert train_indices(a, 1) != train_indices(c, 1)
+
+
+def test_epoch_loader_calls_set_epoch_itself():
+    s = settings(dataset="fake", image_size=8, batch_size=4, max_steps_per_epoch=3)
+    a, b = build_data(s, 0, 1).train, build_data(s, 0, 1).train
+    labels = lambda loader, e: torch.cat([y for _, y in loader.epoch(e)]).tolist()  # noqa: E731
+    assert labels(a, 0) == labels(b, 0)
+    assert labels(a, 1) == labels(b, 1)
+    assert labels(a, 0) != labels(a, 1)
+    assert labels(a, 0) == labels(b, 0)  # going back to epoch 0 gives epoch 0's order again
+
+
+def test_epoch_loader_respects_max_steps_per_epoch():
+    full = build_data(settings(dataset="fake", image_size=8, batch_size=64), 0, 8).train
+    assert len(full) == 2560 // 8 // 64 == 5
+    capped = build_data(settings(dataset="fake", image_size=8, batch_size=64, max_steps_per_epoch=2), 0, 8).train
+    assert len(capped) == 2
+    assert len(list(capped.epoch(0))) == 2
+    assert len(list(full.epoch(0))) == 5
+
+
+def test_epoch_loader_cannot_be_iterated_without_an_epoch():
+    loader = build_data(settings(dataset="fake", image_size=8), 0, 1).train
+    with pytest.raises(TypeError, match="epoch"):
+        iter(loader)
+
+
+@pytest.mark.parametrize("n", [1, 7, 10, 101])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_eval_shard_sampler_covers_every_index_exactly_once(n, world_size):
+    shards = [list(EvalShardSampler(n, r, world_size)) for r in range(world_size)]
+    assert sorted(i for s in shards for i in s) == list(range(n))
+    assert [len(EvalShardSampler(list(range(n)), r, world_size)) for r in range(world_size)] == list(map(len, shards))
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_val_loaders_see_every_image_once_across_ranks(cinic, world_size):
+    batches = [build_data(settings(cinic, batch_size=3), r, world_size).val for r in range(world_size)]
+    assert sum(len(x) for loader in batches for x, _ in loader) == 20  # last batches may be short
+    assert all(not loader.drop_last for loader in batches)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets and loading
+# ---------------------------------------------------------------------------------------------
+def test_imagenet_preset_loads_its_folders(imagenet):
+    data = build_data(settings(imagenet, "imagenet"), 0, 1)
+    assert (data.classes, data.num_classes, data.train_size, data.val_size) == (WNIDS, 3, 9, 6)
+    x, y = next(data.train.epoch(0))
+    assert x.shape == (2, 3, 224, 224) and x.dtype == torch.float32 and y.dtype == torch.int64
+    x, _ = next(iter(data.val))
+    assert x.shape == (2, 3, 224, 224)
+    norm = normalize_of(data.val.dataset.transform)
+    assert list(norm.mean) == [0.485, 0.456, 0.406] and list(norm.std) == [0.229, 0.224, 0.225]
+    # val images are solid (120, 60, 200): check the statistics really apply (JPEG is lossy: 2 % slack)
+    expected = (torch.tensor([120, 60, 200]) / 255 - torch.tensor(norm.mean)) / torch.tensor(norm.std)
+    assert torch.allclose(x.mean(dim=(0, 2, 3)), expected, atol=0.1)
+
+
+def test_imagenet_transforms_crop_224_and_resize_256():
+    preset = PRESETS["imagenet"]
+    kinds = [type(t) for t in train_transform(preset).transforms]
+    assert kinds[:2] == [T.RandomResizedCrop, T.RandomHorizontalFlip]
+    resize, crop = eval_transform(preset).transforms[:2]
+    assert (resize.size, crop.size) == (256, (224, 224))
+    assert eval_transform(preset, 160).transforms[0].size == round(160 * 256 / 224)
+
+
+def test_cinic10_preset_loads_its_folders_with_cinic_statistics(cinic):
+    data = build_data(settings(cinic), 0, 1)
+    assert data.classes == CINIC and data.num_classes == 10
+    assert (data.train_size, data.val_size, data.image_size) == (20, 20, 32)
+    x, _ = next(data.train.epoch(0))
+    assert x.shape == (2, 3, 32, 32)
+    norm = normalize_of(data.val.dataset.transform)
+    assert list(norm.mean) == [0.47889522, 0.47227842, 0.43047404]
+    assert list(norm.std) == [0.24205776, 0.23828046, 0.25874835]
+    x, y = data.val.dataset[0]  # airplane: solid (0, 100, 250), PNG is lossless
+    expected = (torch.tensor([0, 100, 250]) / 255 - torch.tensor(norm.mean)) / torch.tensor(norm.std)
+    assert torch.allclose(x, expected[:, None, None].expand(3, 32, 32), atol=1e-5) and y == 0
+    kinds = [type(t) for t in data.train.dataset.transform.transforms]
+    assert kinds == [T.RandomCrop, T.RandomHorizontalFlip, T.ToTensor, T.Normalize]
+    assert data.train.dataset.transform.transforms[0].padding == 4
+
+
+def test_val_split_setting_picks_another_split(cinic):
+    shutil.rmtree(cinic / "test" / "cat")
+    (cinic / "test" / "cat").mkdir()
+    solid(cinic / "test" / "cat" / "one.png", (32, 32), (0, 0, 0))
+    data = build_data(settings(cinic, val_split="test"), 0, 1)
+    assert (data.val_split, data.val_size) == ("test", 19)
+
+
+def test_fake_preset_shapes_and_sizes():
+    data = build_data(settings(dataset="fake", batch_size=4), 0, 1)
+    assert (data.train_size, data.val_size, data.num_classes, data.image_size) == (2560, 512, 1000, 224)
+    x, y = next(data.train.epoch(0))
+    assert x.shape == (4, 3, 224, 224) and y.shape == (4,)
+    small = build_data(settings(dataset="fake", image_size=16, batch_size=4), 0, 1)
+    assert next(iter(small.val))[0].shape == (4, 3, 16, 16)
+    assert torch.equal(small.val.dataset[5][0], small.val.dataset[5][0])  # deterministic per index
+    assert not torch.equal(small.val.dataset[0][0], small.train.dataset[0][0])
+
+
+def test_datasets_pickle_for_spawned_workers(imagenet, cinic, demo_dir):
+    for s in (settings(imagenet, "imagenet"), settings(cinic), settings(demo_dir, "demo"),
+              settings(dataset="fake", image_size=8)):
+        data = build_data(s, 0, 1)
+        for dataset in (data.train.dataset, data.val.dataset):
+            copy = pickle.loads(pickle.dumps(dataset))
+            assert len(copy) == len(dataset)
+        assert torch.equal(pickle.loads(pickle.dumps(data.val.dataset))[0][0], data.val.dataset[0][0])
+
+
+def test_loader_with_worker_processes(cinic):
+    data = build_data(settings(cinic, workers=1, batch_size=4), 1, 2)
+    assert data.train.loader.persistent_workers and not data.train.loader.pin_memory
+    assert [x.shape for x, _ in data.train.epoch(0)] == [(4, 3, 32, 32)] * 2
+    assert sum(len(y) for _, y in data.val) == 10
+
+
+def test_pin_memory_only_for_cuda(cinic):
+    assert build_data(settings(cinic), 0, 1, device=torch.device("cuda")).train.loader.pin_memory
+    assert not build_data(settings(cinic), 0, 1, device="cpu").val.pin_memory
+
+
+def test_fingerprint_agrees_across_ranks_and_differs_with_the_data(cinic, tmp_path):
+    fp = build_data(settings(cinic), 0, 2).fingerprint()
+    assert fp == build_data(settings(cinic), 1, 2).fingerprint()
+    json.dumps(fp)
+    other = make_cinic(tmp_path / "other", per_class=3)
+    assert build_data(settings(other), 1, 2).fingerprint()["train_size"] != fp["train_size"]
+
+
+def test_train_split_smaller_than_one_batch_per_rank(cinic):
+    with pytest.raises(DataError, match="lower batch_size"):
+        build_data(settings(cinic, batch_size=8), 0, 4)  # 20 images / 4 ranks = 5 < 8
+
+
+def test_hidden_folders_are_not_classes(cinic):
+    solid(cinic / "train" / ".ipynb_checkpoints" / "x.png", (32, 32), (0, 0, 0))
+    assert check_data(settings(cinic))["classes"] == CINIC
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed folders: DataError naming the path
+# ---------------------------------------------------------------------------------------------
+def test_missing_data_dir_names_it_and_the_layout(tmp_path):
+    with pytest.raises(DataError) as e:
+        check_data(settings(tmp_path / "nowhere", "imagenet"))
+    assert str(tmp_path / "nowhere") in str(e.value)
+    assert "DATA_DIR/train/<wnid>/*.JPEG" in str(e.value) and "DATA_DIR/val/<wnid>/*.JPEG" in str(e.value)
+
+
+def test_missing_split_folder(imagenet):
+    shutil.rmtree(imagenet / "val")
+    with pytest.raises(DataError, match="is missing") as e:
+        check_data(settings(imagenet, "imagenet"))
+    assert str(imagenet / "val") in str(e.value)
+
+
+def test_cinic10_preset_on_an_imagenet_folder_says_so(imagenet):
+    with pytest.raises(DataError) as e:
+        check_data(settings(imagenet, "cinic10"))
+    assert str(imagenet / "valid") in str(e.value) and "dataset='imagenet'" in str(e.value)
+
+
+def test_imagenet_preset_on_a_cinic_folder_says_so(cinic):
+    with pytest.raises(DataError) as e:
+        check_data(settings(cinic, "imagenet"))
+    assert str(cinic / "val") in str(e.value) and "dataset='cinic10'" in str(e.value)
+
+
+def test_unsorted_imagenet_val_folder(imagenet):
+    for jpeg in list((imagenet / "val").rglob("*.JPEG")):
+        jpeg.rename(imagenet / "val" / jpeg.name)
+        jpeg.parent.rmdir() if not any(jpeg.parent.iterdir()) else None
+    with pytest.raises(DataError, match="no class folders") as e:
+        check_data(settings(imagenet, "imagenet"))
+    assert str(imagenet / "val") in str(e.value) and "6 images" in str(e.value)
+
+
+def test_empty_class_folder(cinic):
+    for png in (cinic / "train" / "cat").iterdir():
+        png.unlink()
+    (cinic / "train" / "cat" / "notes.txt").write_text("not an image")
+    with pytest.raises(DataError, match="hold no images") as e:
+        check_data(settings(cinic))
+    assert str(cinic / "train" / "cat") in str(e.value)
+
+
+def test_class_folders_differing_between_splits(imagenet):
+    (imagenet / "val" / WNIDS[0]).rename(imagenet / "val" / "n09999999")
+    with pytest.raises(DataError) as e:
+        check_data(settings(imagenet, "imagenet"))
+    msg = str(e.value)
+    assert f"{imagenet / 'val'} lacks 1 class(es)" in msg and WNIDS[0] in msg
+    assert f"{imagenet / 'val'} has 1 class(es)" in msg and "n09999999" in msg
+
+
+def test_wrong_number_of_cinic_classes(cinic):
+    for split in ("train", "valid"):
+        shutil.rmtree(cinic / split / "truck")
+    with pytest.raises(DataError, match="expects 10") as e:
+        check_data(settings(cinic))
+    assert str(cinic / "train") in str(e.value)
+
+
+def test_cinic_images_of_the_wrong_size(cinic):
+    solid(cinic / "valid" / "dog" / "big.png", (64, 64), (0, 0, 0))
+    with pytest.raises(DataError, match="64x64") as e:
+        check_data(settings(cinic))
+    assert str(cinic / "valid" / "dog" / "big.png") in str(e.value)
+
+
+def test_unreadable_image(imagenet):
+    bad = imagenet / "train" / WNIDS[1] / f"{WNIDS[1]}_1001.JPEG"
+    bad.write_bytes(b"this is not a JPEG")
+    with pytest.raises(DataError, match="Pillow cannot read") as e:
+        check_data(settings(imagenet, "imagenet"))
+    assert str(bad) in str(e.value)
+
+
+def test_truncated_jpeg(imagenet):
+    bad = imagenet / "val" / WNIDS[2] / "ILSVRC2012_val_00000006.JPEG"
+    bad.write_bytes(bad.read_bytes()[:300])
+    with pytest.raises(DataError) as e:
+        check_data(settings(imagenet, "imagenet"))
+    assert str(bad) in str(e.value)
+
+
+def test_big_splits_check_one_image_per_class_and_name_bad_files_when_loaded(imagenet, monkeypatch):
+    monkeypatch.setattr(data_mod, "VERIFY_ALL_UP_TO", 0)
+    bad = imagenet / "train" / WNIDS[0] / f"{WNIDS[0]}_1002.JPEG"  # not the first of its class
+    bad.write_bytes(b"broken")
+    data = build_data(settings(imagenet, "imagenet"), 0, 1)   # the check samples past it
+    index = data.train.dataset.samples.index((str(bad), 0))
+    with pytest.raises(DataError, match="Pillow cannot read") as e:
+        data.train.dataset[index]
+    assert str(bad) in str(e.value)
+
+
+def test_demo_dir_that_is_not_a_demo_set(tmp_path):
+    make_cinic(tmp_path / "notdemo")
+    with pytest.raises(DataError) as e:
+        check_data(settings(tmp_path / "notdemo", "demo"))
+    assert str(tmp_path / "notdemo") in str(e.value) and "no demo.json" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The demo set
+# ---------------------------------------------------------------------------------------------
+def test_demo_set_has_the_cinic_layout_and_its_statistics(demo_dir):
+    info = read_demo_info(demo_dir)
+    counts = {}
+    for split in ("train", "valid", "test"):
+        assert sorted(p.name for p in (demo_dir / split).iterdir()) == DEMO_CLASSES
+        counts[split] = len(list((demo_dir / split).rglob("*.png")))
+    assert counts == info["images"] == {"train": 1078, "valid": 359, "test": 360}  # 60/20/20 of 1797
+    per_class = [len(list((demo_dir / "train" / c).iterdir())) for c in DEMO_CLASSES]
+    assert min(per_class) >= 104 and max(per_class) <= 110  # stratified: 60 % of 174..183 per class
+    with Image.open(next((demo_dir / "valid" / "3_three").iterdir())) as image:
+        assert (image.format, image.mode, image.size) == ("PNG", "RGB", (32, 32))
+    pixels = np.stack([read_png(p) for p in sorted((demo_dir / "train").rglob("*.png"))]) / 255
+    assert np.allclose(info["mean"], pixels.mean(axis=(0, 1, 2)), atol=1e-6)
+    assert np.allclose(info["std"], pixels.std(axis=(0, 1, 2)), atol=1e-6)
+    preset = load_preset("demo", demo_dir)
+    assert list(preset.mean) == info["mean"] and list(preset.std) == info["std"]
+    assert [type(t) for t in train_transform(preset).transforms] == [T.RandomCrop, T.ToTensor, T.Normalize]
+
+
+def test_prepare_demo_twice_keeps_the_first_set(demo_dir):
+    stamp = (demo_dir / DEMO_JSON).stat().st_mtime_ns
+    assert prepare_demo(demo_dir) == demo_dir
+    assert (demo_dir / DEMO_JSON).stat().st_mtime_ns == stamp
+
+
+def test_concurrent_prepare_demo_ends_with_one_intact_set(tmp_path):
+    root = tmp_path / "demo"
+    # demo_data does not import torch, so both processes start fast and really race.
+    code = f"from ddp_utils.demo_data import prepare_demo; print(prepare_demo({str(root)!r}))"
+    results = procs.run_all([procs.python("-c", code)] * 2, timeout=120)
+    assert [r.returncode for r in results] == [0, 0], procs.describe(results)
+    assert len(list(root.rglob("*.png"))) == 1797
+    assert read_demo_info(root)["images"]["train"] == 1078
+    assert [p.name for p in tmp_path.iterdir()] == ["demo"]  # the loser's temporary folder is gone
+    assert check_data(settings(root, "demo"))["splits"]["valid"]["images"] == 359
+
+
+def test_build_data_creates_the_demo_set_and_loads_it(demo_dir):
+    data = build_data(settings(demo_dir, "demo", batch_size=16), 0, 1)
+    assert isinstance(data, Data) and data.classes == DEMO_CLASSES
+    x, y = next(data.train.epoch(0))
+    assert x.shape == (16, 3, 32, 32) and int(y.max()) < 10
+    assert data.fingerprint()["mean"] == [round(m, 6) for m in read_demo_info(demo_dir)["mean"]]
