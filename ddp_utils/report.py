@@ -1,0 +1,381 @@
+"""What students hand in: a results table and two labelled figures, made from finished run folders.
+
+    python -m ddp_utils report runs/demo/<stamp>-ddp2 runs/demo/<stamp>-single --out images/
+
+writes into the ``--out`` folder::
+
+    results.md       the table (time, throughput, accuracy, speed-up, scaling efficiency), the
+                     hardware, and the commands that made the runs
+    curves.png       loss and Acc@1 per epoch, train (solid) and val (dashed), one colour per run
+    throughput.png   global images/s per run, and the speed-up next to the ideal linear one
+
+From a notebook: ``print(results_table(dirs))``, ``plot_curves(dirs)``, ``plot_throughput(dirs)``.
+
+How the numbers are defined:
+
+- *train time* is the time of the training loops only (no validation, no checkpoints), as
+  ``fit`` records it in ``results.json``; *speed-up* = baseline train time per epoch / this
+  run's train time per epoch. Per epoch, so that a resumed run (whose results time only the
+  epochs after the resume) still compares fairly. The baseline is the first 1-rank run unless
+  you choose one.
+- *scaling efficiency* = speed-up / (ranks / baseline ranks): 100 % means every rank added
+  made training proportionally faster (the ideal, linear speed-up); the course's 2 x T4
+  homework reached about 1.92x, i.e. 96 %.
+- *images/s* is global (all ranks together); per rank = global / ranks.
+
+Every figure names the hardware and data that made it (``hardware_caption``): a speed-up means
+nothing without the machine it was measured on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+DPI = 100  # small PNGs that still read well on a slide or in a README
+
+# The four curves, as (TensorBoard tag, history split, history key); the tags are the course's.
+CURVES = (("Loss/train", "train", "loss"), ("Loss/val", "val", "loss"),
+          ("acc1/train", "train", "acc1"), ("acc1/val", "val", "acc1"))
+
+
+# -- reading run folders -------------------------------------------------------------------------
+def load_run(run_dir) -> dict:
+    """A finished run: its ``results.json`` values plus ``name`` (folder name), ``run_dir`` and
+    ``settings`` (the dict in ``settings.json``).
+
+    Raises FileNotFoundError naming the folder when it is missing, is not a run folder, or holds
+    a run that has not finished (no ``results.json`` yet), and ValueError for a damaged file.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such folder. Pass run folders made by "
+                                f"`python -m ddp_utils train` or `demo`, e.g. runs/demo/<stamp>-ddp2")
+    results_path, settings_path = run_dir / "results.json", run_dir / "settings.json"
+    if not results_path.exists():
+        if settings_path.exists():   # started (settings are written first) but not finished
+            raise FileNotFoundError(
+                f"{run_dir} is a run that has not finished: it has no results.json yet (written "
+                f"after the last epoch). Wait for it to end, or continue it with "
+                f"--resume {run_dir / 'last.pt'}")
+        raise FileNotFoundError(f"{run_dir} is not a run folder: it has no results.json and no "
+                                f"settings.json. Pass the folder a training run wrote, e.g. "
+                                f"runs/demo/<stamp>-ddp2")
+    if not settings_path.exists():
+        raise FileNotFoundError(f"{run_dir} is not a complete run folder: results.json is there "
+                                f"but settings.json is missing")
+    run = _read_json(results_path)
+    run.update(name=run_dir.name, run_dir=run_dir, settings=_read_json(settings_path))
+    return run
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); was the run interrupted while writing it?") from None
+
+
+def _load_all(run_dirs) -> list[dict]:
+    if isinstance(run_dirs, (str, Path)):   # one folder given on its own
+        run_dirs = [run_dirs]
+    runs = [load_run(d) for d in run_dirs]
+    if not runs:
+        raise ValueError("no run folders given: pass at least one, e.g. runs/demo/<stamp>-ddp2")
+    return runs
+
+
+# -- the numbers ---------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Row:
+    """One line of the results table (times in seconds, accuracies in %)."""
+    name: str
+    ranks: int
+    global_batch: int
+    epochs: int
+    wall_time_s: float
+    images_per_s: float
+    images_per_s_rank: float
+    acc1: float
+    acc5: float
+    speedup: float | None      # None when a run trained nothing (an --evaluate run)
+    efficiency: float | None   # speed-up / (ranks / baseline ranks), a fraction (1.0 = linear)
+
+
+def baseline_index(runs: list[dict], baseline=None) -> int:
+    """Index of the baseline run: ``baseline`` (a folder or folder name), else the first 1-rank run,
+    else the first run."""
+    if baseline is not None:
+        wanted = Path(baseline)
+        for i, run in enumerate(runs):
+            if wanted.name == run["name"] and (len(wanted.parts) == 1 or wanted.resolve() == run["run_dir"].resolve()):
+                return i
+        raise ValueError(f"baseline {baseline} is not one of the runs given: "
+                         f"{', '.join(str(r['run_dir']) for r in runs)}")
+    return next((i for i, run in enumerate(runs) if run["world_size"] == 1), 0)
+
+
+def _seconds_per_epoch(run: dict) -> float | None:
+    epochs = run.get("epochs_run", len(run.get("history", [])))
+    if not epochs or run.get("train_time_s", 0) <= 0:
+        return None
+    return run["train_time_s"] / epochs
+
+
+def scaling_rows(runs: list[dict], baseline=None) -> list[Row]:
+    """The table's numbers for already loaded runs (see ``load_run``), in the order given."""
+    base = runs[baseline_index(runs, baseline)]
+    base_time = _seconds_per_epoch(base)
+    rows = []
+    for run in runs:
+        time = _seconds_per_epoch(run)
+        speedup = base_time / time if base_time and time else None
+        scale = run["world_size"] / base["world_size"]   # how many times the baseline's ranks
+        rows.append(Row(name=run["name"], ranks=run["world_size"], global_batch=run["global_batch_size"],
+                        epochs=run["epochs"], wall_time_s=run["wall_time_s"],
+                        images_per_s=run["images_per_s"],
+                        images_per_s_rank=run["images_per_s"] / run["world_size"],
+                        acc1=run["acc1"], acc5=run["acc5"], speedup=speedup,
+                        efficiency=speedup / scale if speedup is not None else None))
+    return rows
+
+
+def format_duration(seconds: float) -> str:
+    """``h:mm:ss``, rounded to the second: 4487.3 -> ``1:14:47``."""
+    s = round(seconds)   # an int
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+# -- the table -----------------------------------------------------------------------------------
+def results_table(run_dirs, baseline=None) -> str:
+    """The Markdown results table for ``run_dirs`` (one row per run, in the order given), followed
+    by notes saying what the baseline is and anything that makes a comparison unfair."""
+    runs = _load_all(run_dirs)
+    rows = scaling_rows(runs, baseline)
+    header = ("| run | ranks | global batch | epochs | wall time | train img/s | img/s per rank "
+              "| Acc@1 | Acc@5 | speed-up | efficiency |")
+    lines = [header,
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "n/a"
+        efficiency = f"{100 * r.efficiency:.0f} %" if r.efficiency is not None else "n/a"
+        lines.append(f"| {r.name} | {r.ranks} | {r.global_batch} | {r.epochs} | {format_duration(r.wall_time_s)} "
+                     f"| {r.images_per_s:.0f} | {r.images_per_s_rank:.0f} | {r.acc1:.2f} | {r.acc5:.2f} "
+                     f"| {speedup} | {efficiency} |")
+    return "\n".join(lines + [""] + [f"- {note}" for note in _table_notes(runs, baseline)])
+
+
+def _table_notes(runs: list[dict], baseline) -> list[str]:
+    base = runs[baseline_index(runs, baseline)]
+    notes = [(f"Speed-up: train time per epoch of the baseline, {base['name']} ({_ranks(base['world_size'])}), "
+              f"divided by the run's; train time counts the training loops only (no validation or "
+              f"checkpoints). Efficiency = speed-up / (ranks / baseline ranks); 100 % is linear scaling.")]
+    if baseline is None and base["world_size"] != 1:
+        notes.append("No 1-rank run was given, so the baseline is the first run.")
+    base_images = _images_per_epoch(base)
+    for run in runs:
+        images = _images_per_epoch(run)
+        # DDP drops each rank's last partial batch, so a few % fewer images per epoch is expected.
+        if base_images and images and abs(images - base_images) > 0.05 * base_images:
+            notes.append(f"{run['name']} trained {images:.0f} images per epoch, the baseline "
+                         f"{base_images:.0f}: its speed-up compares unequal work.")
+        if run.get("epochs_run", run["epochs"]) < run["epochs"]:
+            notes.append(f"{run['name']} was resumed: its times cover only the last "
+                         f"{run['epochs_run']} of its {run['epochs']} epochs.")
+    return notes
+
+
+def _images_per_epoch(run: dict) -> float | None:
+    counts = [h["train"]["count"] for h in run.get("history", []) if "count" in h.get("train", {})]
+    return sum(counts) / len(counts) if counts else None
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+# -- labels: no unlabelled pictures --------------------------------------------------------------
+def hardware_caption(runs: list[dict]) -> str:
+    """One line naming the machine and data behind ``runs`` (values that differ are joined by /).
+
+    ``host`` and ``cpus`` are rank 0's: on several nodes the other nodes are assumed alike.
+    """
+    # A 1-process run has no process group (backend "none"): name the backend of the DDP runs.
+    ddp_runs = [run for run in runs if run.get("backend", "none") != "none"] or runs
+    device = _summary(runs, "device_name").replace("cpu", "CPU only")
+    return (f"Hardware: {device}, {_summary(runs, 'cpus')} CPU cores, backend {_summary(ddp_runs, 'backend')}, "
+            f"host {_summary(runs, 'host')} (rank 0)  |  Data: {_summary(runs, 'dataset')}, "
+            f"model {_summary(runs, 'arch')}  |  ranks per run: {', '.join(str(r['world_size']) for r in runs)}")
+
+
+def _summary(runs: list[dict], key: str) -> str:
+    """The distinct values of ``key`` over ``runs``, in order, joined by " / "."""
+    return " / ".join(dict.fromkeys(str(run.get(key, "?")) for run in runs))
+
+
+def figure_text(fig: Figure) -> str:
+    """All the text on a figure (titles, captions, axis labels), one item per line: for checks."""
+    texts = [t.get_text() for t in fig.texts]
+    for ax in fig.axes:
+        texts += [ax.get_title(), ax.get_xlabel(), ax.get_ylabel()]
+    return "\n".join(t for t in texts if t)
+
+
+def _new_figure(runs: list[dict], title: str, size: tuple[float, float]) -> Figure:
+    """A figure with a title on top and the hardware caption at the bottom.
+
+    Built as a plain ``Figure`` on the Agg canvas, not through pyplot: it renders headless (no
+    display, no global backend switch) and still shows inline when returned in a notebook.
+    """
+    fig = Figure(figsize=size, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    fig.suptitle(title, fontsize=13)
+    fig.supxlabel(hardware_caption(runs), fontsize=9, color="0.3")
+    return fig
+
+
+def _label(run: dict) -> str:
+    return f"{run['name']} ({_ranks(run['world_size'])})"
+
+
+# -- training curves -----------------------------------------------------------------------------
+def epoch_curves(run: dict) -> dict[str, tuple[list[float], list[float]]]:
+    """``{tag: (epochs, values)}`` for the four CURVES tags; accuracies in %.
+
+    From the per-epoch history in results.json when it covers the whole run; otherwise (no history,
+    or a resumed run whose history starts after the resume) from the TensorBoard scalars, where
+    training points are window averages every ``log_every`` steps, placed at fractional epochs.
+    """
+    history = run.get("history") or []
+    if history and history[0]["epoch"] == 1:
+        return {tag: ([h["epoch"] for h in history], [h[split][key] for h in history])
+                for tag, split, key in CURVES}
+    return _tensorboard_curves(run["run_dir"])
+
+
+def _tensorboard_curves(run_dir: Path) -> dict[str, tuple[list[float], list[float]]]:
+    from .runlog import read_scalars
+
+    scalars = read_scalars(run_dir)
+    val_steps = [step for step, _ in scalars.get("Loss/val", [])]
+    if not val_steps:
+        return {}
+    # Validation is logged once per epoch, at the epoch's last step: that gives steps per epoch.
+    steps_per_epoch = val_steps[-1] / len(val_steps)
+    return {tag: ([step / steps_per_epoch for step, _ in scalars[tag]], [v for _, v in scalars[tag]])
+            for tag, _, _ in CURVES if tag in scalars}
+
+
+def plot_curves(run_dirs) -> Figure:
+    """Loss (left) and Acc@1 (right) per epoch: train solid, val dashed, one colour per run."""
+    runs = _load_all(run_dirs)
+    fig = _new_figure(runs, f"Training curves: loss and Acc@1 per epoch "
+                            f"({_summary(runs, 'dataset')} data, {_summary(runs, 'arch')})", (11, 4.8))
+    loss_ax, acc_ax = fig.subplots(1, 2)
+    for i, run in enumerate(runs):
+        color = f"C{i}"
+        for tag, (xs, ys) in epoch_curves(run).items():
+            ax = loss_ax if tag.startswith("Loss") else acc_ax
+            split = tag.split("/")[1]
+            ax.plot(xs, ys, color=color, linestyle="-" if split == "train" else "--",
+                    marker="o" if split == "train" else "s", markersize=4,
+                    label=f"{_label(run)} {split}")
+    for ax, title, unit in ((loss_ax, "loss (cross-entropy)", "loss"), (acc_ax, "top-1 accuracy", "Acc@1 (%)")):
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(unit)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    loss_ax.legend(fontsize=8, title="solid: train, dashed: val", title_fontsize=8)
+    return fig
+
+
+# -- throughput and speed-up ---------------------------------------------------------------------
+def plot_throughput(run_dirs, baseline=None) -> Figure:
+    """Left: global train images/s per run. Right: speed-up against the baseline, with the ideal
+    linear speed-up (ranks / baseline ranks) drawn as a dashed outline behind each bar."""
+    runs = _load_all(run_dirs)
+    rows = scaling_rows(runs, baseline)
+    base = runs[baseline_index(runs, baseline)]
+    fig = _new_figure(runs, f"Throughput and speed-up vs {base['name']} ({_ranks(base['world_size'])})",
+                      (11, 4.8))
+    ips_ax, speed_ax = fig.subplots(1, 2)
+    xs = range(len(rows))
+    names = [f"{r.name}\n{_ranks(r.ranks)}" for r in rows]
+
+    bars = ips_ax.bar(xs, [r.images_per_s for r in rows], color=[f"C{i}" for i in xs])
+    ips_ax.bar_label(bars, labels=[f"{r.images_per_s:.0f}\n({r.images_per_s_rank:.0f} per rank)" for r in rows],
+                     fontsize=9)
+    ips_ax.set_title("train images/s, all ranks together")
+    ips_ax.set_ylabel("images / s")
+
+    ideal = [r.ranks / base["world_size"] for r in rows]
+    ideal_bars = speed_ax.bar(xs, ideal, fill=False, linestyle="--", edgecolor="0.4",
+                              label="ideal (linear) speed-up")
+    speed_ax.bar_label(ideal_bars, labels=[f"ideal {x:g}x" for x in ideal], fontsize=8, color="0.4")
+    bars = speed_ax.bar(xs, [r.speedup or 0 for r in rows], color=[f"C{i}" for i in xs], width=0.6,
+                        label="measured (train time per epoch)")
+    # Inside the bars, so the labels never collide with the ideal's label when they are equal.
+    speed_ax.bar_label(bars, label_type="center", color="white", fontweight="bold", fontsize=9, labels=[
+        f"{r.speedup:.2f}x\n{100 * r.efficiency:.0f} % eff." if r.speedup is not None else "n/a" for r in rows])
+    speed_ax.set_title("speed-up vs baseline (dashed: ideal)")
+    speed_ax.set_ylabel("speed-up (x)")
+    speed_ax.legend(fontsize=8, loc="upper left")
+    for ax in (ips_ax, speed_ax):
+        ax.set_xticks(list(xs), names, fontsize=9)
+        ax.margins(y=0.25)   # room above the bars for their labels
+        ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+# -- everything at once --------------------------------------------------------------------------
+def train_command(settings: dict) -> str:
+    """The ``python -m ddp_utils train`` command that reproduces a run (rank 0's), rebuilt from its
+    settings.json: only the flags that differ from the defaults."""
+    from .settings import Settings
+
+    always = ("dataset", "data_dir", "arch", "epochs", "batch_size")   # what a reader looks for first
+    parts = ["python", "-m", "ddp_utils", "train"]
+    for f in dataclasses.fields(Settings):   # the dataclass order: data, model, optimisation, ...
+        name, value = f.name, settings.get(f.name, f.default)
+        if name == "rank" or (value == f.default and name not in always):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(flag if value else "--no-" + flag[2:])
+        else:
+            parts += [flag, shlex.quote(str(value))]
+    world_size = settings.get("world_size", 1)
+    if world_size > 1:
+        others = "1" if world_size == 2 else f"1..{world_size - 1}"
+        return " ".join(parts + ["--rank", "0"]) + f"   # and the same with --rank {others} on the other rank(s)"
+    return " ".join(parts)
+
+
+def write_report(run_dirs, out_dir, baseline=None) -> list[Path]:
+    """Write ``curves.png``, ``throughput.png`` and ``results.md`` into ``out_dir``; return their paths."""
+    runs = _load_all(run_dirs)   # fails before anything is written if a folder is not a run
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dirs = [run["run_dir"] for run in runs]
+    paths = [out / "curves.png", out / "throughput.png", out / "results.md"]
+    plot_curves(dirs).savefig(paths[0], dpi=DPI)
+    plot_throughput(dirs, baseline).savefig(paths[1], dpi=DPI)
+    report_cmd = " ".join(["python -m ddp_utils report", *map(shlex.quote, map(str, dirs)), "--out", shlex.quote(str(out))]
+                          + (["--baseline", shlex.quote(str(baseline))] if baseline is not None else []))
+    text = "\n".join([
+        "# Results", "",
+        results_table(dirs, baseline), "",
+        f"**{hardware_caption(runs)}**", "",
+        "Runs made with (rebuilt from each run's settings.json):", "",
+        *[f"    {train_command(run['settings'])}" for run in runs], "",
+        f"This report: `{report_cmd}`", "",
+        "![training curves](curves.png)", "",
+        "![throughput and speed-up](throughput.png)", ""])
+    paths[2].write_text(text, encoding="utf-8")
+    return paths

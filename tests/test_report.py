@@ -1,0 +1,202 @@
+"""report.py: the results table and figures students hand in, right numbers and labelled pictures."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from ddp_utils import cli, report
+from ddp_utils.settings import Settings
+from tests.procs import base_env, describe, python, run_all
+
+
+# -- run folders ---------------------------------------------------------------------------------
+def fake_run(folder, world_size, train_time_s, epochs=2, acc1=50.0, images_per_epoch=900_000,
+             device_name="Tesla T4", host="node0"):
+    """A finished run folder in the format ``fit`` writes, with chosen times (no training)."""
+    folder.mkdir(parents=True)
+    settings = Settings(dataset="cinic10", arch="resnet18_cifar", epochs=epochs, batch_size=64,
+                        world_size=world_size, run_dir=str(folder), wandb="disabled")
+    (folder / "settings.json").write_text(settings.to_json() + "\n")
+    per_epoch = train_time_s / epochs
+    history = [{"epoch": e + 1,
+                "train": {"loss": 2.0 - 0.3 * e, "acc1": 30.0 + 10 * e, "acc5": 70.0 + 5 * e,
+                          "count": images_per_epoch, "epoch": e, "step": (e + 1) * 16,
+                          "wall_s": per_epoch, "data_s": 0.1 * per_epoch, "compute_s": 0.9 * per_epoch,
+                          "images_per_s": images_per_epoch / per_epoch,
+                          "images_per_s_rank": images_per_epoch / per_epoch / world_size},
+                "val": {"loss": 1.9 - 0.3 * e, "acc1": 35.0 + 10 * e, "acc5": 75.0 + 5 * e, "count": 500}}
+               for e in range(epochs)]
+    results = {"acc1": acc1, "acc5": 90.0, "loss": 1.5, "best_acc1": acc1, "val_images": 500,
+               "epochs": epochs, "epochs_run": epochs, "world_size": world_size,
+               "global_batch_size": settings.global_batch_size, "lr": settings.effective_lr,
+               "wall_time_s": train_time_s + 10.0, "train_time_s": train_time_s,
+               "images_per_s": images_per_epoch * epochs / train_time_s, "data_wait_fraction": 0.1,
+               "dataset": "cinic10", "arch": "resnet18_cifar", "device": "cuda:0", "device_name": device_name,
+               "backend": "nccl" if world_size > 1 else "none", "host": host, "cpus": 8,
+               "history": history}
+    (folder / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """A 2-rank run that took half the train time of a 1-rank run (ideal scaling), listed first."""
+    return [fake_run(tmp_path / "ddp2", world_size=2, train_time_s=1800.0),
+            fake_run(tmp_path / "single", world_size=1, train_time_s=3600.0)]
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """A real 2-epoch, 2-step run on fake data: the files exactly as the trainer writes them."""
+    run_dir = tmp_path_factory.mktemp("real") / "run"
+    cmd = python("-m", "ddp_utils", "train", "--dataset", "fake", "--image-size", "32", "--arch", "convnet",
+                 "--workers", "0", "--wandb", "disabled", "--epochs", "2", "--max-steps-per-epoch", "2",
+                 "--batch-size", "8", "--log-every", "1", "--run-dir", str(run_dir))
+    results = run_all([cmd], timeout=120, env=base_env())
+    assert results[0].returncode == 0, describe(results)
+    return run_dir
+
+
+def table_rows(table: str) -> dict[str, list[str]]:
+    """``{run name: [cells]}`` of a Markdown table."""
+    rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells] for cells in rows[2:]}  # after header and ---
+
+
+HEADER = ["run", "ranks", "global batch", "epochs", "wall time", "train img/s", "img/s per rank",
+          "Acc@1", "Acc@5", "speed-up", "efficiency"]
+
+
+# -- load_run ------------------------------------------------------------------------------------
+def test_load_run_returns_results_settings_and_the_folder_name_of_a_real_run(real_run):
+    run = report.load_run(real_run)
+    assert run["name"] == "run" and run["world_size"] == 1 and run["dataset"] == "fake"
+    assert run["settings"]["batch_size"] == 8 and len(run["history"]) == 2
+
+
+def test_load_run_on_a_folder_that_is_not_a_run_names_the_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"{re.escape(str(tmp_path))} is not a run folder"):
+        report.load_run(tmp_path)
+
+
+def test_load_run_on_a_missing_folder_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"{re.escape(str(tmp_path / 'nope'))}: no such folder"):
+        report.load_run(tmp_path / "nope")
+
+
+def test_load_run_on_an_unfinished_run_says_it_has_not_finished(tmp_path):
+    (tmp_path / "settings.json").write_text(Settings().to_json())
+    with pytest.raises(FileNotFoundError, match=f"{re.escape(str(tmp_path))} is a run that has not finished"):
+        report.load_run(tmp_path)
+
+
+# -- the table -----------------------------------------------------------------------------------
+def test_table_has_the_course_columns_and_one_row_per_run_named_after_its_folder(runs):
+    table = report.results_table(runs)
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    assert header == HEADER
+    assert list(table_rows(table)) == ["ddp2", "single"]
+
+
+def test_two_ranks_in_half_the_train_time_is_a_2x_speedup_at_100_percent_efficiency(runs):
+    row = dict(zip(HEADER, table_rows(report.results_table(runs))["ddp2"]))
+    assert row["speed-up"] == "2.00x" and row["efficiency"] == "100 %"
+    assert row["ranks"] == "2" and row["global batch"] == "128" and row["epochs"] == "2"
+
+
+def test_table_shows_wall_time_as_h_mm_ss_and_images_per_second_global_and_per_rank(runs):
+    row = dict(zip(HEADER, table_rows(report.results_table(runs))["ddp2"]))
+    assert row["wall time"] == "0:30:10"                         # 1800 s of training + 10 s
+    assert row["train img/s"] == "1000" and row["img/s per rank"] == "500"   # 1.8 M images in 1800 s
+    assert report.format_duration(4487.3) == "1:14:47"
+
+
+def test_speedup_below_linear_shows_as_efficiency_below_100_percent(tmp_path):
+    dirs = [fake_run(tmp_path / "single", 1, 3600.0), fake_run(tmp_path / "ddp4", 4, 1200.0)]
+    row = dict(zip(HEADER, table_rows(report.results_table(dirs))["ddp4"]))
+    assert row["speed-up"] == "3.00x" and row["efficiency"] == "75 %"
+
+
+def test_baseline_is_the_first_one_rank_run_unless_one_is_chosen(runs):
+    assert table_rows(report.results_table(runs))["single"][9] == "1.00x"
+    chosen = table_rows(report.results_table(runs, baseline=runs[0]))
+    assert chosen["ddp2"][9] == "1.00x" and chosen["single"][9] == "0.50x"
+    assert chosen["single"][10] == "100 %"   # half the speed with half the ranks: linear
+
+
+def test_speedup_compares_time_per_epoch_so_a_longer_run_is_not_penalised(tmp_path):
+    dirs = [fake_run(tmp_path / "single", 1, 3600.0, epochs=2), fake_run(tmp_path / "ddp2", 2, 3600.0, epochs=4)]
+    assert table_rows(report.results_table(dirs))["ddp2"][9] == "2.00x"
+
+
+def test_table_notes_when_runs_trained_unequal_work(tmp_path):
+    dirs = [fake_run(tmp_path / "single", 1, 3600.0), fake_run(tmp_path / "ddp2", 2, 1800.0, images_per_epoch=450_000)]
+    assert "ddp2 trained 450000 images per epoch, the baseline 900000" in report.results_table(dirs)
+
+
+def test_choosing_a_baseline_that_is_not_among_the_runs_is_an_error(runs, tmp_path):
+    with pytest.raises(ValueError, match="baseline .*other.* is not one of the runs"):
+        report.results_table(runs, baseline=tmp_path / "other")
+
+
+# -- figures: right content and always labelled with the hardware --------------------------------
+def test_curves_have_train_and_val_lines_per_run_and_name_the_hardware(runs):
+    fig = report.plot_curves(runs)
+    text = report.figure_text(fig)
+    assert "Tesla T4" in text and "8 CPU cores" in text and "host node0" in text
+    assert "cinic10" in text and "resnet18_cifar" in text and "ranks per run: 2, 1" in text
+    loss_ax, acc_ax = fig.axes
+    labels = [line.get_label() for line in loss_ax.lines]
+    assert labels == ["ddp2 (2 ranks) train", "ddp2 (2 ranks) val", "single (1 rank) train", "single (1 rank) val"]
+    assert list(acc_ax.lines[1].get_ydata()) == [35.0, 45.0]   # val acc1 per epoch from the history
+
+
+def test_curves_fall_back_to_tensorboard_when_results_have_no_history(real_run, tmp_path):
+    run = report.load_run(real_run)
+    from_history = report.epoch_curves(run)
+    from_tensorboard = report.epoch_curves({**run, "history": []})
+    assert from_tensorboard["Loss/val"][0] == [1.0, 2.0]   # one validation point per epoch
+    assert from_tensorboard["Loss/val"][1] == pytest.approx(from_history["Loss/val"][1], rel=1e-5)
+    assert from_tensorboard["Loss/train"][0] == [0.5, 1.0, 1.5, 2.0]   # every step, in epochs
+
+
+def test_throughput_marks_the_ideal_linear_speedup_and_names_the_hardware(runs):
+    fig = report.plot_throughput(runs)
+    assert "Tesla T4" in report.figure_text(fig) and "host node0" in report.figure_text(fig)
+    ips_ax, speed_ax = fig.axes
+    assert [bar.get_height() for bar in ips_ax.containers[0]] == pytest.approx([1000, 500])  # global img/s
+    ideal, measured = speed_ax.containers
+    assert [bar.get_height() for bar in ideal] == [2.0, 1.0]
+    assert [bar.get_height() for bar in measured] == pytest.approx([2.0, 1.0])
+    assert "ideal (linear) speed-up" in [t.get_text() for t in speed_ax.get_legend().get_texts()]
+
+
+def test_write_report_writes_valid_pngs_and_the_results_markdown(runs, tmp_path):
+    paths = report.write_report(runs, tmp_path / "out")
+    assert [p.name for p in paths] == ["curves.png", "throughput.png", "results.md"]
+    for png in paths[:2]:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    md = paths[2].read_text()
+    assert "| ddp2 | 2 | 128 |" in md and "Hardware: Tesla T4" in md
+    assert "python -m ddp_utils train --dataset cinic10" in md and "--world-size 2 --rank 0" in md
+
+
+def test_write_report_on_a_non_run_folder_writes_nothing(runs, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty is not a run folder"):
+        report.write_report([*runs, tmp_path / "empty"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# -- command line --------------------------------------------------------------------------------
+def test_cli_report_writes_the_table_and_figures(runs, tmp_path, capsys):
+    assert cli.main(["report", *map(str, runs), "--out", str(tmp_path / "out")]) == 0
+    assert "| ddp2 | 2 | 128 |" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["curves.png", "results.md", "throughput.png"]
+
+
+def test_cli_report_on_a_non_run_folder_exits_2_naming_the_folder(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert f"error: {tmp_path} is not a run folder" in capsys.readouterr().err
