@@ -1,0 +1,291 @@
+"""The process group: set it up, check that every rank agrees, tear it down; plus four collectives.
+
+In a notebook or script::
+
+    ctx = distributed.setup(settings)        # DDP: pre-flight checks, init, settings agreement
+    ...                                      # train; ctx.rank, ctx.device, ctx.is_main
+    distributed.teardown()                   # DDP: always, also after an error
+
+or ``with distributed.session(settings) as ctx: ...``, which tears down on errors and interrupts.
+Re-running the setup cell is safe: the same settings return the same context, changed settings
+tear the old group down and build a new one. With ``world_size == 1`` no process group is created
+and the collectives below do nothing, so the same training code runs on one process.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, fields
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import settings as settings_module
+from .preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
+
+__all__ = ["DistContext", "DistSetupError", "SettingsMismatch", "agree", "all_reduce_sum", "barrier",
+           "broadcast_object", "choose_interface", "port_holder", "preflight", "resolve_backend",
+           "session", "setup", "teardown"]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in the job. Pass it to helpers instead of reading the environment."""
+    rank: int                  # 0 .. world_size-1; 0 is the master, which prints and writes
+    world_size: int            # number of processes in the job
+    local_rank: int            # GPU index on this node
+    device: torch.device       # cuda:local_rank when CUDA is available, else cpu
+    backend: str | None        # "nccl" or "gloo"; None when world_size == 1 (no process group)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+class SettingsMismatch(DistSetupError):
+    """The ranks were started with different settings (say, one notebook edited and not the other)."""
+
+
+# The settings the current context was built from: setup() compares against them (idempotency).
+_active: tuple | None = None  # (settings, DistContext)
+
+
+# -- setup and teardown -----------------------------------------------------------------------
+def setup(settings, log=print) -> DistContext:
+    """Pre-flight checks, ``init_process_group`` over ``settings.url``, then a settings agreement.
+
+    Safe to call again: the same settings return the existing context without re-initialising;
+    changed settings tear the old process group down first. Raises DistSetupError (or
+    SettingsMismatch) with a readable paragraph; nothing is left half set up after an error.
+    """
+    global _active
+    if _active is not None:
+        old, ctx = _active
+        if old == settings and (not ctx.distributed or dist.is_initialized()):
+            return ctx
+        changed = ", ".join(f"{f.name} {getattr(old, f.name)!r} -> {getattr(settings, f.name)!r}"
+                            for f in fields(settings)
+                            if getattr(old, f.name) != getattr(settings, f.name))
+        log(f"rank {settings.rank}: settings changed ({changed or 'process group gone'}); "
+            f"tearing down the old process group and initialising again")
+        teardown()
+    elif dist.is_initialized():  # e.g. a notebook cell called init_process_group by hand
+        log(f"rank {settings.rank}: a process group not made by ddp_utils exists; destroying it first")
+        teardown()
+
+    report = preflight(settings, log)
+    backend = report["backend"] if settings.distributed else None
+    ctx = DistContext(settings.rank, settings.world_size, settings.local_rank, _device(settings),
+                      backend)
+    if ctx.distributed:
+        must_agree = {f: getattr(settings, f) for f in settings_module.MUST_AGREE}
+        try:
+            _init_process_group(settings, backend, report, log)
+            agree({**must_agree, "backend": backend}, ctx)
+        except BaseException as e:  # also KeyboardInterrupt: never leave a half-made process group
+            teardown()
+            if isinstance(e, KeyboardInterrupt):
+                log(f"rank {settings.rank}: interrupted during setup; process group torn down")
+            raise
+        log(f"rank {ctx.rank}: joined {settings.url} as rank {ctx.rank} of {ctx.world_size} "
+            f"({backend}, {ctx.device})")
+    _active = (settings, ctx)
+    return ctx
+
+
+def _device(settings) -> torch.device:
+    """This rank's GPU (made the current one, as NCCL needs) or the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if settings.local_rank >= torch.cuda.device_count():
+        raise DistSetupError(f"rank {settings.rank}: local_rank={settings.local_rank} but this node "
+                             f"has only {torch.cuda.device_count()} GPU(s); local_rank counts the GPUs "
+                             f"of one node from 0.")
+    torch.cuda.set_device(settings.local_rank)
+    return torch.device("cuda", settings.local_rank)
+
+
+def _init_process_group(settings, backend: str, report: dict, log) -> None:
+    """``init_process_group`` with a bounded wait; a failure becomes one readable DistSetupError."""
+    timeout = timedelta(seconds=settings.init_timeout)
+    if settings.init_method == "env":  # torchrun: its agent hosts the store on MASTER_PORT
+        call = {"init_method": "env://"}
+    else:
+        call = {"store": _rendezvous_store(settings, log)}
+        _wait_for_all_ranks(call["store"], settings)
+    try:
+        dist.init_process_group(backend, rank=settings.rank, world_size=settings.world_size,
+                                timeout=timeout, **call)
+        # NCCL connects lazily: a first collective makes its network problems show up here.
+        dist.barrier(device_ids=[settings.local_rank] if backend == "nccl" else None)
+    except Exception as e:
+        raise DistSetupError(_init_failure(settings, backend, report, e)) from e
+    finally:
+        if "store" in call and settings.rank == 0:  # joined or failed: no more ranks may join it
+            _close_generation(call["store"])
+
+
+# -- the rendezvous store ---------------------------------------------------------------------
+# Why not simply init_method="tcp://addr:port"? Because of re-running a notebook cell. Rank 0
+# hosts a key-value store (TCPStore) on master_port; a process group that is still referenced
+# (say by a DDP model) keeps it alive after teardown, so the port cannot be bound again, and a
+# worker that re-runs setup first would join the old group. So: rank 0 reuses its live store
+# (multi_tenant=True), each setup gets a fresh "generation" of keys in it, and a generation is
+# closed once formed; workers only join an open one.
+GENERATION = "ddp_utils/generation"
+
+
+def _rendezvous_store(settings, log) -> dist.PrefixStore:
+    """The keys of a new (rank 0) or the currently open (ranks > 0) generation."""
+    deadline, said = time.monotonic() + settings.init_timeout, None
+    while True:
+        left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+        try:
+            store = dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size,
+                                  is_master=settings.rank == 0, timeout=left,
+                                  wait_for_workers=False, multi_tenant=True)
+            if settings.rank == 0:
+                generation = store.add(GENERATION, 1)  # counts up, also across reused stores
+                return dist.PrefixStore(f"ddp_utils/{generation}", store)
+            generation = int(store.get(GENERATION))  # waits for rank 0 to publish one
+            if not store.check([f"ddp_utils/{generation}/closed"]):
+                return dist.PrefixStore(f"ddp_utils/{generation}", store)
+            why = "still runs an earlier process group (has rank 0 re-run setup?)"
+        except (RuntimeError, ValueError) as e:  # DistError subclasses RuntimeError
+            if settings.rank == 0:
+                raise DistSetupError(
+                    f"rank 0 could not listen on master_port {settings.master_port} "
+                    f"({(str(e).splitlines() or ['?'])[0][:120]}); held by: "
+                    f"{port_holder(settings.master_port)}. Free the port or choose another one on "
+                    f"ALL nodes.") from e
+            why = f"did not answer ({(str(e).splitlines() or ['?'])[0][:120]})"  # old store closing?
+        if time.monotonic() > deadline:
+            raise DistSetupError(
+                f"rank {settings.rank}: the master at {settings.master_addr}:{settings.master_port} "
+                f"{why}, for {settings.init_timeout:g} s (init_timeout). When settings change, every "
+                f"rank must run setup again; if rank 0 is stuck, run distributed.teardown() there (or "
+                f"restart its kernel) and then setup on all nodes.")
+        if why != said:  # say it once, not every half second
+            log(f"rank {settings.rank}: the master {why}; retrying until init_timeout")
+            said = why
+        time.sleep(0.5)
+
+
+def _wait_for_all_ranks(keys: dist.PrefixStore, settings) -> None:
+    """Announce this rank, then wait until all have. The wait is a Python loop, so a notebook
+    interrupt (Ctrl-C) stops it at once, and a timeout can say which ranks never came."""
+    keys.set(f"arrived/{settings.rank}", str(settings.rank))
+    everyone = [f"arrived/{r}" for r in range(settings.world_size)]
+    deadline = time.monotonic() + settings.init_timeout
+    while not keys.check(everyone):
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(everyone) if not keys.check([key])]
+            raise DistSetupError(
+                f"rank {settings.rank}: rank(s) {', '.join(map(str, missing))} of world_size "
+                f"{settings.world_size} did not arrive at {settings.url} within init_timeout="
+                f"{settings.init_timeout:g} s. Most likely they are not started yet, or were started "
+                f"with a different master_addr, master_port or world_size, or cannot reach the master "
+                f"(firewall / security group, a container without --net=host). Start every rank "
+                f"within init_timeout of each other, with the same master settings, and run setup "
+                f"again.")
+        time.sleep(0.2)
+
+
+def _close_generation(keys: dist.PrefixStore) -> None:
+    """Mark rank 0's generation as formed (or failed): late workers must wait for the next one."""
+    with contextlib.suppress(Exception):  # the store may be gone with the failure being reported
+        keys.set("closed", "1")
+
+
+def _init_failure(settings, backend, report: dict, error: BaseException) -> str:
+    """The paragraph explaining a failed init_process_group on this rank."""
+    said = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    if settings.rank == 0:
+        causes = ("the other ranks did not all join: are they started, with the same master_addr, "
+                  "master_port and world_size, and can they reach this node (firewall / security "
+                  "group, a container without --net=host)?")
+    else:
+        causes = ("the master answered on its port, so the address is right, but the ranks could not "
+                  "connect to each other: NCCL and Gloo open further random ports between the nodes, "
+                  "so allow all TCP between them; and check that the chosen interface reaches the "
+                  "other nodes (set socket_ifname or GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME if not).")
+    return (f"rank {settings.rank} could not join the process group at {settings.url} (world_size "
+            f"{settings.world_size}, backend {backend}, interface {report.get('interface')}) within "
+            f"init_timeout={settings.init_timeout:g} s. Most likely {causes} Start every rank within "
+            f"init_timeout of each other and run setup again. (PyTorch said: {said})")
+
+
+def teardown() -> None:
+    """Destroy the process group if there is one. Safe to call any time, any number of times."""
+    global _active
+    _active = None
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a broken group (a peer died) must not stop the cleanup
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def session(settings, log=print):
+    """``with session(settings) as ctx:`` -- set up, and always tear down (errors, interrupts)."""
+    ctx = setup(settings, log)
+    try:
+        yield ctx
+    finally:
+        teardown()
+
+
+# -- collectives (no-ops with one process) ----------------------------------------------------
+def agree(values: dict, ctx: DistContext, what: str = "settings") -> None:
+    """Check that every rank passed equal ``values``; raise SettingsMismatch on every rank if not.
+
+    The message names each differing key and every rank's value for it.
+    """
+    if not ctx.distributed:
+        return
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, values)
+    keys = dict.fromkeys(k for g in gathered for k in g)  # union, in order of appearance
+    differences = []
+    for key in keys:
+        per_rank = [g.get(key, "<missing>") for g in gathered]
+        if any(v != per_rank[0] for v in per_rank):
+            values_ = ", ".join(f"rank {r} has {v!r}" for r, v in enumerate(per_rank))
+            differences.append(f"{key}: {values_}")
+    if differences:
+        raise SettingsMismatch(
+            f"rank {ctx.rank}: the ranks disagree on {what} -- {'; '.join(differences)}. Every rank "
+            f"must use the same {what}, or they would silently train different things; edit the "
+            f"notebooks/flags so they match (main.ipynb and worker.ipynb should differ only in the "
+            f"rank) and run setup again on every node.")
+
+
+def all_reduce_sum(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Sum ``t`` over all ranks, in place (any shape); returns ``t``. NCCL needs a CUDA copy."""
+    if not ctx.distributed:
+        return t
+    if ctx.backend == "nccl" and t.device.type != "cuda":
+        on_gpu = t.to(ctx.device)
+        dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM)
+        return t.copy_(on_gpu)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier(ctx: DistContext) -> None:
+    """Wait until every rank gets here."""
+    if ctx.distributed:
+        dist.barrier(device_ids=[ctx.local_rank] if ctx.backend == "nccl" else None)
+
+
+def broadcast_object(obj, ctx: DistContext, src: int = 0):
+    """Rank ``src``'s ``obj`` (any picklable object), returned on every rank."""
+    if not ctx.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=ctx.device if ctx.backend == "nccl" else None)
+    return box[0]

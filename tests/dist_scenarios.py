@@ -1,0 +1,108 @@
+"""Per-rank code for the distributed tests.
+
+    python -m tests.dist_scenarios NAME RANK WORLD PORT [MASTER_ADDR [INIT_TIMEOUT]]
+
+Each scenario prints ``CHECK name=value`` lines that tests/test_distributed.py reads, and errors
+as ``ERROR <type>: <message>`` (exit code 3) so the tests can check the message text.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from ddp_utils import distributed
+from ddp_utils.settings import Settings
+
+
+def check(name: str, value) -> None:
+    print(f"CHECK {name}={json.dumps(value)}", flush=True)
+
+
+def basics(s: Settings) -> None:
+    """Init, collectives, idempotent setup, re-init with changed settings."""
+    inits = []
+    real_init = dist.init_process_group
+    dist.init_process_group = lambda *a, **k: (inits.append(1), real_init(*a, **k))[1]
+    ctx = distributed.setup(s)
+    check("env", {v: os.environ.get(v) for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")})
+    t = torch.full((3,), float(ctx.rank + 1))
+    check("sum", distributed.all_reduce_sum(t, ctx).tolist())
+    check("broadcast", distributed.broadcast_object({"from": ctx.rank}, ctx))
+    group = dist.group.WORLD  # also keeps the old group (and its store) alive, as a DDP model would
+    check("same_ctx", distributed.setup(s) is ctx)
+    check("same_group", dist.group.WORLD is group)
+    check("inits_after_same", len(inits))
+    ctx2 = distributed.setup(s.replace(epochs=s.epochs + 1))
+    check("inits_after_changed", len(inits))
+    check("new_group", dist.group.WORLD is not group and dist.is_initialized())
+    distributed.barrier(ctx2)
+    check("sum_after_reinit", distributed.all_reduce_sum(torch.ones(2) * (ctx2.rank + 1), ctx2).tolist())
+    distributed.teardown()
+    distributed.teardown()  # twice is fine
+    check("initialized_after_teardown", dist.is_initialized())
+    try:
+        with distributed.session(s):
+            raise RuntimeError("a failing training cell")
+    except RuntimeError:
+        pass
+    check("initialized_after_session_error", dist.is_initialized())
+
+
+def joined(s: Settings) -> None:
+    """Just join and sum the ranks (the unreachable-master and network-namespace tests)."""
+    with distributed.session(s) as ctx:
+        check("interface", os.environ.get("GLOO_SOCKET_IFNAME"))
+        check("sum", distributed.all_reduce_sum(torch.tensor([float(ctx.rank + 1)]), ctx).tolist())
+
+
+def mismatch(s: Settings) -> None:
+    """The worker's notebook was edited: a different batch size."""
+    try:
+        distributed.setup(s.replace(batch_size=64 + 32 * s.rank))
+    finally:
+        check("initialized_after_error", dist.is_initialized())
+
+
+def init_fails(s: Settings) -> None:
+    """Rank 1's init_process_group breaks after both ranks arrived (say, a blocked Gloo port)."""
+    if s.rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("Gloo connectFullMesh failed: simulated\nsecond line of C++ noise")
+        dist.init_process_group = broken
+    distributed.setup(s)
+
+
+def interrupted(s: Settings) -> None:
+    """Ctrl-C (a notebook's interrupt button) while rank 0 waits for a worker that never comes."""
+    threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    try:
+        distributed.setup(s)
+    except KeyboardInterrupt:
+        check("seconds_to_interrupt", round(time.monotonic() - start, 2))
+        check("initialized_after_interrupt", dist.is_initialized())
+
+
+SCENARIOS = {"basics": basics, "joined": joined, "mismatch": mismatch, "init_fails": init_fails,
+             "interrupted": interrupted}
+
+if __name__ == "__main__":
+    name, rank, world, port = sys.argv[1], *map(int, sys.argv[2:5])
+    addr = sys.argv[5] if len(sys.argv) > 5 else "127.0.0.1"
+    timeout = float(sys.argv[6]) if len(sys.argv) > 6 else 30.0
+    settings = Settings(rank=rank, world_size=world, master_addr=addr, master_port=port,
+                        backend="gloo", init_timeout=timeout, workers=0)
+    start = time.monotonic()
+    try:
+        SCENARIOS[name](settings)
+    except distributed.DistSetupError as e:
+        check("seconds_to_error", round(time.monotonic() - start, 2))
+        print(f"ERROR {type(e).__name__}: {e}", flush=True)
+        sys.exit(3)

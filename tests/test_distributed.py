@@ -1,0 +1,263 @@
+"""The process group as notebooks rely on it: bounded, idempotent, agreeing, and clear when it fails.
+
+Every multi-rank scenario runs in separate processes (tests/dist_scenarios.py) under a hard time
+bound; the in-process tests below never leave a process group behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import uuid
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_utils import distributed, preflight
+from ddp_utils.settings import Settings
+from tests.procs import base_env, describe, free_port, python, run_all
+
+
+def scenario(name, rank, world, port, addr="127.0.0.1", init_timeout=30):
+    return python("-m", "tests.dist_scenarios", name, *map(str, (rank, world, port, addr, init_timeout)))
+
+
+def checks(result) -> dict:
+    """The ``CHECK name=value`` lines a scenario printed."""
+    out = {}
+    for line in result.output.splitlines():
+        if line.startswith("CHECK "):
+            key, value = line[6:].split("=", 1)
+            out[key] = json.loads(value)
+    return out
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No interface variables, no remembered process group, before and after the test."""
+    for var in preflight.IFNAME_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(preflight, "_we_set", {})
+    distributed.teardown()
+    yield
+    distributed.teardown()
+
+
+# -- two ranks on loopback --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def basics():
+    """One two-rank run of tests/dist_scenarios.py:basics; the tests below read its checks."""
+    port = free_port()
+    results = run_all([scenario("basics", r, 2, port) for r in range(2)], timeout=90, env=base_env())
+    assert all(r.returncode == 0 for r in results), describe(results)
+    return [checks(r) for r in results], results
+
+
+def test_two_ranks_init_and_all_reduce_sum_and_broadcast(basics):
+    for c in basics[0]:
+        assert c["sum"] == [3.0, 3.0, 3.0]  # (0 + 1) + (1 + 1)
+        assert c["broadcast"] == {"from": 0}
+
+
+def test_setup_twice_with_same_settings_keeps_the_process_group(basics):
+    for c in basics[0]:
+        assert c["same_ctx"] and c["same_group"] and c["inits_after_same"] == 1
+
+
+def test_setup_with_changed_settings_reinitialises_and_collectives_still_work(basics):
+    checks_, results = basics
+    for c, r in zip(checks_, results):
+        assert c["inits_after_changed"] == 2 and c["new_group"], describe(results)
+        assert c["sum_after_reinit"] == [3.0, 3.0]
+        assert "settings changed (epochs 2 -> 3)" in r.output
+
+
+def test_teardown_twice_and_session_error_leave_no_process_group(basics):
+    for c in basics[0]:
+        assert c["initialized_after_teardown"] is False
+        assert c["initialized_after_session_error"] is False
+
+
+def test_setup_sets_socket_ifname_env_vars_on_every_rank(basics):
+    checks_, results = basics
+    for rank, (c, r) in enumerate(zip(checks_, results)):
+        assert c["env"] == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+        assert f"rank {rank}: using interface lo (127.0.0.1) to reach master 127.0.0.1:" in r.output
+
+
+def test_settings_mismatch_is_refused_on_both_ranks_naming_the_field():
+    port = free_port()
+    results = run_all([scenario("mismatch", r, 2, port) for r in range(2)], timeout=90, env=base_env())
+    for r in results:
+        assert r.returncode == 3, describe(results)
+        assert "ERROR SettingsMismatch" in r.output and "batch_size" in r.output
+        assert "rank 0 has 64, rank 1 has 96" in r.output and "edit the notebooks/flags" in r.output
+        assert checks(r)["initialized_after_error"] is False
+
+
+# -- failures are bounded and explained -------------------------------------------------------
+@pytest.fixture(scope="module")
+def failures():
+    """Lone or broken ranks run side by side: no master, a busy port, no worker, a failing init,
+    an interrupt. Results by name."""
+    ports = {name: free_port() for name in ("unreachable", "no_worker", "init_fails")}  # all unused
+    with socket.socket() as holder:  # this test process holds the busy port
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        ports["busy"] = holder.getsockname()[1]
+        runs = {"unreachable": scenario("joined", 1, 2, ports["unreachable"], init_timeout=3),
+                "busy": scenario("joined", 0, 2, ports["busy"], init_timeout=20),
+                "no_worker": scenario("joined", 0, 2, ports["no_worker"], init_timeout=3),
+                "init_fails/0": scenario("init_fails", 0, 2, ports["init_fails"], init_timeout=3),
+                "init_fails/1": scenario("init_fails", 1, 2, ports["init_fails"], init_timeout=3),
+                "interrupted": scenario("interrupted", 0, 2, free_port(), init_timeout=30)}
+        results = dict(zip(runs, run_all(list(runs.values()), timeout=60, env=base_env())))
+    for name, r in results.items():
+        assert r.returncode == (0 if name == "interrupted" else 3), describe(list(results.values()))
+    return results, ports
+
+
+def test_unreachable_master_fails_within_the_bound_naming_address_and_port(failures):
+    r, port = failures[0]["unreachable"], failures[1]["unreachable"]
+    assert 3 <= checks(r)["seconds_to_error"] < 30  # retried for init_timeout, then gave up
+    assert f"rank 1 cannot reach the master at 127.0.0.1:{port}" in r.output
+    assert "tried for 3 s" in r.output and "firewall" in r.output and "random ports" in r.output
+
+
+def test_busy_port_fails_fast_naming_the_port_and_the_holding_pid(failures):
+    r, port = failures[0]["busy"], failures[1]["busy"]
+    assert checks(r)["seconds_to_error"] < 5  # init_timeout is 20 s: nothing waited
+    assert f"master_port {port}" in r.output and f"pid {os.getpid()}" in r.output
+    assert "restart its notebook kernel" in r.output and "ALL nodes" in r.output
+
+
+def test_missing_worker_fails_at_init_timeout_naming_the_missing_rank(failures):
+    r, port = failures[0]["no_worker"], failures[1]["no_worker"]
+    assert 3 <= checks(r)["seconds_to_error"] < 30
+    assert f"rank 0: rank(s) 1 of world_size 2 did not arrive at tcp://127.0.0.1:{port}" in r.output
+    assert "init_timeout=3 s" in r.output and "Traceback" not in r.output
+
+
+def test_failing_init_process_group_becomes_a_readable_error_on_every_rank(failures):
+    port = failures[1]["init_fails"]
+    for rank in (0, 1):
+        r = failures[0][f"init_fails/{rank}"]
+        assert f"rank {rank} could not join the process group at tcp://127.0.0.1:{port}" in r.output
+        assert "Traceback" not in r.output
+    assert "random ports" in r.output
+    assert "(PyTorch said: Gloo connectFullMesh failed: simulated)" in r.output
+
+
+def test_interrupt_while_waiting_for_workers_stops_at_once_and_tears_down(failures):
+    r = failures[0]["interrupted"]
+    c = checks(r)
+    assert c["seconds_to_interrupt"] < 10 and c["initialized_after_interrupt"] is False  # not 30 s
+    assert "rank 0: interrupted during setup; process group torn down" in r.output
+
+
+# -- one process, in this process ------------------------------------------------------------
+def test_world_size_one_creates_no_process_group(clean_env):
+    ctx = distributed.setup(Settings(workers=0), log=lambda *_: None)
+    assert ctx.backend is None and not ctx.distributed and ctx.is_main
+    assert not dist.is_initialized()
+    t = torch.ones(2)
+    assert distributed.all_reduce_sum(t, ctx) is t and t.tolist() == [1.0, 1.0]
+    assert distributed.broadcast_object("x", ctx) == "x"
+    distributed.barrier(ctx)
+
+
+def test_agree_is_a_no_op_with_one_process(clean_env):
+    ctx = distributed.setup(Settings(workers=0), log=lambda *_: None)
+    assert distributed.agree({"batch_size": 64}, ctx) is None
+
+
+def test_keyboard_interrupt_after_init_tears_the_group_down(clean_env, monkeypatch):
+    real_init = dist.init_process_group
+
+    def init_then_interrupt(backend, **kw):  # a real group exists when the interrupt arrives
+        real_init(backend, store=dist.HashStore(), rank=0, world_size=1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dist, "init_process_group", init_then_interrupt)
+    monkeypatch.setattr(distributed, "_wait_for_all_ranks", lambda *args: None)  # no worker here
+    settings = Settings(world_size=2, rank=0, master_port=free_port(), backend="gloo", init_timeout=5,
+                        workers=0)
+    with pytest.raises(KeyboardInterrupt):
+        distributed.setup(settings, log=lambda *_: None)
+    assert not dist.is_initialized() and distributed._active is None
+
+
+# -- two hosts: network namespaces ------------------------------------------------------------
+def _ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
+
+
+def _delete_namespaces_of_dead_test_runs():
+    """A test run killed hard cannot clean up; its namespaces carry its pid, so a later run can."""
+    listing = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True)
+    for line in listing.stdout.splitlines():
+        match = re.match(r"(ddpdist-(\d+)-\w+-h[12])\b", line)
+        if match and not psutil.pid_exists(int(match.group(2))):
+            subprocess.run(["ip", "netns", "del", match.group(1)], check=False, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two network namespaces joined by a veth pair: host 1 = 10.213.0.1, host 2 = 10.213.0.2.
+
+    The addresses exist only inside the namespaces; both are deleted afterwards.
+    """
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:3]}"
+    hosts = [f"ddpdist-{tag}-h1", f"ddpdist-{tag}-h2"]
+    try:
+        _ip("netns", "add", hosts[0])
+    except (subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"cannot create a network namespace (needs root and iproute2): {e}")
+    _delete_namespaces_of_dead_test_runs()
+    try:
+        _ip("netns", "add", hosts[1])
+        veths = [f"v{tag.replace('-', '')}a", f"v{tag.replace('-', '')}b"]  # at most 15 characters
+        _ip("link", "add", veths[0], "netns", hosts[0], "type", "veth", "peer", "name", veths[1],
+            "netns", hosts[1])
+        for i, (host, veth) in enumerate(zip(hosts, veths)):
+            _ip("-n", host, "addr", "add", f"10.213.0.{i + 1}/24", "dev", veth)
+            _ip("-n", host, "link", "set", veth, "up")
+            _ip("-n", host, "link", "set", "lo", "up")
+        yield hosts, veths
+    finally:
+        for host in hosts:  # deleting a namespace also deletes its end of the veth pair
+            subprocess.run(["ip", "netns", "del", host], check=False, capture_output=True, timeout=20)
+
+
+@pytest.fixture(scope="module")
+def two_host_runs(two_hosts):
+    """Ranks 0 and 1 on hosts 1 and 2 with only master_addr set; also a rank 0 on the wrong host."""
+    hosts, veths = two_hosts
+    port = free_port()
+    runs = [(hosts[1], scenario("joined", 1, 2, port, "10.213.0.1")),  # first: it must wait for rank 0
+            (hosts[0], scenario("joined", 0, 2, port, "10.213.0.1")),
+            (hosts[1], scenario("joined", 0, 2, free_port(), "10.213.0.1"))]  # host 2 is not 10.213.0.1
+    results = run_all([argv for _, argv in runs], timeout=90, env=base_env(), stagger=1.0,
+                      prefix=[["ip", "netns", "exec", host] for host, _ in runs])
+    return results, veths, port
+
+
+def test_two_hosts_join_with_only_master_addr_set(two_host_runs):
+    """Gloo alone would announce 127.0.0.1 (the host name's address) and hang; setup picks the veth."""
+    (rank1, rank0, _), veths, port = two_host_runs
+    assert rank0.returncode == 0 and rank1.returncode == 0, describe([rank1, rank0])
+    assert checks(rank0) == {"interface": veths[0], "sum": [3.0]}
+    assert checks(rank1) == {"interface": veths[1], "sum": [3.0]}
+    chosen = f"rank 1: using interface {veths[1]} (10.213.0.2) to reach master 10.213.0.1:{port}"
+    assert chosen in rank1.output
+
+
+def test_rank0_refuses_a_master_addr_that_is_not_its_own(two_host_runs):
+    r = two_host_runs[0][2]
+    assert r.returncode == 3, describe([r])
+    assert "master_addr 10.213.0.1 (10.213.0.1) is not one of its addresses" in r.output
+    assert "private IP" in r.output
