@@ -1,0 +1,147 @@
+"""Benchmark: the kit's training loop against a bare hand-written PyTorch loop, and 2 ranks against 1.
+
+    python benchmarks/loop_overhead.py              # both parts, figures as ratios measured in one run
+    python benchmarks/loop_overhead.py --part loop  # only kit vs bare loop
+
+Part 1 (loop): the same model, the same batches (pre-made tensors in memory, so data loading is
+out of the picture), the same threads; kit and bare loops alternate for several rounds and the
+median images/s of each is compared. Target: the kit within 2 % of the bare loop.
+Part 2 (scaling): ``python -m ddp_utils train`` on the demo set with 2 ranks on loopback and with
+1 process, one thread per rank; global training images/s from each run's results.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddp_utils import train  # noqa: E402
+from ddp_utils.distributed import DistContext  # noqa: E402
+from ddp_utils.model import build_model  # noqa: E402
+from ddp_utils.runlog import NullLogger  # noqa: E402
+from ddp_utils.settings import Settings  # noqa: E402
+
+
+class InMemoryLoader:
+    """The EpochLoader interface over a fixed list of batches."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def epoch(self, epoch):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+class InMemoryData:
+    def __init__(self, batches):
+        self.train = InMemoryLoader(batches)
+
+
+def bare_epoch(model, batches, optimizer, scheduler) -> float:
+    """What a student writes by hand. Returns images/s."""
+    model.train()
+    t = time.perf_counter()
+    for images, labels in batches:
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+    return sum(len(y) for _, y in batches) / (time.perf_counter() - t)
+
+
+def kit_epoch(model, data, optimizer, scheduler, scaler, settings, ctx) -> float:
+    stats = train.train_one_epoch(model, data, optimizer, scheduler, scaler, 0, settings, ctx, NullLogger())
+    return stats["images_per_s"]
+
+
+def part_loop(rounds: int, steps: int, batch: int, arch: str, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    settings = Settings(dataset="fake", arch=arch, batch_size=batch, epochs=1, log_every=20, wandb="disabled")
+    ctx = DistContext(rank=1, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+    # rank=1 in the context only silences the progress bar, as on a worker; the maths is unchanged.
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g))
+               for _ in range(steps)]
+    data = InMemoryData(batches)
+
+    def fresh():
+        torch.manual_seed(0)
+        model = build_model(arch, 10)
+        opt = train.build_optimizer(model, settings)
+        return model, opt, train.build_scheduler(opt, settings, steps)
+
+    bare, kit = [], []
+    for _ in range(rounds):            # alternate so drifts in machine speed hit both alike
+        model, opt, sched = fresh()
+        bare.append(bare_epoch(model, batches, opt, sched))
+        model, opt, sched = fresh()
+        kit.append(kit_epoch(model, data, opt, sched, train.make_scaler(None, ctx.device), settings, ctx))
+    b, k = statistics.median(bare), statistics.median(kit)
+    return {"bare_images_per_s": b, "kit_images_per_s": k, "kit_over_bare": k / b,
+            "rounds": rounds, "steps": steps, "batch": batch, "arch": arch, "threads": threads}
+
+
+def part_scaling(epochs: int) -> dict:
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONPATH": str(repo)}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for ws in (2, 1):
+            port = 29400 + ws + os.getpid() % 500
+            cmds = [[sys.executable, "-m", "ddp_utils", "train", "--dataset", "demo", "--data-dir", "data/demo",
+                     "--arch", "convnet", "--batch-size", "32", "--workers", "0", "--epochs", str(epochs),
+                     "--wandb", "disabled", "--backend", "gloo", "--run-dir", f"{tmp}/ws{ws}",
+                     "--master-port", str(port), "--rank", str(r), "--world-size", str(ws)] for r in range(ws)]
+            procs = [subprocess.Popen(c, env=env, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                     for c in cmds]
+            for p in procs:
+                _, err = p.communicate(timeout=900)
+                if p.returncode:
+                    raise SystemExit(err.decode()[-3000:])
+            out[ws] = json.loads(Path(f"{tmp}/ws{ws}/results.json").read_text())
+    return {"images_per_s_2_ranks": out[2]["images_per_s"], "images_per_s_1_rank": out[1]["images_per_s"],
+            "speedup": out[2]["images_per_s"] / out[1]["images_per_s"],
+            "acc1_2_ranks": out[2]["acc1"], "acc1_1_rank": out[1]["acc1"], "epochs": epochs}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=("loop", "scaling", "all"), default="all")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--arch", default="convnet")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=4, help="epochs of the scaling runs")
+    args = p.parse_args()
+    cpu = f"{os.cpu_count()} CPU cores, torch {torch.__version__}"
+    if args.part in ("loop", "all"):
+        r = part_loop(args.rounds, args.steps, args.batch, args.arch, args.threads)
+        print(f"loop ({cpu}; {r['arch']}, batch {r['batch']}, {r['steps']} steps x {r['rounds']} rounds, "
+              f"{r['threads']} thread): bare {r['bare_images_per_s']:.0f} img/s, kit {r['kit_images_per_s']:.0f} "
+              f"img/s, kit/bare = {r['kit_over_bare']:.3f}")
+    if args.part in ("scaling", "all"):
+        from ddp_utils.data import prepare_demo
+        prepare_demo("data/demo")
+        r = part_scaling(args.epochs)
+        print(f"scaling ({cpu}; demo set, convnet, batch 32 per rank, {r['epochs']} epochs, gloo on loopback): "
+              f"1 rank {r['images_per_s_1_rank']:.0f} img/s, 2 ranks {r['images_per_s_2_ranks']:.0f} img/s, "
+              f"speed-up {r['speedup']:.2f}x; Acc@1 {r['acc1_1_rank']:.1f} vs {r['acc1_2_ranks']:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""``python -m ddp_utils check``: is this node ready to train? Prints what it found; True when ready.
+
+Run it on every node with the same flags as ``train``. With several ranks, rank 0's check listens on
+master_port for up to init_timeout seconds and reports each worker whose check reaches it, so one
+run proves the address, the port and the firewall before any training starts.
+"""
+from __future__ import annotations
+
+import socket
+import time
+
+from .data import DataError, check_data
+from .distributed import DistSetupError
+from .preflight import preflight
+
+HELLO = b"ddp_utils-check rank="
+
+
+def run_check(settings, log=print) -> bool:
+    ok = True
+    log(f"== rank {settings.rank} of {settings.world_size}, master {settings.master_addr}:{settings.master_port}")
+    try:
+        report = preflight(settings, log=log)
+        gpus = ", ".join(report["gpus"]) or "none (CPU only)"
+        log(f"backend {report['backend']}; GPUs: {gpus}; NCCL {report['nccl_version'] or '-'}; torch {report['torch']}")
+        shm = report["shm_bytes"]
+        log(f"/dev/shm: {shm / 2**30:.1f} GiB" if shm is not None else "/dev/shm: not present")
+        if settings.distributed:
+            log(f"interface {report['interface']} ({report['local_ip']}); port {settings.master_port}: "
+                f"{report['port_status']}")
+    except DistSetupError as exc:
+        log(f"NOT READY (network): {exc}")
+        ok = False
+    try:
+        summary = check_data(settings)
+        splits = ", ".join(f"{name} {s['images']} images / {s['classes']} classes"
+                           for name, s in summary["splits"].items())
+        log(f"data {settings.dataset} at {settings.data_dir}: {splits}")
+    except DataError as exc:
+        log(f"NOT READY (data): {exc}")
+        ok = False
+    if ok and settings.distributed:
+        ok = _meet_workers(settings, log) if settings.rank == 0 else _greet_master(settings, log)
+    log("READY" if ok else "NOT READY")
+    return ok
+
+
+def _meet_workers(settings, log) -> bool:
+    """Rank 0: listen on master_port until every other rank's check has said hello (or time is up)."""
+    expected = set(range(1, settings.world_size))
+    log(f"waiting up to {settings.init_timeout:g} s for the checks of ranks {sorted(expected)} ...")
+    deadline = time.monotonic() + settings.init_timeout
+    with socket.create_server(("", settings.master_port), reuse_port=False) as server:
+        server.settimeout(0.5)
+        while expected and time.monotonic() < deadline:
+            try:
+                conn, (peer, _) = server.accept()
+            except socket.timeout:
+                continue
+            with conn:
+                conn.settimeout(2.0)
+                try:
+                    line = conn.recv(64)
+                except OSError:
+                    continue
+            if line.startswith(HELLO):
+                rank = int(line[len(HELLO):].strip() or -1)
+                expected.discard(rank)
+                log(f"rank {rank} reached this node from {peer}")
+    if expected:
+        log(f"ranks {sorted(expected)} did not reach {settings.master_addr}:{settings.master_port} within "
+            f"{settings.init_timeout:g} s: run the same check there, and see the troubleshooting table.")
+        return False
+    return True
+
+
+def _greet_master(settings, log) -> bool:
+    with socket.create_connection((settings.master_addr, settings.master_port), timeout=5) as conn:
+        conn.sendall(HELLO + str(settings.rank).encode() + b"\n")
+    log(f"said hello to the master's check at {settings.master_addr}:{settings.master_port}")
+    return True

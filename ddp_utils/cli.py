@@ -1,0 +1,88 @@
+"""Command line: ``python -m ddp_utils {train,check,demo,report} ...``.
+
+Two nodes, one GPU each (the commands differ only in --rank)::
+
+    node0$ python -m ddp_utils train --dataset imagenet --data-dir /data/imagenet \\
+               --master-addr 10.0.0.1 --master-port 29500 --world-size 2 --rank 0
+    node1$ python -m ddp_utils train ... same flags ... --rank 1
+
+One node with several GPUs: ``torchrun --nproc-per-node 4 -m ddp_utils train --dataset ...``
+(rank, world size and master come from torchrun's environment).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from . import settings as settings_module
+
+# Errors whose message already says what is wrong and what to do: no traceback for these.
+CLEAR_ERRORS = (ValueError, FileExistsError, FileNotFoundError, RuntimeError)
+
+_DIST_FIELDS = ("master_addr", "master_port", "rank", "world_size", "local_rank", "backend",
+                "init_timeout", "socket_ifname", "init_method")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ddp_utils", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train (or evaluate) on this rank; start one per rank")
+    settings_module.add_arguments(train)
+    train.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (last.pt) on rank 0; "
+                                                         "other ranks receive it over the network")
+    train.add_argument("--evaluate", action="store_true", help="only evaluate the --resume checkpoint")
+
+    check = sub.add_parser("check", help="pre-flight only: network, port, GPUs, data, /dev/shm; exit 0 when ready")
+    settings_module.add_arguments(check)
+
+    demo = sub.add_parser("demo", help="2 ranks on localhost vs 1 process on the bundled demo set, "
+                                       "then a comparison table (CPU, a few minutes)")
+    demo.add_argument("--epochs", type=int, default=None, help="epochs per run (default: the demo's)")
+    demo.add_argument("--world-size", type=int, default=2, help="ranks for the DDP run (default 2)")
+    demo.add_argument("--run-dir", default="runs/demo", help="parent folder of the runs (default runs/demo)")
+    demo.add_argument("--master-port", type=int, default=0, help="port on localhost (default: a free one)")
+
+    report = sub.add_parser("report", help="results table (Markdown) and labelled figures from finished run folders")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding results.json")
+    report.add_argument("--out", default="runs/report", help="folder for results.md, curves.png, throughput.png "
+                                                           "(default runs/report)")
+    report.add_argument("--baseline", metavar="RUN_DIR", default=None,
+                        help="run to measure speed-up against (default: the first 1-rank run)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            from .run import run
+            run(settings_module.from_args(args), resume=args.resume, evaluate=args.evaluate)
+        elif args.command == "check":
+            from .check import run_check
+            return 0 if run_check(settings_module.from_args(args)) else 1
+        elif args.command == "demo":
+            from .demo import run_demo
+            run_demo(epochs=args.epochs, world_size=args.world_size, run_dir=args.run_dir, port=args.master_port)
+        elif args.command == "report":
+            from .report import results_table, write_report
+            print(results_table(args.run_dirs, baseline=args.baseline))
+            for path in write_report(args.run_dirs, args.out, baseline=args.baseline):
+                print(f"wrote {path}")
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted: the process group was torn down; the last completed epoch's checkpoint "
+              "(last.pt in the run folder) is intact. Continue with --resume RUN_DIR/last.pt.", file=sys.stderr)
+        return 130
+    except CLEAR_ERRORS as exc:
+        if not isinstance(exc, (ValueError, FileExistsError, FileNotFoundError)) and not _is_ours(exc):
+            traceback.print_exc()
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
+
+
+def _is_ours(exc: BaseException) -> bool:
+    """Errors raised by the kit itself (their text is already the explanation)."""
+    return type(exc).__module__.startswith("ddp_utils")

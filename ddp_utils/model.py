@@ -1,0 +1,80 @@
+"""Models: build one by name, then place it on the device and (DDP:) wrap it for several ranks."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def _conv_block(c_in: int, c_out: int) -> nn.Sequential:
+    # GroupNorm normalises each image on its own, so 2 ranks x batch b compute exactly what
+    # 1 process x batch 2b does. BatchNorm would not: its statistics are per rank (see sync_bn).
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+                         nn.GroupNorm(8, c_out), nn.ReLU(inplace=True))
+
+
+def convnet(num_classes: int, width: int = 32) -> nn.Sequential:
+    """A small CNN for 32x32 images that trains in seconds on a CPU. Input (N, 3, H, W) -> (N, classes)."""
+    w = width
+    return nn.Sequential(
+        _conv_block(3, w), _conv_block(w, w), nn.MaxPool2d(2),            # 32 -> 16 px
+        _conv_block(w, 2 * w), _conv_block(2 * w, 2 * w), nn.MaxPool2d(2),  # 16 -> 8 px
+        _conv_block(2 * w, 4 * w),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, num_classes))
+
+
+def resnet18_cifar(num_classes: int) -> nn.Module:
+    """torchvision's ResNet-18 with the usual small-image stem: 3x3 stride-1 conv, no max-pool."""
+    import torchvision
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+def build_model(arch: str, num_classes: int) -> nn.Module:
+    """A freshly initialised classifier by name: convnet, resnet18_cifar or any torchvision model."""
+    if arch == "convnet":
+        return convnet(num_classes)
+    if arch == "resnet18_cifar":
+        return resnet18_cifar(num_classes)
+    import torchvision
+    try:
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    except ValueError:
+        raise ValueError(f"Unknown arch {arch!r}. Use convnet, resnet18_cifar or a torchvision classifier "
+                         f"such as resnet18, resnet50 (torchvision.models.list_models()).") from None
+
+
+def prepare_model(model: nn.Module, settings, ctx) -> nn.Module:
+    """Move to the device, apply the speed settings and, with several ranks, wrap in DDP.
+
+    Returns the module to train with; ``unwrap(result)`` gives back the plain model.
+    """
+    if settings.sync_bn and ctx.distributed:
+        if ctx.device.type != "cuda":
+            raise ValueError("sync_bn needs GPUs: PyTorch's SyncBatchNorm has no CPU implementation. "
+                             "Turn sync_bn off for CPU runs.")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # DDP: BN statistics over the global batch
+    model = model.to(ctx.device)
+    if settings.channels_last and ctx.device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    if ctx.distributed:
+        # DDP: one all-reduce of gradients per bucket, overlapped with the backward pass.
+        # gradient_as_bucket_view lets gradients live inside the communication buffers (no copy).
+        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    if settings.compile:
+        model = torch.compile(model)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside DDP / DataParallel (``.module``) and torch.compile (``._orig_mod``)."""
+    while True:
+        if isinstance(model, (DDP, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model

@@ -1,0 +1,200 @@
+"""The training loop as users rely on it: same maths on 1 and N ranks, exact evaluation, resume, logs."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from ddp_utils import checkpoint, train
+from ddp_utils.metrics import Meter, topk_correct
+from ddp_utils.settings import Settings
+from tests.procs import base_env, describe, free_port, python, run_all
+
+FAST = ["--dataset", "fake", "--image-size", "32", "--arch", "convnet", "--workers", "0",
+        "--wandb", "disabled", "--backend", "gloo", "--init-timeout", "60", "--log-every", "2"]
+
+
+def train_cmd(run_dir, rank, world_size, port, *extra):
+    return python("-m", "ddp_utils", "train", *FAST, "--run-dir", str(run_dir), "--rank", str(rank),
+                  "--world-size", str(world_size), "--master-port", str(port), *map(str, extra))
+
+
+def run_ranks(tmp_path, name, world_size, *extra, timeout=180):
+    port = free_port()
+    results = run_all([train_cmd(tmp_path / name, r, world_size, port, *extra) for r in range(world_size)],
+                      timeout=timeout, env=base_env())
+    assert all(r.returncode == 0 for r in results), describe(results)
+    return results
+
+
+def weights(path):
+    return checkpoint.load_checkpoint(path)["model"]
+
+
+# -- metrics and schedule ---------------------------------------------------------------------
+
+def test_topk_correct_counts_hits_and_caps_k_at_the_number_of_classes():
+    logits = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.05, 0.15], [0.2, 0.3, 0.5]])
+    target = torch.tensor([1, 2, 0])
+    assert topk_correct(logits, target, ks=(1, 2, 5)).tolist() == [1.0, 2.0, 3.0]
+
+
+def test_meter_reports_sample_weighted_means_in_percent():
+    from ddp_utils.distributed import DistContext
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+    meter = Meter("cpu")
+    meter.update(torch.tensor(4.0), torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 1]))
+    meter.update(torch.tensor(1.0), torch.tensor([[0.0, 1.0]]), torch.tensor([1]))
+    stats = meter.reduced(ctx)
+    assert stats["count"] == 3 and math.isclose(stats["loss"], 5 / 3)
+    assert math.isclose(stats["acc1"], 200 / 3) and stats["acc5"] == 100.0
+
+
+def test_lr_warms_up_linearly_then_decays_along_a_cosine_to_zero():
+    assert train.lr_factor(0, 100, 10) == pytest.approx(0.1)
+    assert train.lr_factor(9, 100, 10) == pytest.approx(1.0)
+    assert train.lr_factor(55, 100, 10) == pytest.approx(0.5)
+    assert train.lr_factor(100, 100, 10) == pytest.approx(0.0)
+    assert train.lr_factor(0, 100, 0) == pytest.approx(1.0)
+
+
+def test_lr_is_scaled_with_the_global_batch_and_both_are_printed():
+    s = Settings(batch_size=500, world_size=2, rank=1, lr=0.1)
+    assert s.global_batch_size == 1000 and s.effective_lr == pytest.approx(0.1 * 1000 / 256)
+    text = train.describe_batch(s)
+    assert "global batch 1000" in text and "0.3906" in text
+    assert Settings(lr=0.1, scale_lr=False, batch_size=500, world_size=2).effective_lr == 0.1
+
+
+def test_no_weight_decay_on_biases_and_norm_weights():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(2, 8))
+    opt = train.build_optimizer(model, Settings(weight_decay=0.05))
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert decayed == {id(model[0].weight)}
+
+
+def test_amp_is_off_on_cpu_by_default_and_bf16_when_asked():
+    cpu = torch.device("cpu")
+    assert train.amp_dtype(Settings(), cpu) is None
+    assert train.amp_dtype(Settings(amp="bf16"), cpu) is torch.bfloat16
+
+
+# -- DDP maths ---------------------------------------------------------------------------------
+
+def test_two_ranks_with_batch_b_end_with_the_weights_of_one_process_with_batch_2b(tmp_path):
+    steps = ["--epochs", "2", "--max-steps-per-epoch", "3"]
+    run_ranks(tmp_path, "ddp", 2, "--batch-size", 8, *steps)
+    run_ranks(tmp_path, "single", 1, "--batch-size", 16, *steps)
+    ddp, single = weights(tmp_path / "ddp" / "last.pt"), weights(tmp_path / "single" / "last.pt")
+    for name in single:
+        assert torch.allclose(ddp[name], single[name], atol=1e-5, rtol=1e-4), name
+    # both really trained 2 x 3 steps: the comparison is not between two untouched initialisations
+    for run in ("ddp", "single"):
+        assert checkpoint.load_checkpoint(tmp_path / run / "last.pt")["step"] == 6
+
+
+def test_evaluation_is_exact_across_ranks_for_a_split_not_divisible_by_the_world_size(tmp_path):
+    # train briefly on the demo digits, then evaluate the same checkpoint on 1 and on 3 ranks
+    demo = ["--dataset", "demo", "--data-dir", str(tmp_path / "demo"), "--image-size", "32"]
+    run_ranks(tmp_path, "trained", 1, *demo, "--epochs", "1", "--max-steps-per-epoch", "5", "--batch-size", "16")
+    ckpt = tmp_path / "trained" / "last.pt"
+    run_ranks(tmp_path, "eval1", 1, *demo, "--batch-size", "16", "--evaluate", "--resume", ckpt)
+    run_ranks(tmp_path, "eval3", 3, *demo, "--batch-size", "16", "--evaluate", "--resume", ckpt)
+    one = json.loads((tmp_path / "eval1" / "results.json").read_text())
+    three = json.loads((tmp_path / "eval3" / "results.json").read_text())
+    assert one["val_images"] % 3 != 0, "pick a split size that does not divide evenly"
+    assert three["val_images"] == one["val_images"]
+    assert three["acc1"] == pytest.approx(one["acc1"]) and three["acc5"] == pytest.approx(one["acc5"])
+    assert three["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
+# -- checkpoints and resume --------------------------------------------------------------------
+
+def _in_process_fit(run_dir, epochs=3, resume=None):
+    from ddp_utils.data import build_data
+    from ddp_utils.distributed import DistContext
+    from ddp_utils.model import build_model, prepare_model
+    from ddp_utils.runlog import make_logger
+    settings = Settings(dataset="fake", image_size=32, arch="convnet", workers=0, wandb="disabled",
+                        epochs=epochs, batch_size=8, max_steps_per_epoch=3, run_dir=str(run_dir), log_every=1)
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+    torch.manual_seed(settings.seed)
+    data = build_data(settings, 0, 1, ctx.device)
+    model = prepare_model(build_model(settings.arch, data.num_classes), settings, ctx)
+    logger = make_logger(settings, 0, resume=resume is not None)
+    try:
+        return train.fit(settings, ctx, data, model, logger, resume=resume)
+    finally:
+        logger.close()
+
+
+def test_interrupted_then_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, monkeypatch):
+    _in_process_fit(tmp_path / "straight")
+    real_save, saves = checkpoint.save_checkpoint, []
+
+    def save_then_die_after_epoch_1(path, state):
+        real_save(path, state)
+        saves.append(path)
+        if state["epoch"] == 1:
+            raise KeyboardInterrupt   # the node dies right after the epoch-2 checkpoint
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_die_after_epoch_1)
+    with pytest.raises(KeyboardInterrupt):
+        _in_process_fit(tmp_path / "interrupted")
+    monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
+    assert checkpoint.load_checkpoint(tmp_path / "interrupted" / "last.pt")["epoch"] == 1
+    results = _in_process_fit(tmp_path / "interrupted", resume=str(tmp_path / "interrupted" / "last.pt"))
+    assert results["epochs_run"] == 1
+    a, b = weights(tmp_path / "straight" / "last.pt"), weights(tmp_path / "interrupted" / "last.pt")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_checkpoint_holds_everything_needed_to_resume(tmp_path):
+    _in_process_fit(tmp_path / "run", epochs=1)
+    state = checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")
+    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "settings", "rng"} <= set(state)
+    assert state["settings"]["batch_size"] == 8 and state["step"] == 3
+    assert (tmp_path / "run" / "best.pt").exists()
+
+
+# -- what the command line writes --------------------------------------------------------------
+
+def test_two_rank_run_writes_one_run_folder_from_rank_0_with_results_and_tensorboard(tmp_path):
+    run_ranks(tmp_path, "run", 2, "--epochs", "1", "--max-steps-per-epoch", "4", "--batch-size", "8",
+              "--wandb", "offline")
+    run = tmp_path / "run"
+    results = json.loads((run / "results.json").read_text())
+    for key in ("acc1", "acc5", "loss", "epochs", "world_size", "global_batch_size", "wall_time_s", "images_per_s"):
+        assert key in results, key
+    assert results["world_size"] == 2 and results["global_batch_size"] == 16
+    assert json.loads((run / "settings.json").read_text())["world_size"] == 2
+    events = [p for p in run.rglob("events.out.tfevents*")]
+    assert len(events) == 1, events   # rank 1 wrote none
+    from ddp_utils.runlog import read_scalars
+    scalars = read_scalars(run)
+    for tag in ("Loss/train", "acc1/train", "acc5/train", "Loss/val", "acc1/val", "acc5/val", "lr"):
+        assert tag in scalars, tag
+    assert scalars["acc1/val"][-1][1] == pytest.approx(results["acc1"])
+    wandb_runs = list((run / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 1, wandb_runs   # one W&B run, not one per rank
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
+def test_torchrun_launches_two_ranks_that_take_rank_and_world_size_from_the_environment(tmp_path):
+    port = free_port()
+    cmd = ["torchrun", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "-m", "ddp_utils", "train", *FAST, "--epochs", "1", "--max-steps-per-epoch", "2",
+           "--batch-size", "8", "--run-dir", str(tmp_path / "tr")]
+    [res] = run_all([cmd], timeout=180, env=base_env())
+    assert res.returncode == 0, describe([res])
+    assert json.loads((tmp_path / "tr" / "results.json").read_text())["world_size"] == 2
+
+
+def test_bad_input_exits_non_zero_with_a_readable_message_and_no_traceback(tmp_path):
+    [res] = run_all([python("-m", "ddp_utils", "train", "--rank", "2", "--world-size", "2")], timeout=60)
+    assert res.returncode == 2, res.output
+    assert "rank=2" in res.output and "Traceback" not in res.output
