@@ -14,7 +14,7 @@ from pathlib import Path
 
 DEMO_EPOCHS = 8
 DEMO_ARGS = ["--dataset", "demo", "--data-dir", "data/demo", "--arch", "convnet", "--batch-size", "32",
-             "--lr", "0.2", "--workers", "0", "--wandb", "disabled", "--backend", "gloo"]
+             "--lr", "0.8", "--workers", "0", "--wandb", "disabled", "--backend", "gloo"]
 
 
 def _free_port() -> int:

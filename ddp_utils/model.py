@@ -6,20 +6,24 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def _conv_block(c_in: int, c_out: int) -> nn.Sequential:
-    # GroupNorm normalises each image on its own, so 2 ranks x batch b compute exactly what
-    # 1 process x batch 2b does. BatchNorm would not: its statistics are per rank (see sync_bn).
+def _conv_block(c_in: int, c_out: int, norm: str) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
-                         nn.GroupNorm(8, c_out), nn.ReLU(inplace=True))
+                         nn.BatchNorm2d(c_out) if norm == "bn" else nn.GroupNorm(8, c_out),
+                         nn.ReLU(inplace=True))
 
 
-def convnet(num_classes: int, width: int = 32) -> nn.Sequential:
-    """A small CNN for 32x32 images that trains in seconds on a CPU. Input (N, 3, H, W) -> (N, classes)."""
+def convnet(num_classes: int, width: int = 32, norm: str = "bn") -> nn.Sequential:
+    """A small CNN for 32x32 images that trains in seconds on a CPU. Input (N, 3, H, W) -> (N, classes).
+
+    norm="bn": BatchNorm, whose statistics are per rank under DDP (sync_bn makes them global on GPUs).
+    norm="gn": GroupNorm normalises each image on its own, so 2 ranks x batch b compute exactly what
+    1 process x batch 2b does (the tests use it to check DDP's gradient averaging); it trains slower.
+    """
     w = width
     return nn.Sequential(
-        _conv_block(3, w), _conv_block(w, w), nn.MaxPool2d(2),            # 32 -> 16 px
-        _conv_block(w, 2 * w), _conv_block(2 * w, 2 * w), nn.MaxPool2d(2),  # 16 -> 8 px
-        _conv_block(2 * w, 4 * w),
+        _conv_block(3, w, norm), _conv_block(w, w, norm), nn.MaxPool2d(2),              # 32 -> 16 px
+        _conv_block(w, 2 * w, norm), _conv_block(2 * w, 2 * w, norm), nn.MaxPool2d(2),  # 16 -> 8 px
+        _conv_block(2 * w, 4 * w, norm),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, num_classes))
 
 
@@ -33,17 +37,17 @@ def resnet18_cifar(num_classes: int) -> nn.Module:
 
 
 def build_model(arch: str, num_classes: int) -> nn.Module:
-    """A freshly initialised classifier by name: convnet, resnet18_cifar or any torchvision model."""
-    if arch == "convnet":
-        return convnet(num_classes)
+    """A freshly initialised classifier by name: convnet, convnet_gn, resnet18_cifar or any torchvision model."""
+    if arch in ("convnet", "convnet_gn"):
+        return convnet(num_classes, norm="gn" if arch == "convnet_gn" else "bn")
     if arch == "resnet18_cifar":
         return resnet18_cifar(num_classes)
     import torchvision
     try:
         return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
     except ValueError:
-        raise ValueError(f"Unknown arch {arch!r}. Use convnet, resnet18_cifar or a torchvision classifier "
-                         f"such as resnet18, resnet50 (torchvision.models.list_models()).") from None
+        raise ValueError(f"Unknown arch {arch!r}. Use convnet, convnet_gn, resnet18_cifar or a torchvision "
+                         f"classifier such as resnet18, resnet50 (torchvision.models.list_models()).") from None
 
 
 def prepare_model(model: nn.Module, settings, ctx) -> nn.Module:

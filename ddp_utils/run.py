@@ -35,5 +35,30 @@ def run(settings, resume: str | None = None, evaluate: bool = False, log=print) 
             if evaluate:
                 return evaluate_only(settings, ctx, data, model, logger, resume)
             return fit(settings, ctx, data, model, logger, resume=resume)
+        except RuntimeError as exc:
+            if ctx.distributed and _lost_a_peer(exc):
+                raise PeerLost(_peer_lost_text(settings, ctx, logger, exc)) from exc
+            raise
         finally:
             logger.close()
+
+
+class PeerLost(RuntimeError):
+    """Another rank stopped answering in the middle of training."""
+
+
+_PEER_SIGNS = ("connection", "closed", "reset", "peer", "timed out", "timeout", "broken pipe", "nccl")
+
+
+def _lost_a_peer(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(sign in text for sign in _PEER_SIGNS)
+
+
+def _peer_lost_text(settings, ctx, logger, exc) -> str:
+    first_line = (str(exc).strip().splitlines() or ["?"])[0][:200]
+    where = f"{logger.run_dir}/last.pt" if logger.run_dir else "last.pt in rank 0's run folder"
+    return (f"rank {ctx.rank}: training stopped because another rank stopped answering ({first_line}). "
+            f"Its node may have crashed, been interrupted or lost the network. The last completed epoch is "
+            f"saved as {where}. Restart every rank with --resume pointing at that file on rank 0 "
+            f"(in the notebooks: RESUME); rank 0 sends it to the others, so the nodes need no shared folder.")

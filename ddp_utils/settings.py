@@ -40,8 +40,8 @@ class Settings:
     image_size: int = _f(0, "training crop in pixels; 0 = the preset's (224 imagenet, 32 cinic10/demo)")
     workers: int = _f(2, "DataLoader worker processes per rank (the course used 2 per GPU)")
     # -- model --------------------------------------------------------------------------------
-    arch: str = _f("convnet", "convnet (small, fast on CPU), resnet18_cifar (32 px stem) or any "
-                              "torchvision classifier name such as resnet18, resnet50")
+    arch: str = _f("convnet", "convnet (small, fast on CPU; convnet_gn with GroupNorm), resnet18_cifar "
+                              "(32 px stem) or any torchvision classifier name such as resnet18, resnet50")
     sync_bn: bool = _f(False, "convert BatchNorm to SyncBatchNorm so statistics use the global batch")
     # -- optimisation -------------------------------------------------------------------------
     epochs: int = _f(2, "passes over the training split")

@@ -1,0 +1,115 @@
+"""The command line users type: check, demo, and the README's promises about it."""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.procs import REPO, base_env, describe, free_port, python, run_all
+
+
+def check_cmd(rank, world_size, port, *extra):
+    return python("-m", "ddp_utils", "check", "--dataset", "fake", "--backend", "gloo", "--master-addr", "127.0.0.1",
+                  "--master-port", str(port), "--rank", str(rank), "--world-size", str(world_size),
+                  "--init-timeout", "30", *extra)
+
+
+def test_check_on_two_ranks_reports_ready_when_the_worker_reaches_the_master():
+    port = free_port()
+    results = run_all([check_cmd(0, 2, port), check_cmd(1, 2, port)], timeout=90, stagger=1.0)
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    master, worker = results
+    assert "rank 1 reached this node" in master.output and "READY" in master.output
+    assert "using interface lo" in worker.output and "READY" in worker.output
+
+
+def test_check_fails_when_nobody_listens_on_the_master_port_and_says_where_it_knocked():
+    port = free_port()
+    [worker] = run_all([check_cmd(1, 2, port, "--init-timeout", "2")], timeout=60)
+    assert worker.returncode == 1, worker.output
+    assert f"127.0.0.1:{port}" in worker.output and "NOT READY" in worker.output
+
+
+def test_check_reports_a_missing_data_folder(tmp_path):
+    [res] = run_all([python("-m", "ddp_utils", "check", "--dataset", "cinic10", "--data-dir",
+                            str(tmp_path / "nope"))], timeout=60)
+    assert res.returncode == 1 and str(tmp_path / "nope") in res.output, res.output
+
+
+def test_demo_trains_ddp_and_single_and_prints_the_comparison_table(tmp_path):
+    [res] = run_all([python("-m", "ddp_utils", "demo", "--epochs", "1", "--run-dir", str(tmp_path))],
+                    timeout=300, env=base_env())
+    assert res.returncode == 0, res.output
+    table = [line for line in res.output.splitlines() if line.startswith("|")]
+    assert len(table) == 4, res.output      # header, rule, DDP row, single row
+    assert re.search(r"ddp2 \| 2 \|", table[2]) and re.search(r"single \| 1 \|", table[3]), table
+    assert len(list(tmp_path.glob("*/results.json"))) == 2
+
+
+def test_ctrl_c_during_training_leaves_the_last_checkpoint_intact_and_says_how_to_resume(tmp_path):
+    cmd = python("-m", "ddp_utils", "train", "--dataset", "fake", "--image-size", "32", "--workers", "0",
+                 "--wandb", "disabled", "--batch-size", "8", "--epochs", "50", "--max-steps-per-epoch", "2",
+                 "--run-dir", str(tmp_path / "run"))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "run" / "last.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (tmp_path / "run" / "last.pt").exists(), "no checkpoint was written in time"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    assert "--resume" in out and "Traceback" not in out
+    from ddp_utils import checkpoint
+    assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] >= 0
+
+
+def test_ci_runs_exactly_the_readme_install_and_test_command():
+    readme = Path(REPO, "README.md").read_text()
+    ci = Path(REPO, ".ci", "run").read_text()
+    test_line = next(line.split("#")[0].strip() for line in readme.splitlines()
+                     if "python -m pytest" in line and line.lstrip().startswith("pip install"))
+    assert test_line in ci
+
+
+def test_every_flag_the_readme_mentions_exists(tmp_path):
+    readme = Path(REPO, "README.md").read_text()
+    helps = "".join(subprocess.run(python("-m", "ddp_utils", cmd, "--help"), cwd=REPO, capture_output=True,
+                                   text=True, env=base_env()).stdout for cmd in ("train", "check", "demo", "report"))
+    torchrun_flags = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--build"}
+    for flag in sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", readme)) - torchrun_flags):
+        if flag in ("--net", "--ipc", "--gpus", "--shm-size", "--logdir"):
+            continue   # docker / tensorboard flags
+        assert flag in helps, f"README mentions {flag}, which no ddp_utils command accepts"
+
+
+def test_when_a_worker_dies_mid_run_the_master_stops_with_a_clear_error_and_an_intact_checkpoint(tmp_path):
+    port = free_port()
+    args = ["--dataset", "fake", "--image-size", "32", "--workers", "0", "--wandb", "disabled", "--backend", "gloo",
+            "--batch-size", "8", "--epochs", "50", "--max-steps-per-epoch", "2", "--init-timeout", "20",
+            "--master-port", str(port), "--world-size", "2", "--run-dir", str(tmp_path / "run")]
+    procs = [subprocess.Popen(python("-m", "ddp_utils", "train", *args, "--rank", str(r)), cwd=REPO, env=base_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "run" / "last.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (tmp_path / "run" / "last.pt").exists(), "no checkpoint was written in time"
+        procs[1].kill()                       # the worker node dies
+        out, _ = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[0].returncode == 2, out
+    assert "another rank stopped answering" in out and "--resume" in out and "last.pt" in out
+    from ddp_utils import checkpoint
+    assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] >= 0
