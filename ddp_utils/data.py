@@ -87,7 +87,7 @@ PRESETS: dict[str, Preset] = {
         layout="DATA_DIR/train/<wnid>/*.JPEG and DATA_DIR/val/<wnid>/*.JPEG "
                "(e.g. train/n01440764/n01440764_10026.JPEG). The 50,000 ImageNet validation images "
                "ship in one flat folder: sort them into the same <wnid> class folders as train/ "
-               "(e.g. with the widely used valprep.sh script) before training"),
+               "with lab/scripts/sort_imagenet_val.py before training"),
     "cinic10": Preset(
         "cinic10", mean=(0.47889522, 0.47227842, 0.43047404),
         std=(0.24205776, 0.23828046, 0.25874835), image_size=32, num_classes=10,

@@ -25,7 +25,7 @@ fi
 # Jupyter reads the token from the environment, so it never shows up in `ps` output.
 export JUPYTER_TOKEN
 
-echo "JupyterLab listens on ${ip}:${port}. Open, on your laptop (through the ssh tunnel if ${ip} is 127.0.0.1):"
+echo "JupyterLab listens on ${ip}:${port}. On your laptop, run: ssh -L ${port}:127.0.0.1:${port} <this node>, then open:"
 echo "    http://127.0.0.1:${port}/lab?token=${JUPYTER_TOKEN}"
 
 # --port-retries=0: fail if the port is taken instead of quietly moving to another one.

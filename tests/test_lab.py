@@ -1,0 +1,401 @@
+"""The lab: the homework walkthrough (lab/README.md) and the CINIC-10 lab notebooks (lab/lab*.ipynb).
+
+Structure tests read the committed files. The README tests keep the walkthrough honest: every
+troubleshooting row the course needs is there, every ``--flag`` it mentions exists in the help of the
+command it belongs to, and the error texts it quotes are still the kit's. The execution tests run
+every lab notebook with papermill on the bundled demo data with tiny settings, all at once, under a
+hard time bound (lab 5 starts two ranks of its own on localhost).
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from tests.procs import REPO, base_env, describe, free_port, run_all
+
+LAB = Path(REPO) / "lab"
+README = LAB / "README.md"
+NOTEBOOKS = ["lab1_amp.ipynb", "lab2_tensorboard.ipynb", "lab3_wandb.ipynb", "lab4_dataparallel.ipynb",
+             "lab5_ddp_two_nodes.ipynb"]   # the course's lab order
+TIME_BOUND = 300   # seconds for all five notebooks started together (kernels, torch imports, training)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def read(path) -> nbformat.NotebookNode:
+    return nbformat.read(str(path), as_version=4)
+
+
+def parameter_cells(nb) -> list:
+    return [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+
+
+def parameters(path) -> dict:
+    """The values the parameters cell assigns (plain assignments, so run it)."""
+    [cell] = parameter_cells(read(path))
+    values: dict = {}
+    exec(cell.source, {}, values)
+    return values
+
+
+def code(path) -> str:
+    return "\n".join(c.source for c in read(path).cells if c.cell_type == "code")
+
+
+def markdown(path) -> str:
+    return "\n".join(c.source for c in read(path).cells if c.cell_type == "markdown")
+
+
+def readme() -> str:
+    return README.read_text(encoding="utf-8")
+
+
+def section(text: str, heading_start: str) -> str:
+    """The text of the ``## <heading_start>...`` section, up to the next ``## `` heading."""
+    match = re.search(rf"^## {re.escape(heading_start)}.*?$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match, f"no section starting with '## {heading_start}'"
+    return match.group(1)
+
+
+FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")   # --batch-size, --no-scale-lr, --net (of --net=host)
+
+
+def flags(text: str) -> set[str]:
+    return set(FLAG.findall(text))
+
+
+# -- the notebooks: structure -----------------------------------------------------------------
+def test_the_five_lab_notebooks_are_there_in_the_courses_order():
+    assert sorted(p.name for p in LAB.glob("lab*.ipynb")) == NOTEBOOKS
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_is_valid_nbformat(name):
+    nbformat.validate(read(LAB / name))
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_has_exactly_one_parameters_cell(name):
+    assert len(parameter_cells(read(LAB / name))) == 1
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_is_committed_without_outputs(name):
+    for cell in read(LAB / name).cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_every_code_cell_is_valid_ipython(name):
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    for cell in read(LAB / name).cells:
+        if cell.cell_type == "code":
+            compile(TransformerManager().transform_cell(cell.source), name, "exec")
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_defaults_run_on_a_laptop_and_comments_say_what_to_use_on_the_gpu(name):
+    values = parameters(LAB / name)
+    assert values["DATASET"] == "demo" and values["DATA_DIR"] == "../data/demo"
+    [cell] = parameter_cells(read(LAB / name))
+    assert '"cinic10"' in cell.source and '"/data/cinic10"' in cell.source
+    for line in cell.source.splitlines():
+        if re.match(r"[A-Z_]+ = ", line):
+            assert "#" in line, f"parameter without a comment: {line}"
+            # papermill cannot read a parameter line whose comment holds '=' ("unknown parameter")
+            assert "=" not in line.split("#", 1)[1], f"'=' in the comment: {line}"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_no_notebook_asks_for_or_holds_a_wandb_key(name):
+    source = code(LAB / name)
+    assert "wandb.login(" not in source and "getpass" not in source
+    assert not re.search(r"WANDB_API_KEY\s*=", source)
+
+
+def test_wandb_lab_is_offline_by_default():
+    assert parameters(LAB / "lab3_wandb.ipynb")["WANDB_MODE"] == "offline"
+    for name in NOTEBOOKS:
+        mode = parameters(LAB / name).get("WANDB_MODE", "disabled")
+        assert mode in ("offline", "disabled"), (name, mode)
+
+
+def test_dataparallel_lab_wraps_the_model_itself_only_with_several_gpus():
+    source = code(LAB / "lab4_dataparallel.ipynb")
+    assert "torch.nn.DataParallel(model)" in source
+    assert "torch.cuda.device_count()" in source and "gpus > 1" in source
+    assert "DistributedDataParallel" in markdown(LAB / "lab4_dataparallel.ipynb")
+
+
+def test_two_node_lab_points_to_the_homework_notebooks():
+    text = markdown(LAB / "lab5_ddp_two_nodes.ipynb")
+    assert "notebooks/main.ipynb" in text and "notebooks/worker.ipynb" in text
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "BACKEND", "RUN_DIR", "WANDB_MODE"):
+        assert name in parameters(LAB / "lab5_ddp_two_nodes.ipynb"), name
+
+
+# -- the walkthrough --------------------------------------------------------------------------
+def test_walkthrough_has_the_numbered_steps_in_order():
+    headings = re.findall(r"^## (\d+)\. ", readme(), re.M)
+    assert headings == [str(i) for i in range(11)], headings
+
+
+# Every pain point of the course (the users guide), as phrases its troubleshooting row must contain.
+PAIN_POINTS = {
+    "wrong master IP / blocked port / security group: a hang": ["hangs", "private ip", "security group",
+                                                                 "init_timeout", "cannot reach the master"],
+    "wrong network interface": ["gloo_socket_ifname", "nccl_socket_ifname", "127.0.0.1", "--socket-ifname"],
+    "further random ports": ["random ports", "all tcp"],
+    "port held after a kernel restart": ["eaddrinuse", "already in use", "kill", "never switched silently"],
+    "init cell run twice": ["twice", "teardown()"],
+    "set_epoch forgotten": ["set_epoch", "same order"],
+    "validation with DistributedSampler": ["distributedsampler", "duplicate", "same numbers"],
+    "rank-0-only validation through DDP": ["deadlock", "unwrap"],
+    "every rank writes": ["nulllogger", "checkpoint", "w&b runs"],
+    "W&B login prompt": ["w&b", "prompt", "offline", "disabled"],
+    "Bus error in Docker": ["bus error", "--shm-size", "--ipc=host", "/dev/shm"],
+    "datasets defined in the notebook": ["pickle", "spawn", "module"],
+    "one notebook edited, the other not": ["disagree on settings", "mismatch", "rank"],
+    "worker dies mid-run": ["worker dies", "last.pt", "--resume", "atomic"],
+    "wrong normalisation / no centre crop / lr not scaled": ["cinic statistics", "centercrop", "global batch"],
+    "W&B key pasted into a notebook": ["wandb_api_key", "revoke", "git"],
+}
+
+
+@pytest.mark.parametrize("pain", PAIN_POINTS)
+def test_troubleshooting_covers_every_pain_point(pain):
+    table = section(readme(), "10.").lower()
+    missing = [phrase for phrase in PAIN_POINTS[pain] if phrase not in table]
+    assert not missing, f"troubleshooting lacks {missing} for: {pain}"
+
+
+def test_troubleshooting_is_a_symptom_cause_fix_table():
+    table = section(readme(), "10.")
+    assert "| symptom | cause | fix |" in table
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    assert len(rows) - 1 >= len(PAIN_POINTS)
+    assert all(line.count(" | ") >= 2 for line in rows)
+
+
+# The kit's error texts that the README quotes: when a message changes, the README must follow.
+QUOTED_KIT_TEXTS = [
+    "cannot reach the master at",
+    "is not one of its addresses",
+    "is already in use by",
+    "The port is never switched silently",
+    "NCCL and Gloo open further random ports between the nodes, so allow all TCP between them",
+    "the ranks disagree on",
+    "or they would silently train different things",
+    "needs an API key and none is set up on this node",
+    "DataLoader workers may die with 'Bus error'",
+    "Iterate over loader.epoch(epoch), not the loader itself",
+    "already holds a run",
+    "has no class folders",
+    "using interface",
+    "said hello to the master's check at",
+    "continuing at epoch",
+]
+
+
+def kit_source() -> str:
+    """Every ddp_utils module, with adjacent string literals joined (messages span several lines)."""
+    text = "\n".join(p.read_text(encoding="utf-8") for p in sorted((Path(REPO) / "ddp_utils").glob("*.py")))
+    return re.sub(r"\"\s*\n\s*f?\"", "", text)
+
+
+@pytest.mark.parametrize("quoted", QUOTED_KIT_TEXTS)
+def test_quoted_error_texts_are_still_the_kits(quoted):
+    assert quoted in readme(), f"README no longer quotes: {quoted}"
+    assert quoted in kit_source(), f"the kit no longer says: {quoted} (update lab/README.md)"
+
+
+def test_demo_output_in_the_walkthrough_matches_the_demos_current_settings():
+    """Step 0 quotes `python -m ddp_utils demo`: when its batch, lr or epochs change, re-run and re-quote it."""
+    from ddp_utils import demo
+    from ddp_utils.settings import Settings
+    from ddp_utils.train import describe_batch
+
+    args = dict(zip(demo.DEMO_ARGS[::2], demo.DEMO_ARGS[1::2]))
+    batch, lr = int(args["--batch-size"]), float(args["--lr"])
+    step0 = section(readme(), "0.")
+    for world_size in (2, 1):
+        line = describe_batch(Settings(batch_size=batch, lr=lr, world_size=world_size))
+        assert line in step0, f"step 0 should show: {line}"
+    assert f"epoch {demo.DEMO_EPOCHS}/{demo.DEMO_EPOCHS}:" in step0
+
+
+def test_files_the_walkthrough_names_exist():
+    for path in set(re.findall(r"\b((?:lab|notebooks|docker|ddp_utils)/[\w./-]+\.(?:py|ipynb|sh|md))\b", readme())):
+        assert (Path(REPO) / path).is_file(), path
+
+
+# --flags: every one must exist in the help of the command it is written with.
+KIT_COMMANDS = {   # name -> (how to find it in a README line, the command that prints its help)
+    "train": (r"ddp_utils train\b", [sys.executable, "-m", "ddp_utils", "train", "--help"]),
+    "check": (r"ddp_utils check\b", [sys.executable, "-m", "ddp_utils", "check", "--help"]),
+    "demo": (r"ddp_utils demo\b", [sys.executable, "-m", "ddp_utils", "demo", "--help"]),
+    "report": (r"ddp_utils report\b", [sys.executable, "-m", "ddp_utils", "report", "--help"]),
+    "sort_imagenet_val": (r"sort_imagenet_val\.py", [sys.executable, "lab/scripts/sort_imagenet_val.py", "-h"]),
+    "prepare_cinic10": (r"prepare_cinic10\.py", [sys.executable, "lab/scripts/prepare_cinic10.py", "-h"]),
+    "run.sh": (r"docker/run\.sh", ["bash", "docker/run.sh", "-h"]),
+}
+# Other programs' flags the walkthrough uses (not the kit's, so not checked against its help).
+EXTERNAL = {
+    "docker": (r"\bdocker\b", {"--gpus", "--net", "--ipc", "--shm-size", "--rm", "--ulimit"}),
+    "tensorboard": (r"\btensorboard\b", {"--logdir", "--port", "--bind_all"}),
+    "torchrun": (r"torchrun|torch\.distributed\.run", {"--nproc-per-node"}),
+    "nvidia-smi": (r"nvidia-smi", {"--query-gpu", "--format"}),
+    "aws": (r"\baws ec2\b", {"--group-name", "--description", "--vpc-id", "--group-id", "--protocol",
+                             "--port", "--cidr", "--source-group", "--strategy", "--image-id",
+                             "--instance-type", "--count", "--key-name", "--security-group-ids",
+                             "--placement", "--block-device-mappings"}),
+}
+
+
+@pytest.fixture(scope="module")
+def kit_help() -> dict[str, set[str]]:
+    results = run_all([argv for _, argv in KIT_COMMANDS.values()], timeout=120, env=base_env())
+    assert all(r.returncode == 0 for r in results), describe(results)
+    return {name: flags(r.output) for name, r in zip(KIT_COMMANDS, results)}
+
+
+def readme_commands() -> list[str]:
+    """Code-block lines (continuation lines joined) and inline code spans of the README."""
+    text = readme()
+    blocks = re.findall(r"^\s*```[^\n]*\n(.*?)^\s*```", text, re.M | re.S)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    prose = re.sub(r"^\s*```[^\n]*\n.*?^\s*```", "", text, flags=re.M | re.S)
+    return lines + re.findall(r"`([^`\n]+)`", prose)
+
+
+def test_every_flag_in_the_walkthrough_exists_somewhere(kit_help):
+    known = set().union(*kit_help.values(), *(f for _, f in EXTERNAL.values()))
+    unknown = sorted(flags(readme()) - known)
+    assert not unknown, f"lab/README.md mentions flags that no command has: {unknown}"
+
+
+def test_kit_commands_in_the_walkthrough_use_only_their_own_flags(kit_help):
+    checked = 0
+    for command in readme_commands():
+        owners = [name for name, (pattern, _) in KIT_COMMANDS.items() if re.search(pattern, command)]
+        if not owners:
+            continue
+        allowed = set().union(*(kit_help[name] for name in owners),
+                              *(f for pattern, f in EXTERNAL.values() if re.search(pattern, command)))
+        wrong = sorted(flags(command) - allowed)
+        assert not wrong, f"{wrong} not in the help of {owners}: {command}"
+        checked += 1
+    assert checked >= 10   # the walkthrough is full of commands; finding none means the parsing broke
+
+
+# -- the notebooks, executed ------------------------------------------------------------------
+QUICK = {"EPOCHS": 1, "MAX_STEPS": 2, "WORKERS": 0}
+
+
+def papermill(name: str, out: Path, params: dict) -> list[str]:
+    """What "Run All" in Jupyter amounts to, from the lab/ folder."""
+    return [sys.executable, "-m", "papermill", str(LAB / name), str(out), "-y", json.dumps(params),
+            "--cwd", str(LAB), "-k", "python3", "--log-output", "--no-progress-bar"]
+
+
+def printed(executed: Path) -> str:
+    nb = read(executed)
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                   for o in c.get("outputs", []) if o.get("output_type") == "stream")
+
+
+def errors(executed: Path) -> list[str]:
+    nb = read(executed)
+    return [f"{o.ename}: {o.evalue}" for c in nb.cells if c.cell_type == "code"
+            for o in c.get("outputs", []) if o.get("output_type") == "error"]
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """All five notebooks run at once on the demo data; returns (tmp, {name: (result, output notebook)})."""
+    from ddp_utils.data import prepare_demo
+
+    tmp = tmp_path_factory.mktemp("lab")
+    data = str(prepare_demo(tmp / "demo"))   # once, before five kernels would race to write it
+    runs = tmp / "runs"
+    params = {
+        "lab1_amp.ipynb": {**QUICK, "BATCH_SIZE": 32, "BIG_BATCH": 64, "RUN_ROOT": str(runs / "lab1")},
+        "lab2_tensorboard.ipynb": {**QUICK, "LOG_EVERY": 1, "TENSORBOARD": False, "RUN_ROOT": str(runs / "lab2")},
+        "lab3_wandb.ipynb": {**QUICK, "WANDB_MODE": "offline", "RUN_DIR": str(runs / "lab3")},
+        "lab4_dataparallel.ipynb": {**QUICK, "RUN_ROOT": str(runs / "lab4")},
+        "lab5_ddp_two_nodes.ipynb": {**QUICK, "MASTER_PORT": free_port(), "INIT_TIMEOUT": 120,
+                                     "RUN_DIR": str(runs / "lab5")},
+    }
+    outs = {name: tmp / name.replace(".ipynb", ".out.ipynb") for name in params}
+    wandb_home = tmp / "wandb-home"   # W&B's own config and cache stay out of the user's home
+    env = base_env(WANDB_CONFIG_DIR=wandb_home / "config", WANDB_CACHE_DIR=wandb_home / "cache",
+                   WANDB_DATA_DIR=wandb_home / "data")
+    results = run_all([papermill(name, outs[name], {**p, "DATA_DIR": data}) for name, p in params.items()],
+                      timeout=TIME_BOUND, env=env)
+    return runs, {name: (result, outs[name]) for name, result in zip(params, results)}
+
+
+def finished(executed, name: str) -> str:
+    """What the executed notebook printed, after checking that it ran to the end without errors."""
+    result, out = executed[1][name]
+    assert result.returncode == 0, describe([result])
+    assert not errors(out), errors(out)
+    return printed(out)
+
+
+@pytest.mark.timeout(TIME_BOUND + 60)
+def test_lab1_compares_fp32_amp_and_a_bigger_batch(executed):
+    text = finished(executed, "lab1_amp.ipynb")
+    assert "| run | ranks | global batch |" in text
+    for run in ("fp32", "amp-auto", "amp-auto-batch64"):
+        assert f"| {run} | 1 |" in text, run
+        assert (executed[0] / "lab1" / run / "results.json").is_file(), run
+    assert "global batch 64 = 64 per rank x 1 rank(s); lr 0.1 x 64/256 = 0.025" in text   # lr scaled
+    import torch
+    if not torch.cuda.is_available():
+        assert "No GPU here: the memory probe needs CUDA" in text
+
+
+@pytest.mark.timeout(TIME_BOUND + 60)
+def test_lab2_reads_back_the_courses_tensorboard_tags(executed):
+    text = finished(executed, "lab2_tensorboard.ipynb")
+    tags = next(line for line in text.splitlines() if line.startswith("tags: "))
+    for tag in ("Loss/train", "acc1/train", "acc5/train", "Loss/val", "acc1/val", "acc5/val", "lr"):
+        assert tag in tags, tag
+    for lr in ("0.1", "0.4"):
+        assert list((executed[0] / "lab2" / f"lr{lr}" / "tb").glob("events.out.tfevents.*")), lr
+
+
+@pytest.mark.timeout(TIME_BOUND + 60)
+def test_lab3_logs_wandb_offline_without_a_key(executed):
+    text = finished(executed, "lab3_wandb.ipynb")
+    assert "a W&B key is set up on this machine: False" in text
+    assert "W&B will run: offline" in text
+    assert list((executed[0] / "lab3" / "wandb").glob("offline-run-*"))
+    assert "upload with: wandb sync" in text
+
+
+@pytest.mark.timeout(TIME_BOUND + 60)
+def test_lab4_trains_on_one_device_and_skips_dataparallel_without_two_gpus(executed):
+    import torch
+
+    text = finished(executed, "lab4_dataparallel.ipynb")
+    assert "| one-gpu | 1 |" in text
+    if torch.cuda.device_count() < 2:
+        assert "the DP run is skipped" in text and "model: DataParallel" not in text
+
+
+@pytest.mark.timeout(TIME_BOUND + 60)
+def test_lab5_rehearses_two_ranks_on_localhost(executed):
+    text = finished(executed, "lab5_ddp_two_nodes.ipynb")
+    assert "node 1$ python -m ddp_utils train" in text and "--rank 1" in text
+    assert "as rank 0 of 2 (gloo, cpu)" in text
+    results = json.loads((executed[0] / "lab5" / "results.json").read_text())
+    assert results["world_size"] == 2 and results["global_batch_size"] == 2 * 64
+    assert "| lab5 | 2 |" in text
