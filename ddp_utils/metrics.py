@@ -27,10 +27,13 @@ class Meter:
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, n
 
     def update(self, loss_sum: torch.Tensor, logits: torch.Tensor, target: torch.Tensor) -> None:
-        """loss_sum: summed (not averaged) loss over the batch."""
-        correct = topk_correct(logits.detach(), target)
-        n = torch.tensor([target.shape[0]], device=self.sums.device, dtype=torch.float64)
-        self.sums += torch.cat([loss_sum.detach().double().reshape(1), correct.double(), n])
+        """loss_sum: summed (not averaged) loss over the batch. Adds on the device, no host sync."""
+        self.sums[0] += loss_sum.detach().double()
+        self.sums[1:3] += topk_correct(logits.detach(), target).double()
+        self.sums[3] += target.shape[0]   # a Python number: no host-to-device copy per step
+
+    def add(self, other: "Meter") -> None:
+        self.sums += other.sums
 
     def reduced(self, ctx) -> dict:
         """Global {loss, acc1, acc5 (percent), count} over all ranks. A collective: call on every rank."""

@@ -101,11 +101,11 @@ class Settings:
                        f"0..{self.world_size - 1} (0 on the master node)")
         if not 1 <= self.master_port <= 65535:
             out.append(f"master_port={self.master_port}: must be a TCP port, 1..65535 (e.g. 29500)")
-        for name in ("epochs", "batch_size", "lr_reference_batch", "init_timeout"):
+        for name in ("epochs", "batch_size", "lr_reference_batch", "init_timeout", "log_every"):
             if getattr(self, name) <= 0:
                 out.append(f"{name}={getattr(self, name)}: must be positive")
         for name in ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr",
-                     "weight_decay", "momentum", "local_rank", "log_every"):
+                     "weight_decay", "momentum", "local_rank"):
             if getattr(self, name) < 0:
                 out.append(f"{name}={getattr(self, name)}: must not be negative")
         if not str(self.master_addr).strip():

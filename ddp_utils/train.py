@@ -113,10 +113,10 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
         scaler.update()
         scheduler.step()
         step += 1
-        epoch_meter.update(loss.detach() * labels.shape[0], logits, labels)
         window.update(loss.detach() * labels.shape[0], logits, labels)
         if step % settings.log_every == 0:
             stats = window.reduced(ctx)   # DDP: a collective, reached by every rank at the same step
+            epoch_meter.add(window)
             window.reset()
             logger.scalars({"Loss/train": stats["loss"], "acc1/train": stats["acc1"], "acc5/train": stats["acc5"],
                             "lr": scheduler.get_last_lr()[0]}, step)
@@ -128,6 +128,7 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
         torch.cuda.synchronize(ctx.device)    # so the epoch's wall time includes queued GPU work
     wall = time.perf_counter() - t_epoch
     bar.close()
+    epoch_meter.add(window)           # the steps since the last log point
     stats = epoch_meter.reduced(ctx)
     # DDP: every rank saw the same number of steps (drop_last), so images/s adds up across ranks.
     rank_ips = stats["count"] / ctx.world_size / max(wall, 1e-9)
