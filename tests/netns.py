@@ -1,0 +1,96 @@
+"""Two simulated hosts on one Linux machine: network namespaces joined by a veth pair.
+
+    with two_hosts("10.213.1") as net:         # raises NetnsUnavailable without root / iproute2
+        net.addrs          # ["10.213.1.1", "10.213.1.2"], each only inside its own namespace
+        net.veths          # ["veth<tag>a", "veth<tag>b"], host 1's and host 2's end of the cable
+        net.names          # ["ddptest-<pid>-<tag>-h1", "ddptest-<pid>-<tag>-h2"]
+        net.exec_prefix(0) # ["ip", "netns", "exec", "ddptest-<tag>-h1"]: run a command on host 1
+
+Each namespace has only ``lo`` and its veth end, so traffic can reach nothing but the other
+namespace. Names are unique per call; the namespaces (and with them the veth pair) are always
+deleted on exit, also after a failure, together with any process of ours still inside them.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import uuid
+from dataclasses import dataclass
+
+
+class NetnsUnavailable(RuntimeError):
+    """Network namespaces cannot be created here (needs root and iproute2); the text says why."""
+
+
+def ip(*args: str) -> str:
+    """Run ``ip ARGS``; raise CalledProcessError (with ip's message) on failure."""
+    return subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20).stdout
+
+
+@dataclass(frozen=True)
+class Hosts:
+    names: list[str]
+    veths: list[str]
+    addrs: list[str]
+
+    def exec_prefix(self, host: int) -> list[str]:
+        """The argv prefix that runs a command inside host ``host`` (0 or 1)."""
+        return ["ip", "netns", "exec", self.names[host]]
+
+
+@contextlib.contextmanager
+def two_hosts(subnet: str = "10.213.1"):
+    """Yield :class:`Hosts`: ``subnet``.1/24 in the first namespace, ``subnet``.2/24 in the second."""
+    tag = uuid.uuid4().hex[:6]
+    names = [f"ddptest-{os.getpid()}-{tag}-h1", f"ddptest-{os.getpid()}-{tag}-h2"]
+    veths = [f"veth{tag}a", f"veth{tag}b"]  # at most 15 characters
+    addrs = [f"{subnet}.1", f"{subnet}.2"]
+    try:
+        ip("netns", "add", names[0])
+    except (subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired) as e:
+        detail = getattr(e, "stderr", None) or e
+        raise NetnsUnavailable(f"cannot create a network namespace (needs root and iproute2): "
+                               f"{str(detail).strip()}") from None
+    made = [names[0]]
+    _delete_leftovers()
+    try:
+        ip("netns", "add", names[1])
+        made.append(names[1])
+        ip("link", "add", veths[0], "netns", names[0], "type", "veth", "peer", "name", veths[1],
+           "netns", names[1])
+        for name, veth, addr in zip(names, veths, addrs):
+            ip("-n", name, "addr", "add", f"{addr}/24", "dev", veth)
+            ip("-n", name, "link", "set", veth, "up")
+            ip("-n", name, "link", "set", "lo", "up")  # kernels and stores talk over loopback too
+        yield Hosts(names, veths, addrs)
+    finally:
+        for name in made:
+            _kill_inside(name)
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True, timeout=20)
+
+
+def _delete_leftovers() -> None:
+    """A test run killed hard cannot clean up; its namespaces carry its pid, so a later run can."""
+    try:
+        listing = ip("netns", "list")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return
+    for line in listing.splitlines():
+        match = re.match(r"(ddptest-(\d+)-\w+-h[12])\b", line)
+        if match and not os.path.exists(f"/proc/{match.group(2)}"):
+            _kill_inside(match.group(1))
+            subprocess.run(["ip", "netns", "del", match.group(1)], check=False, capture_output=True, timeout=20)
+
+
+def _kill_inside(name: str) -> None:
+    """Kill what still runs in namespace ``name``: only our own commands ever entered it."""
+    try:
+        pids = ip("netns", "pids", name).split()
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)

@@ -1,0 +1,254 @@
+"""The notebooks as students run them: main.ipynb and worker.ipynb side by side, single.ipynb alone.
+
+Structure tests read the committed files. Execution tests run every notebook with papermill in its
+own process (one kernel per rank, as on two nodes), started at the same time under a hard time
+bound, with small settings injected through the ``parameters`` cell. RANK and WORLD_SIZE are never
+injected: each notebook runs with its own, so a wrong RANK in a notebook fails the tests.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from tests import netns
+from tests.procs import REPO, Result, base_env, describe, free_port, run_all
+
+NOTEBOOKS = Path(REPO) / "notebooks"
+MAIN, WORKER, SINGLE = (NOTEBOOKS / f"{n}.ipynb" for n in ("main", "worker", "single"))
+TAG = "# DDP:"
+REQUIRED = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "DATASET", "DATA_DIR", "EPOCHS",
+            "BATCH_SIZE", "RUN_DIR", "WANDB_MODE")
+SINGLE_ONLY_CHANGES = 3   # code lines single.ipynb may change beyond dropping main's `# DDP:` lines
+
+# Small, fast settings for every execution (what students would type for a quick try).
+QUICK = {"EPOCHS": 1, "MAX_STEPS": 3, "BATCH_SIZE": 32, "WORKERS": 0, "WANDB_MODE": "disabled",
+         "TENSORBOARD": False}
+DDP = {**QUICK, "BACKEND": "gloo", "INIT_TIMEOUT": 60}  # a stuck join fails well within TIME_BOUND
+TIME_BOUND = 240  # seconds for a group of notebooks started together (kernels + torch imports + training)
+METRICS = ("acc1", "acc5", "loss", "val_images", "world_size", "global_batch_size")
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def read(path) -> nbformat.NotebookNode:
+    return nbformat.read(str(path), as_version=4)
+
+
+def code_cells(nb) -> list[str]:
+    return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+def parameter_cells(nb) -> list:
+    return [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+
+
+def parameters(path) -> dict:
+    """``{NAME: value}`` of the parameters cell, which must hold only ``NAME = literal`` lines."""
+    [cell] = parameter_cells(read(path))
+    return {node.targets[0].id: ast.literal_eval(node.value) for node in ast.parse(cell.source).body}
+
+
+def papermill(notebook: Path, out: Path, params: dict) -> list[str]:
+    """The command a student's Jupyter would amount to: run every cell, in the notebooks folder."""
+    return [sys.executable, "-m", "papermill", str(notebook), str(out), "-y", json.dumps(params),
+            "--cwd", str(NOTEBOOKS), "-k", "python3", "--log-output", "--no-progress-bar"]
+
+
+def printed(executed: Path) -> str:
+    """Everything the executed notebook's cells printed (stream outputs), in order."""
+    nb = read(executed)
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                   for o in c.get("outputs", []) if o.get("output_type") == "stream")
+
+
+def displayed(executed: Path, mime: str) -> list[str]:
+    """The ``mime`` parts of everything the executed notebook's cells displayed (tables, figures)."""
+    nb = read(executed)
+    return [o["data"][mime] for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+            if o.get("output_type") in ("display_data", "execute_result") and mime in o.get("data", {})]
+
+
+def global_results(executed: Path) -> dict:
+    """The JSON of the results cell's ``global results: {...}`` line."""
+    lines = [line for line in printed(executed).splitlines() if line.startswith("global results: ")]
+    assert len(lines) == 1, f"{executed.name} printed {len(lines)} 'global results' lines"
+    return json.loads(lines[0][len("global results: "):])
+
+
+def assert_finished(results: list[Result]) -> None:
+    assert all(r.returncode == 0 for r in results), describe(results)
+
+
+def assert_same_global_metrics(main_out: Path, worker_out: Path, run_dir: Path) -> dict:
+    rank0, rank1 = global_results(main_out), global_results(worker_out)
+    saved = json.loads((run_dir / "results.json").read_text())
+    for key in METRICS:
+        assert rank0[key] == rank1[key] == saved[key], (key, rank0[key], rank1[key], saved[key])
+    assert rank0["world_size"] == 2 and rank0["global_batch_size"] == 2 * QUICK["BATCH_SIZE"]
+    return rank0
+
+
+# -- structure: the committed files -----------------------------------------------------------
+def test_main_and_worker_differ_only_in_the_rank_line():
+    main, worker = MAIN.read_text().splitlines(), WORKER.read_text().splitlines()
+    changed = [line for line in difflib.unified_diff(main, worker, lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert len(changed) == 2 and all('"RANK = ' in line for line in changed), "\n".join(changed)
+
+
+def test_rank_is_0_in_main_and_1_in_worker_with_two_processes():
+    assert (parameters(MAIN)["RANK"], parameters(WORKER)["RANK"]) == (0, 1)
+    assert parameters(MAIN)["WORLD_SIZE"] == parameters(WORKER)["WORLD_SIZE"] == 2
+    assert parameters(SINGLE)["WORLD_SIZE"] == 1
+
+
+@pytest.mark.parametrize("path", [MAIN, WORKER, SINGLE], ids=lambda p: p.name)
+def test_exactly_one_parameters_cell_holding_the_documented_parameters(path):
+    nb = read(path)
+    assert len(parameter_cells(nb)) == 1
+    names = set(parameters(path))
+    required = set(REQUIRED) if path != SINGLE else set(REQUIRED) - {"MASTER_ADDR", "MASTER_PORT", "RANK"}
+    assert required <= names, f"missing: {sorted(required - names)}"
+
+
+def test_parameter_comments_say_what_to_use_on_the_gpu_nodes():
+    [cell] = parameter_cells(read(MAIN))
+    for must in ("private ip", '"imagenet"', '"/data/imagenet"', '"resnet18"', "500", '"nccl"', '"auto"'):
+        assert must in cell.source.lower(), must
+    for line in cell.source.splitlines():
+        if re.match(r"[A-Z_]+ = ", line):
+            assert "#" in line, f"parameter without a comment: {line}"
+
+
+@pytest.mark.parametrize("path", [MAIN, WORKER, SINGLE], ids=lambda p: p.name)
+def test_committed_without_outputs(path):
+    for cell in read(path).cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
+
+
+@pytest.mark.parametrize("path", [MAIN, WORKER, SINGLE], ids=lambda p: p.name)
+def test_every_code_cell_is_valid_ipython(path):
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    for source in code_cells(read(path)):
+        compile(TransformerManager().transform_cell(source), path.name, "exec")
+
+
+def test_ddp_tags_mark_main_and_are_absent_from_single():
+    main, single = "\n".join(code_cells(read(MAIN))), "\n".join(code_cells(read(SINGLE)))
+    for ddp_call in ("preflight(settings)", "agree(", "teardown()", "rank=RANK", "MASTER_ADDR = "):
+        line = next(line for line in main.splitlines() if ddp_call in line)
+        assert TAG in line, line
+    assert TAG not in single and "DDP:" not in single
+
+
+def test_single_is_main_without_its_ddp_lines():
+    """A visible diff: drop main's `# DDP:` lines and at most a few lines change (WORLD_SIZE, setup)."""
+    def lines(nb, drop_tagged):
+        return [line.strip() for source in code_cells(nb) for line in source.splitlines()
+                if line.strip() and not (drop_tagged and TAG in line)]
+    diff = [line for line in difflib.ndiff(lines(read(MAIN), True), lines(read(SINGLE), False))
+            if line[:2] in ("- ", "+ ")]
+    assert len([line for line in diff if line.startswith("+ ")]) <= SINGLE_ONLY_CHANGES, "\n".join(diff)
+    assert len([line for line in diff if line.startswith("- ")]) <= SINGLE_ONLY_CHANGES, "\n".join(diff)
+    assert any(line.startswith("+ WORLD_SIZE = 1") for line in diff), "\n".join(diff)
+
+
+# -- execution on one machine: main + worker on loopback, single beside them -------------------
+@pytest.fixture(scope="module")
+def on_loopback(tmp_path_factory):
+    """main, worker and single started together; the notebooks build the demo data themselves."""
+    tmp = tmp_path_factory.mktemp("notebooks")
+    data = str(tmp / "demo")  # absent: both ranks and single write it at once (prepare_demo is race-safe)
+    ddp = {**DDP, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port(), "DATA_DIR": data,
+           "RUN_DIR": str(tmp / "runs" / "ddp")}
+    single = {**QUICK, "DATA_DIR": data, "RUN_DIR": str(tmp / "runs" / "single")}
+    outs = {name: tmp / f"{name}.out.ipynb" for name in ("main", "worker", "single")}
+    results = run_all([papermill(MAIN, outs["main"], ddp), papermill(WORKER, outs["worker"], ddp),
+                       papermill(SINGLE, outs["single"], single)], timeout=TIME_BOUND, env=base_env())
+    return tmp, outs, results
+
+
+def test_main_and_worker_run_at_the_same_time_and_both_finish(on_loopback):
+    _, outs, results = on_loopback
+    assert_finished(results[:2])
+    assert "model: DistributedDataParallel" in printed(outs["main"])
+    assert "model: DistributedDataParallel" in printed(outs["worker"])
+
+
+def test_both_ranks_print_the_same_global_metrics_as_results_json(on_loopback):
+    tmp, outs, results = on_loopback
+    assert_finished(results[:2])
+    assert_same_global_metrics(outs["main"], outs["worker"], tmp / "runs" / "ddp")
+
+
+def test_preflight_cell_names_the_interface_it_chose(on_loopback):
+    _, outs, results = on_loopback
+    assert_finished(results[:2])
+    for rank, name in enumerate(("main", "worker")):
+        assert f"rank {rank}: using interface lo (127.0.0.1) to reach master 127.0.0.1:" in printed(outs[name])
+
+
+def test_rank_0_shows_the_results_table_and_the_curves_from_its_run_folder(on_loopback):
+    _, outs, results = on_loopback
+    assert_finished(results)
+    for name in ("main", "single"):
+        [table] = displayed(outs[name], "text/markdown")
+        assert table.startswith("| run | ranks |") and "Acc@1" in table
+        assert len(displayed(outs[name], "image/png")) == 1, "the curves figure is not shown inline"
+    assert displayed(outs["worker"], "text/markdown") == [] == displayed(outs["worker"], "image/png")
+
+
+def test_only_rank_0_writes_one_run_folder_with_one_tensorboard_event_file(on_loopback):
+    tmp, _, results = on_loopback
+    assert_finished(results[:2])
+    run_dir = tmp / "runs" / "ddp"
+    assert len(list(run_dir.rglob("events.out.tfevents.*"))) == 1
+    for name in ("settings.json", "results.json", "log.txt", "last.pt"):
+        assert (run_dir / name).is_file(), name
+    assert sorted(p.name for p in (tmp / "runs").iterdir()) == ["ddp", "single"]
+
+
+def test_single_runs_one_process_and_evaluates_the_same_validation_images(on_loopback):
+    tmp, outs, results = on_loopback
+    assert_finished(results[2:])
+    single = global_results(outs["single"])
+    assert single["world_size"] == 1 and single["global_batch_size"] == QUICK["BATCH_SIZE"]
+    assert "model: Sequential" in printed(outs["single"])
+    assert len(list((tmp / "runs" / "single").rglob("events.out.tfevents.*"))) == 1
+    assert_finished(results[:2])
+    assert single["val_images"] == global_results(outs["main"])["val_images"]  # each image once in DDP too
+
+
+# -- execution across two hosts: network namespaces -------------------------------------------
+@pytest.fixture
+def two_hosts():
+    try:
+        with netns.two_hosts("10.213.1") as hosts:
+            yield hosts
+    except netns.NetnsUnavailable as e:
+        pytest.skip(str(e))
+
+
+def test_main_and_worker_train_across_two_hosts_given_only_master_addr(two_hosts, tmp_path):
+    """Nothing but MASTER_ADDR points at host 1: the notebooks must pick the veth interface themselves."""
+    hosts = two_hosts
+    port = free_port()
+    ddp = {**DDP, "MASTER_ADDR": hosts.addrs[0], "MASTER_PORT": port, "DATA_DIR": str(tmp_path / "demo"),
+           "RUN_DIR": str(tmp_path / "runs" / "ddp")}
+    outs = [tmp_path / "main.out.ipynb", tmp_path / "worker.out.ipynb"]
+    results = run_all([papermill(MAIN, outs[0], ddp), papermill(WORKER, outs[1], ddp)], timeout=TIME_BOUND,
+                      env=base_env(), prefix=[hosts.exec_prefix(0), hosts.exec_prefix(1)])
+    assert_finished(results)
+    assert_same_global_metrics(outs[0], outs[1], tmp_path / "runs" / "ddp")
+    for rank, out in enumerate(outs):
+        assert (f"rank {rank}: using interface {hosts.veths[rank]} ({hosts.addrs[rank]}) to reach master "
+                f"{hosts.addrs[0]}:{port}") in printed(out)
+    assert len(list((tmp_path / "runs").rglob("events.out.tfevents.*"))) == 1
