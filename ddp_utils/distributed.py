@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -51,6 +51,12 @@ class SettingsMismatch(DistSetupError):
     """The ranks were started with different settings (say, one notebook edited and not the other)."""
 
 
+# Settings whose change needs a new process group: where the ranks meet, who they are, and what
+# they agreed on. Others (run_dir, wandb, workers, ...) can change without rebuilding the group.
+GROUP_FIELDS = tuple(dict.fromkeys(("master_addr", "master_port", "rank", "world_size", "local_rank", "backend",
+                                    "init_timeout", "socket_ifname", "init_method",
+                                    *settings_module.MUST_AGREE)))
+
 # The settings the current context was built from: setup() compares against them (idempotency).
 _active: tuple | None = None  # (settings, DistContext)
 
@@ -66,11 +72,11 @@ def setup(settings, log=print) -> DistContext:
     global _active
     if _active is not None:
         old, ctx = _active
-        if old == settings and (not ctx.distributed or dist.is_initialized()):
+        changed = ", ".join(f"{name} {getattr(old, name)!r} -> {getattr(settings, name)!r}"
+                            for name in GROUP_FIELDS if getattr(old, name) != getattr(settings, name))
+        if not changed and (not ctx.distributed or dist.is_initialized()):
+            _active = (settings, ctx)   # e.g. only run_dir or wandb changed: the group stays
             return ctx
-        changed = ", ".join(f"{f.name} {getattr(old, f.name)!r} -> {getattr(settings, f.name)!r}"
-                            for f in fields(settings)
-                            if getattr(old, f.name) != getattr(settings, f.name))
         log(f"rank {settings.rank}: settings changed ({changed or 'process group gone'}); "
             f"tearing down the old process group and initialising again")
         teardown()

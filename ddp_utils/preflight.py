@@ -29,6 +29,7 @@ SMALL_SHM = 1 << 30  # below 1 GiB, DataLoader workers in Docker tend to die wit
 
 # The interface variables this module set itself, so a later call may replace them (a user's may not).
 _we_set: dict[str, str] = {}
+_last_said: dict[str, str] = {}
 
 
 class DistSetupError(RuntimeError):
@@ -130,7 +131,10 @@ def use_interface(settings, log=print) -> tuple[str, str]:
             log(f"rank {rank}: keeping {var}={value} from the environment (instead of {ifname})")
         else:
             os.environ[var] = _we_set[var] = ifname
-    log(f"rank {rank}: using interface {ifname} ({local_ip}) to reach master {master} [{how}]")
+    line = f"rank {rank}: using interface {ifname} ({local_ip}) to reach master {master} [{how}]"
+    if line != _last_said.get("interface"):  # setup re-runs the pre-flight: say it once
+        log(line)
+        _last_said["interface"] = line
     return ifname, local_ip
 
 

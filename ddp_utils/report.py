@@ -366,8 +366,9 @@ def write_report(run_dirs, out_dir, baseline=None) -> list[Path]:
     paths = [out / "curves.png", out / "throughput.png", out / "results.md"]
     plot_curves(dirs).savefig(paths[0], dpi=DPI)
     plot_throughput(dirs, baseline).savefig(paths[1], dpi=DPI)
-    report_cmd = " ".join(["python -m ddp_utils report", *map(shlex.quote, map(str, dirs)), "--out", shlex.quote(str(out))]
-                          + (["--baseline", shlex.quote(str(baseline))] if baseline is not None else []))
+    words = ["python -m ddp_utils report", *map(str, dirs), "--out", str(out)]
+    words += ["--baseline", str(baseline)] if baseline is not None else []
+    report_cmd = " ".join([words[0], *map(shlex.quote, words[1:])])
     text = "\n".join([
         "# Results", "",
         results_table(dirs, baseline), "",

@@ -42,6 +42,8 @@ def basics(s: Settings) -> None:
     ctx2 = distributed.setup(s.replace(epochs=s.epochs + 1))
     check("inits_after_changed", len(inits))
     check("new_group", dist.group.WORLD is not group and dist.is_initialized())
+    # a new run folder (the notebook's Settings cell re-run) needs no new process group
+    check("same_ctx_new_run_dir", distributed.setup(s.replace(epochs=s.epochs + 1, run_dir="elsewhere")) is ctx2)
     distributed.barrier(ctx2)
     check("sum_after_reinit", distributed.all_reduce_sum(torch.ones(2) * (ctx2.rank + 1), ctx2).tolist())
     distributed.teardown()

@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
-import subprocess
-import uuid
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
 from ddp_utils import distributed, preflight
 from ddp_utils.settings import Settings
+from tests import netns
 from tests.procs import base_env, describe, free_port, python, run_all
 
 
@@ -72,6 +69,7 @@ def test_setup_with_changed_settings_reinitialises_and_collectives_still_work(ba
     checks_, results = basics
     for c, r in zip(checks_, results):
         assert c["inits_after_changed"] == 2 and c["new_group"], describe(results)
+        assert c["same_ctx_new_run_dir"], describe(results)
         assert c["sum_after_reinit"] == [3.0, 3.0]
         assert "settings changed (epochs 2 -> 3)" in r.output
 
@@ -192,45 +190,17 @@ def test_keyboard_interrupt_after_init_tears_the_group_down(clean_env, monkeypat
 
 
 # -- two hosts: network namespaces ------------------------------------------------------------
-def _ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
-
-
-def _delete_namespaces_of_dead_test_runs():
-    """A test run killed hard cannot clean up; its namespaces carry its pid, so a later run can."""
-    listing = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True)
-    for line in listing.stdout.splitlines():
-        match = re.match(r"(ddpdist-(\d+)-\w+-h[12])\b", line)
-        if match and not psutil.pid_exists(int(match.group(2))):
-            subprocess.run(["ip", "netns", "del", match.group(1)], check=False, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def two_hosts():
     """Two network namespaces joined by a veth pair: host 1 = 10.213.0.1, host 2 = 10.213.0.2.
 
-    The addresses exist only inside the namespaces; both are deleted afterwards.
+    The addresses exist only inside the namespaces; both are deleted afterwards (tests/netns.py).
     """
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:3]}"
-    hosts = [f"ddpdist-{tag}-h1", f"ddpdist-{tag}-h2"]
     try:
-        _ip("netns", "add", hosts[0])
-    except (subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot create a network namespace (needs root and iproute2): {e}")
-    _delete_namespaces_of_dead_test_runs()
-    try:
-        _ip("netns", "add", hosts[1])
-        veths = [f"v{tag.replace('-', '')}a", f"v{tag.replace('-', '')}b"]  # at most 15 characters
-        _ip("link", "add", veths[0], "netns", hosts[0], "type", "veth", "peer", "name", veths[1],
-            "netns", hosts[1])
-        for i, (host, veth) in enumerate(zip(hosts, veths)):
-            _ip("-n", host, "addr", "add", f"10.213.0.{i + 1}/24", "dev", veth)
-            _ip("-n", host, "link", "set", veth, "up")
-            _ip("-n", host, "link", "set", "lo", "up")
-        yield hosts, veths
-    finally:
-        for host in hosts:  # deleting a namespace also deletes its end of the veth pair
-            subprocess.run(["ip", "netns", "del", host], check=False, capture_output=True, timeout=20)
+        with netns.two_hosts("10.213.0") as net:
+            yield net.names, net.veths
+    except netns.NetnsUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
