@@ -228,6 +228,8 @@ def fit(settings, ctx, data, model, logger, resume: str | None = None) -> dict:
     dtype = amp_dtype(settings, ctx.device)
     scaler = make_scaler(dtype, ctx.device)
     start_epoch, step, best_acc1, history = 0, 0, 0.0, []
+    # DDP: loading is a collective (rank 0 sends its file), so every rank must resume or none.
+    distributed.agree({"resume": bool(resume)}, ctx, what="whether to resume")
     state = load_state(resume, ctx) if resume else None
     if state is not None:
         restore(state, model, optimizer, scheduler, scaler, ctx)

@@ -198,3 +198,18 @@ def test_bad_input_exits_non_zero_with_a_readable_message_and_no_traceback(tmp_p
     [res] = run_all([python("-m", "ddp_utils", "train", "--rank", "2", "--world-size", "2")], timeout=60)
     assert res.returncode == 2, res.output
     assert "rank=2" in res.output and "Traceback" not in res.output
+
+
+def test_two_ranks_resume_from_rank_0s_checkpoint_when_the_worker_has_no_copy(tmp_path):
+    run_ranks(tmp_path, "run", 2, "--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "8")
+    port = free_port()
+    common = ["--epochs", "2", "--max-steps-per-epoch", "2", "--batch-size", "8"]
+    cmds = [train_cmd(tmp_path / "run", 0, 2, port, *common, "--resume", tmp_path / "run" / "last.pt"),
+            # the worker node has no shared folder: its path does not exist there
+            train_cmd(tmp_path / "elsewhere", 1, 2, port, *common, "--resume", tmp_path / "nowhere" / "last.pt")]
+    results = run_all(cmds, timeout=180, env=base_env())
+    assert all(r.returncode == 0 for r in results), describe(results)
+    out = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert out["epochs_run"] == 1 and [h["epoch"] for h in out["history"]] == [1, 2]
+    assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["step"] == 4
+    assert not (tmp_path / "elsewhere").exists()   # rank 1 wrote nothing
