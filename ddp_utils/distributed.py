@@ -25,7 +25,7 @@ from . import settings as settings_module
 from .preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
 
 __all__ = ["DistContext", "DistSetupError", "SettingsMismatch", "agree", "all_reduce_sum", "barrier",
-           "broadcast_object", "choose_interface", "port_holder", "preflight", "resolve_backend",
+           "broadcast_object", "sync_buffers", "choose_interface", "port_holder", "preflight", "resolve_backend",
            "session", "setup", "teardown"]
 
 
@@ -280,6 +280,17 @@ def all_reduce_sum(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
         return t.copy_(on_gpu)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def sync_buffers(module: torch.nn.Module, ctx: DistContext, src: int = 0) -> None:
+    """Copy rank ``src``'s buffers (BatchNorm running statistics) to every rank, in place.
+
+    During training each rank updates its BatchNorm statistics from its own batches, so after the
+    last step they differ slightly; evaluation then uses rank 0's, the ones the checkpoint holds.
+    """
+    if ctx.distributed:
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src)
 
 
 def barrier(ctx: DistContext) -> None:

@@ -145,6 +145,7 @@ def evaluate(model, loader, settings, ctx) -> dict:
     and returns the same global {loss, acc1, acc5, count} on every rank.
     """
     net = unwrap(model)
+    distributed.sync_buffers(net, ctx)   # DDP: every rank evaluates rank 0's model, the one saved
     was_training = net.training
     net.eval()
     dtype = amp_dtype(settings, ctx.device)

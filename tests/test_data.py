@@ -231,9 +231,20 @@ def test_datasets_pickle_for_spawned_workers(imagenet, cinic, demo_dir):
 
 def test_loader_with_worker_processes(cinic):
     data = build_data(settings(cinic, workers=1, batch_size=4), 1, 2)
-    assert data.train.loader.persistent_workers and not data.train.loader.pin_memory
+    # train workers restart each epoch so they can be reseeded per epoch (see the next test)
+    assert not data.train.loader.persistent_workers and data.val.persistent_workers
+    assert not data.train.loader.pin_memory
     assert [x.shape for x, _ in data.train.epoch(0)] == [(4, 3, 32, 32)] * 2
     assert sum(len(y) for _, y in data.val) == 10
+
+
+def test_an_epochs_augmented_batches_do_not_depend_on_the_epochs_before_it(cinic):
+    """What resume relies on: epoch 1 of a run that skipped epoch 0 sees the same random crops."""
+    straight = build_data(settings(cinic, workers=1, batch_size=4), 0, 1)
+    list(straight.train.epoch(0))
+    after_epoch_0 = [x for x, _ in straight.train.epoch(1)]
+    resumed = [x for x, _ in build_data(settings(cinic, workers=1, batch_size=4), 0, 1).train.epoch(1)]
+    assert all(torch.equal(a, b) for a, b in zip(after_epoch_0, resumed)) and len(resumed) == len(after_epoch_0)
 
 
 def test_pin_memory_only_for_cuda(cinic):

@@ -213,3 +213,17 @@ def test_two_ranks_resume_from_rank_0s_checkpoint_when_the_worker_has_no_copy(tm
     assert out["epochs_run"] == 1 and [h["epoch"] for h in out["history"]] == [1, 2]
     assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["step"] == 4
     assert not (tmp_path / "elsewhere").exists()   # rank 1 wrote nothing
+
+
+def test_final_metrics_of_a_two_rank_run_equal_a_single_process_evaluation_of_its_checkpoint(tmp_path):
+    # BatchNorm model: each rank's running statistics drift apart during training; evaluation must
+    # still be that of the saved (rank 0) model, counted once per image.
+    demo = ["--dataset", "demo", "--data-dir", str(tmp_path / "demo"), "--arch", "convnet", "--batch-size", "16",
+            "--lr", "1.6"]   # enough learning for the statistics to matter
+    run_ranks(tmp_path, "ddp", 2, *demo, "--epochs", "1", "--max-steps-per-epoch", "15")
+    run_ranks(tmp_path, "eval", 1, *demo, "--evaluate", "--resume", tmp_path / "ddp" / "last.pt")
+    trained = json.loads((tmp_path / "ddp" / "results.json").read_text())
+    single = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert trained["val_images"] == single["val_images"]
+    assert trained["loss"] == pytest.approx(single["loss"], rel=1e-6)
+    assert trained["acc1"] == pytest.approx(single["acc1"]) and trained["acc5"] == pytest.approx(single["acc5"])
