@@ -113,3 +113,12 @@ def test_when_a_worker_dies_mid_run_the_master_stops_with_a_clear_error_and_an_i
     assert "another rank stopped answering" in out and "--resume" in out and "last.pt" in out
     from ddp_utils import checkpoint
     assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] >= 0
+
+
+def test_every_ddp_utils_name_the_readme_uses_exists():
+    import ddp_utils
+    readme = Path(REPO, "README.md").read_text()
+    names = set(re.findall(r"\bdu\.(\w+)", readme))
+    assert {"Settings", "setup", "fit", "teardown"} <= names
+    for name in names:
+        assert hasattr(ddp_utils, name), f"README uses du.{name}, which ddp_utils does not export"
