@@ -449,11 +449,18 @@ def build_data(settings, rank: int, world_size: int, device: torch.device | str 
     disjoint 1/world_size of the split each epoch, in full batches of ``settings.batch_size``.
     Val: EvalShardSampler, every image exactly once across ranks, last batch may be short.
     ``device`` only decides ``pin_memory`` (on for CUDA). Raises DataError.
+    With ``settings.loader == "memory"`` (cinic10, demo): both splits decoded once and kept on
+    ``device``, same shuffle and evaluation shards, batched augmentation (see memdata.py).
     """
+    if settings.loader == "memory":
+        from .memdata import build_memory_data, check_memory_dataset   # here: memdata imports this module
+        check_memory_dataset(settings.dataset)                         # ImageNet: fail before scanning folders
     summary = check_data(settings)
     preset = load_preset(settings.dataset, settings.data_dir)
     size = settings.image_size or preset.image_size
     val_split = settings.val_split or preset.val_split
+    if settings.loader == "memory":
+        return build_memory_data(settings, preset, size, val_split, summary["classes"], rank, world_size, device)
     if preset.folders:
         root = Path(settings.data_dir).expanduser()
         train_set = ImageFolderDataset(root / preset.train_split, train_transform(preset, size))

@@ -18,6 +18,7 @@ DATASETS = ("imagenet", "cinic10", "demo", "fake")
 BACKENDS = ("auto", "gloo", "nccl")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+LOADERS = ("workers", "memory")
 
 # Fields that every rank must share, or the ranks would silently train different things.
 MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_reference_batch",
@@ -39,6 +40,12 @@ class Settings:
     val_split: str = _f("", "split to evaluate on; empty = the preset's (val for imagenet, valid for cinic10)")
     image_size: int = _f(0, "training crop in pixels; 0 = the preset's (224 imagenet, 32 cinic10/demo)")
     workers: int = _f(2, "DataLoader worker processes per rank (the course used 2 per GPU)")
+    # Not in MUST_AGREE, like workers: both loaders give a rank the same shard, steps and
+    # validation tensors; only the random crop/flip draws differ, and those differ per rank anyway.
+    loader: str = _f("workers", "workers: DataLoader worker processes decode images each epoch (the classic "
+                                "path); memory: decode the split once into a uint8 tensor kept in memory "
+                                "(on the GPU when there is one), batched augmentation, no worker processes "
+                                "(cinic10 and demo only)", choices=LOADERS)
     # -- model --------------------------------------------------------------------------------
     arch: str = _f("convnet", "convnet (small, fast on CPU; convnet_gn with GroupNorm), resnet18_cifar "
                               "(32 px stem) or any torchvision classifier name such as resnet18, resnet50")
