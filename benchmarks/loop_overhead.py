@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -96,23 +95,15 @@ def part_loop(rounds: int, steps: int, batch: int, arch: str, threads: int) -> d
 
 
 def part_scaling(epochs: int) -> dict:
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONPATH": str(repo)}
+    """The demo's two runs (same flags as ``python -m ddp_utils demo``), 2 ranks and then 1."""
+    from ddp_utils.demo import free_port, launch, train_cmd
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for ws in (2, 1):
-            port = 29400 + ws + os.getpid() % 500
-            cmds = [[sys.executable, "-m", "ddp_utils", "train", "--dataset", "demo", "--data-dir", "data/demo",
-                     "--arch", "convnet", "--batch-size", "32", "--workers", "0", "--epochs", str(epochs),
-                     "--wandb", "disabled", "--backend", "gloo", "--run-dir", f"{tmp}/ws{ws}",
-                     "--master-port", str(port), "--rank", str(r), "--world-size", str(ws)] for r in range(ws)]
-            procs = [subprocess.Popen(c, env=env, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                     for c in cmds]
-            for p in procs:
-                _, err = p.communicate(timeout=900)
-                if p.returncode:
-                    raise SystemExit(err.decode()[-3000:])
-            out[ws] = json.loads(Path(f"{tmp}/ws{ws}/results.json").read_text())
+            port = free_port()
+            launch([train_cmd(Path(tmp, f"ws{ws}"), epochs, r, ws, port) for r in range(ws)], timeout=900,
+                   quiet=True)
+            out[ws] = json.loads(Path(tmp, f"ws{ws}", "results.json").read_text())
     return {"images_per_s_2_ranks": out[2]["images_per_s"], "images_per_s_1_rank": out[1]["images_per_s"],
             "speedup": out[2]["images_per_s"] / out[1]["images_per_s"],
             "acc1_2_ranks": out[2]["acc1"], "acc1_1_rank": out[1]["acc1"], "epochs": epochs}

@@ -17,24 +17,25 @@ DEMO_ARGS = ["--dataset", "demo", "--data-dir", "data/demo", "--arch", "convnet"
              "--lr", "0.8", "--workers", "0", "--wandb", "disabled", "--backend", "gloo"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _train_cmd(run_dir: Path, epochs: int, rank: int, world_size: int, port: int) -> list[str]:
+def train_cmd(run_dir: Path, epochs: int, rank: int, world_size: int, port: int) -> list[str]:
     return [sys.executable, "-m", "ddp_utils", "train", *DEMO_ARGS, "--epochs", str(epochs),
             "--run-dir", str(run_dir), "--master-addr", "127.0.0.1", "--master-port", str(port),
             "--rank", str(rank), "--world-size", str(world_size), "--init-timeout", "120"]
 
 
-def _launch(cmds: list[list[str]], timeout: float) -> None:
-    """Start all commands together; rank 0 streams to the console, the others stay quiet unless they fail."""
+def launch(cmds: list[list[str]], timeout: float, quiet: bool = False) -> None:
+    """Start all commands together; rank 0 streams to the console (unless ``quiet``), the others
+    stay quiet unless they fail."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    procs = [subprocess.Popen(c, env=env, stdout=None if i == 0 else subprocess.PIPE,
-                              stderr=None if i == 0 else subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen(c, env=env, stdout=None if i == 0 and not quiet else subprocess.PIPE,
+                              stderr=None if i == 0 and not quiet else subprocess.STDOUT, text=True)
              for i, c in enumerate(cmds)]
     try:
         deadline = time.monotonic() + timeout
@@ -57,11 +58,11 @@ def run_demo(epochs: int | None = None, world_size: int = 2, run_dir: str = "run
     prepare_demo("data/demo")   # once, before the ranks start, so they do not race to write it
     stamp = time.strftime("%Y%m%d-%H%M%S")
     ddp_dir, single_dir = Path(run_dir) / f"{stamp}-ddp{world_size}", Path(run_dir) / f"{stamp}-single"
-    port = port or _free_port()
+    port = port or free_port()
     print(f"== DDP: {world_size} ranks on localhost:{port} (gloo), run folder {ddp_dir}")
-    _launch([_train_cmd(ddp_dir, epochs, r, world_size, port) for r in range(world_size)], timeout=900)
+    launch([train_cmd(ddp_dir, epochs, r, world_size, port) for r in range(world_size)], timeout=900)
     print(f"\n== single process, run folder {single_dir}")
-    _launch([_train_cmd(single_dir, epochs, 0, 1, port)], timeout=900)
+    launch([train_cmd(single_dir, epochs, 0, 1, port)], timeout=900)
     table = results_table([ddp_dir, single_dir], baseline=single_dir)
     print("\n" + table)
     print(f"\nTensorBoard: tensorboard --logdir {run_dir}")

@@ -208,8 +208,8 @@ def hardware_caption(runs: list[dict]) -> str:
     # A 1-process run has no process group (backend "none"): name the backend of the DDP runs.
     ddp_runs = [run for run in runs if run.get("backend", "none") != "none"] or runs
     device = _summary(runs, "device_name").replace("cpu", "CPU only")
-    cpu = _summary(runs, "cpu_name") if any("cpu_name" in run for run in runs) else ""
-    return (f"Hardware: {device}, {_summary(runs, 'cpus')} CPU cores{f' ({cpu})' if cpu else ''}, backend {_summary(ddp_runs, 'backend')}, "
+    cpu = f" ({_summary(runs, 'cpu_name')})" if any("cpu_name" in run for run in runs) else ""
+    return (f"Hardware: {device}, {_summary(runs, 'cpus')} CPU cores{cpu}, backend {_summary(ddp_runs, 'backend')}, "
             f"host {_summary(runs, 'host')} (rank 0)  |  Data: {_summary(runs, 'dataset')}, "
             f"model {_summary(runs, 'arch')}  |  ranks per run: {', '.join(str(r['world_size']) for r in runs)}")
 
