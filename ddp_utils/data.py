@@ -442,6 +442,14 @@ class Data:
                 "mean": [round(m, 6) for m in self.preset.mean], "std": [round(s, 6) for s in self.preset.std]}
 
 
+def check_batch_fits(train_images: int, settings, world_size: int, where: str) -> None:
+    """DataError if a rank's share of the train split is smaller than one batch (no step could run)."""
+    per_rank = train_images // world_size
+    if per_rank < settings.batch_size:
+        raise DataError(f"The train split ({train_images} images {where}) gives each of {world_size} ranks "
+                        f"{per_rank} images, less than one batch of {settings.batch_size}: lower batch_size.")
+
+
 def build_data(settings, rank: int, world_size: int, device: torch.device | str | None = None) -> Data:
     """Check the data (``check_data``) and build this rank's train and validation loaders.
 
@@ -469,12 +477,8 @@ def build_data(settings, rank: int, world_size: int, device: torch.device | str 
         train_set = fake_dataset("train", preset, size)
         val_set = fake_dataset("val", preset, size)
 
-    per_rank = len(train_set) // world_size
-    if per_rank < settings.batch_size:
-        where = f"in {settings.data_dir}" if preset.folders else "of fake data"
-        raise DataError(f"The train split ({len(train_set)} images {where}) "
-                        f"gives each of {world_size} ranks {per_rank} images, less than one batch of "
-                        f"{settings.batch_size}: lower batch_size.")
+    check_batch_fits(len(train_set), settings, world_size,
+                     f"in {settings.data_dir}" if preset.folders else "of fake data")
 
     cuda = device is not None and torch.device(device).type == "cuda"
     loader_args = dict(batch_size=settings.batch_size, num_workers=settings.workers,

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import transforms as T
 
-from .data import Data, DataError, EvalShardSampler, ImageFolderDataset, Preset
+from .data import Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, check_batch_fits
 
 __all__ = ["MEMORY_DATASETS", "MemorySplit", "MemoryLoader", "MemoryEvalLoader", "decode_split",
            "crop_flip", "normalize", "augmentation_generator", "check_memory_dataset",
@@ -238,11 +238,7 @@ def build_memory_data(settings, preset: Preset, image_size: int, val_split: str,
         return MemorySplit(*decode_split(root, split, classes, resize, settings.workers), classes).to(device)
 
     train = load(preset.train_split)
-    per_rank = len(train) // world_size
-    if per_rank < settings.batch_size:
-        raise DataError(f"The train split ({len(train)} images in {settings.data_dir}) gives each of "
-                        f"{world_size} ranks {per_rank} images, less than one batch of {settings.batch_size}: "
-                        f"lower batch_size.")
+    check_batch_fits(len(train), settings, world_size, f"in {settings.data_dir}")
     val = load(val_split)
     return Data(train=MemoryLoader(train, preset, settings.batch_size, rank, world_size, settings.seed,
                                    settings.max_steps_per_epoch),
