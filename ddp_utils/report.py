@@ -227,21 +227,106 @@ def figure_text(fig: Figure) -> str:
     return "\n".join(t for t in texts if t)
 
 
-def _new_figure(runs: list[dict], title: str, size: tuple[float, float]) -> Figure:
-    """A figure with a title on top and the hardware caption at the bottom.
+def _new_figure(runs: list[dict], title: str, size: tuple[float, float]):
+    """A figure with a title on top and the hardware caption at the bottom, and the panel (a
+    subfigure) between them that holds the axes and the legend of the runs.
 
-    Built as a plain ``Figure`` on the Agg canvas, not through pyplot: it renders headless (no
-    display, no global backend switch) and still shows inline when returned in a notebook.
+    The panel keeps the legend above the caption: the constrained layout reserves the bottom
+    margin for one of them only when both belong to the same figure. Built as a plain ``Figure``
+    on the Agg canvas, not through pyplot: it renders headless (no display, no global backend
+    switch) and still shows inline when returned in a notebook.
     """
     fig = Figure(figsize=size, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     fig.suptitle(title, fontsize=13)
     fig.supxlabel(hardware_caption(runs), fontsize=9, color="0.3")
-    return fig
+    return fig, fig.subfigures(1, 1)
 
 
 def _label(run: dict) -> str:
     return f"{run['name']} ({_ranks(run['world_size'])})"
+
+
+# -- layout: long run names, labels kept inside the figure and the axes --------------------------
+# Run folder names are long (``cinic10-resnet18_cifar-ws2-20261123-101500``): they go into a legend
+# below the axes, never into the plots, and nothing may be cut off at the figure's or an axes' edge.
+LEGEND_FONTSIZE = 8
+MAX_LEGEND_LABEL = 90   # characters per line of a legend entry; longer names wrap
+
+
+def _wrap(text: str, width: int, sep: str = "  |  ") -> str:
+    """``text`` in lines of at most ``width`` characters, broken at ``sep`` where possible, else at
+    spaces and hyphens (run names are hyphenated)."""
+    import textwrap
+
+    width = max(width, 10)
+    lines: list[str] = []
+    for part in text.split(sep):
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines += textwrap.wrap(part, width, break_on_hyphens=True) or [""]
+    return "\n".join(lines)
+
+
+def _fit_width(fig: Figure, text, original: str, max_px: float) -> None:
+    """Re-wrap a figure-wide text (title, caption) so that it is at most ``max_px`` wide."""
+    renderer = fig.canvas.get_renderer()
+    for _ in range(4):   # wrapping narrower than the estimate converges in one or two steps
+        width = text.get_window_extent(renderer).width
+        if width <= max_px:
+            return
+        longest = max(len(line) for line in text.get_text().splitlines())
+        text.set_text(_wrap(original, int(longest * max_px / width) - 2))
+        fig.draw_without_rendering()
+
+
+def _legend_below(fig: Figure, panel, handles: list, labels: list[str]):
+    """A legend centred below the axes of ``panel``, in as many columns as fit the figure's width."""
+    labels = [_wrap(label, MAX_LEGEND_LABEL, sep="\n") for label in labels]
+    legend = None
+    for ncols in range(min(len(labels), 4), 0, -1):
+        if legend is not None:
+            legend.remove()
+        legend = panel.legend(handles, labels, loc="outside lower center", ncols=ncols,
+                              fontsize=LEGEND_FONTSIZE, frameon=False)
+        # Its size does not depend on where it goes: measured before the layout makes room for it.
+        if legend.get_window_extent(fig.canvas.get_renderer()).width <= 0.97 * fig.bbox.width:
+            break
+    return legend
+
+
+def _finish(fig: Figure) -> Figure:
+    """Wrap the title and the hardware caption to the figure's width (after the layout is known)."""
+    fig.draw_without_rendering()
+    for text in fig.texts:   # the title and the caption
+        _fit_width(fig, text, text.get_text(), 0.97 * fig.bbox.width)
+    return fig
+
+
+def _headroom(fig: Figure, ax, labels, pad: float = 0.03) -> None:
+    """Raise ``ax``'s top y limit until every text in ``labels`` (anchored on bars, drawn upwards)
+    ends at least ``pad`` (a fraction of the axes' height) below the axes' top edge.
+
+    A label is a fixed number of pixels tall however the data is scaled, so the top that fits a
+    label of height h above a bar of height b (bottom 0) in an axes H pixels tall is
+    b * H / (H (1 - pad) - h).
+    """
+    for _ in range(3):   # the constrained layout may resize the axes a little: settle it
+        fig.draw_without_rendering()
+        renderer = fig.canvas.get_renderer()
+        height = ax.bbox.height
+        bottom, top = ax.get_ylim()
+        needed = top
+        for label in labels:
+            anchor = label.xy[1]   # data y of the bar top the label stands on
+            above = label.get_window_extent(renderer).y1 - ax.transData.transform((0, anchor))[1]
+            room = height * (1 - pad) - above
+            fits = bottom + (anchor - bottom) * height / room if room > 0 else 2 * top
+            needed = max(needed, fits)
+        if needed <= top * 1.001:
+            return
+        ax.set_ylim(bottom, needed)
 
 
 # -- training curves -----------------------------------------------------------------------------
@@ -273,11 +358,15 @@ def _tensorboard_curves(run_dir: Path) -> dict[str, tuple[list[float], list[floa
 
 
 def plot_curves(run_dirs) -> Figure:
-    """Loss (left) and Acc@1 (right) per epoch: train solid, val dashed, one colour per run."""
+    """Loss (left) and Acc@1 (right) per epoch: train solid, val dashed, one colour per run; the
+    runs' names in a legend below the axes."""
+    from matplotlib.lines import Line2D
+
     runs = _load_all(run_dirs)
-    fig = _new_figure(runs, f"Training curves: loss and Acc@1 per epoch "
-                            f"({_summary(runs, 'dataset')} data, {_summary(runs, 'arch')})", (11, 4.8))
-    loss_ax, acc_ax = fig.subplots(1, 2)
+    fig, panel = _new_figure(runs, f"Training curves: loss and Acc@1 per epoch "
+                                   f"({_summary(runs, 'dataset')} data, {_summary(runs, 'arch')})",
+                             (11, 5.2 + 0.15 * len(runs)))   # taller with more runs: the legend grows
+    loss_ax, acc_ax = panel.subplots(1, 2)
     for i, run in enumerate(runs):
         color = f"C{i}"
         for tag, (xs, ys) in epoch_curves(run).items():
@@ -292,46 +381,78 @@ def plot_curves(run_dirs) -> Figure:
         ax.set_ylabel(unit)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    loss_ax.legend(fontsize=8, title="solid: train, dashed: val", title_fontsize=8)
-    return fig
+    # One entry per run (its colour), then one per line style, instead of runs x splits entries.
+    handles = [Line2D([], [], color=f"C{i}", linewidth=3) for i in range(len(runs))]
+    handles += [Line2D([], [], color="0.3", linestyle="-", marker="o", markersize=4),
+                Line2D([], [], color="0.3", linestyle="--", marker="s", markersize=4)]
+    _legend_below(fig, panel, handles, [_label(run) for run in runs] + ["train (solid)", "val (dashed)"])
+    return _finish(fig)
 
 
 # -- throughput and speed-up ---------------------------------------------------------------------
 def plot_throughput(run_dirs, baseline=None) -> Figure:
     """Left: global train images/s per run. Right: speed-up against the baseline, with the ideal
-    linear speed-up (ranks / baseline ranks) drawn as a dashed outline behind each bar."""
+    linear speed-up (ranks / baseline ranks) drawn as a dashed outline behind each bar.
+
+    The bars are numbered (run 1, run 2, ...) and a legend below the axes names the runs, unless
+    every run's name fits under its bars."""
+    from matplotlib.patches import Patch
+
     runs = _load_all(run_dirs)
     rows = scaling_rows(runs, baseline)
     base = runs[baseline_index(runs, baseline)]
-    fig = _new_figure(runs, f"Throughput and speed-up vs {base['name']} ({_ranks(base['world_size'])})",
-                      (11, 4.8))
-    ips_ax, speed_ax = fig.subplots(1, 2)
-    xs = range(len(rows))
-    names = [f"{r.name}\n{_ranks(r.ranks)}" for r in rows]
+    fig, panel = _new_figure(runs, f"Throughput and speed-up vs {base['name']} ({_ranks(base['world_size'])})",
+                             (max(11.0, 3.0 + 2.0 * len(rows)), 5.2 + 0.15 * len(rows)))   # room per bar
+    ips_ax, speed_ax = panel.subplots(1, 2)
+    xs = list(range(len(rows)))
+    colors = [f"C{i}" for i in xs]
 
-    bars = ips_ax.bar(xs, [r.images_per_s for r in rows], color=[f"C{i}" for i in xs])
-    ips_ax.bar_label(bars, labels=[f"{r.images_per_s:.0f}\n({r.images_per_s_rank:.0f} per rank)" for r in rows],
-                     fontsize=9)
+    bars = ips_ax.bar(xs, [r.images_per_s for r in rows], color=colors)
+    ips_labels = ips_ax.bar_label(bars, fontsize=LEGEND_FONTSIZE, padding=2, labels=[
+        f"{r.images_per_s:.0f}\n{r.images_per_s_rank:.0f} per rank" for r in rows])
     ips_ax.set_title("train images/s, all ranks together")
     ips_ax.set_ylabel("images / s")
 
     ideal = [r.ranks / base["world_size"] for r in rows]
-    ideal_bars = speed_ax.bar(xs, ideal, fill=False, linestyle="--", edgecolor="0.4",
-                              label="ideal (linear) speed-up")
-    speed_ax.bar_label(ideal_bars, labels=[f"ideal {x:g}x" for x in ideal], fontsize=8, color="0.4")
-    bars = speed_ax.bar(xs, [r.speedup or 0 for r in rows], color=[f"C{i}" for i in xs], width=0.6,
-                        label="measured (train time per epoch)")
-    # Inside the bars, so the labels never collide with the ideal's label when they are equal.
-    speed_ax.bar_label(bars, label_type="center", color="white", fontweight="bold", fontsize=9, labels=[
-        f"{r.speedup:.2f}x\n{100 * r.efficiency:.0f} % eff." if r.speedup is not None else "n/a" for r in rows])
-    speed_ax.set_title("speed-up vs baseline (dashed: ideal)")
+    speed_ax.bar(xs, ideal, fill=False, linestyle="--", edgecolor="0.4", label="ideal (linear) speed-up")
+    speed_ax.bar(xs, [r.speedup or 0 for r in rows], color=colors, width=0.6,
+                 label="measured speed-up")
+    # One label per run above the taller of its two bars: on white, so it reads whatever the bar's
+    # height, and never on top of another label when the measured speed-up equals the ideal one.
+    speed_labels = [
+        speed_ax.annotate(f"{r.speedup:.2f}x\n{100 * r.efficiency:.0f} % of {x_ideal:g}x" if r.speedup is not None
+                          else f"n/a\nideal {x_ideal:g}x",
+                          xy=(x, max(x_ideal, r.speedup or 0)), xytext=(0, 2), textcoords="offset points",
+                          ha="center", va="bottom", fontsize=LEGEND_FONTSIZE)
+        for x, r, x_ideal in zip(xs, rows, ideal)]
+    speed_ax.set_title("speed-up vs baseline, in train time per epoch")
     speed_ax.set_ylabel("speed-up (x)")
-    speed_ax.legend(fontsize=8, loc="upper left")
+    # Right of the axes, not on the bars.
+    speed_ax.legend(fontsize=LEGEND_FONTSIZE, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
+
     for ax in (ips_ax, speed_ax):
-        ax.set_xticks(list(xs), names, fontsize=9)
-        ax.margins(y=0.25)   # room above the bars for their labels
+        ax.set_xticks(xs, [f"{r.name}\n{_ranks(r.ranks)}" for r in rows], fontsize=9)
+        ax.set_xlim(-0.6, len(rows) - 0.4)
+        ax.set_ylim(bottom=0)
         ax.grid(axis="y", alpha=0.3)
+    if not _ticks_fit(fig, speed_ax, len(rows)):
+        for ax in (ips_ax, speed_ax):
+            ax.set_xticks(xs, [f"run {x + 1}\n{_ranks(r.ranks)}" for x, r in zip(xs, rows)], fontsize=9)
+        _legend_below(fig, panel, [Patch(color=c) for c in colors],
+                      [f"run {x + 1}: {_label(run)}" for x, run in zip(xs, runs)])
+    _finish(fig)
+    _headroom(fig, ips_ax, ips_labels)
+    _headroom(fig, speed_ax, speed_labels)
     return fig
+
+
+def _ticks_fit(fig: Figure, ax, n: int, gap_px: float = 8) -> bool:
+    """Whether ``ax``'s x tick labels fit ``n`` to a row without touching, before the layout is
+    made (labels too wide for it would make the layout collapse): a text's width does not depend
+    on where it goes, and each axes gets at least a third of the figure's width."""
+    renderer = fig.canvas.get_renderer()
+    widest = max(t.get_window_extent(renderer).width for t in ax.get_xticklabels())
+    return widest + gap_px <= fig.bbox.width / 3 / n
 
 
 # -- everything at once --------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+from matplotlib.legend import Legend
 
 from ddp_utils import cli, report
 from ddp_utils.settings import Settings
@@ -200,3 +201,93 @@ def test_cli_report_writes_the_table_and_figures(runs, tmp_path, capsys):
 def test_cli_report_on_a_non_run_folder_exits_2_naming_the_folder(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert f"error: {tmp_path} is not a run folder" in capsys.readouterr().err
+
+
+# -- figures: long run names, nothing cut off, nothing on top of anything else -------------------
+LONG_NAMES = ["20261123-101500-ddp2", "cinic10-resnet18_cifar-ws2-20261123-101500",
+              "cinic10-resnet18_cifar-ws4-20261123-101500", "cinic10-resnet18_cifar-ws1-20261123-101500"]
+
+
+@pytest.fixture(params=["2 short names", "4 long names", "3 very long names"])
+def named_runs(request, runs, tmp_path):
+    if request.param == "2 short names":
+        return runs
+    if request.param == "4 long names":
+        return [fake_run(tmp_path / "long" / name, world_size=ws, train_time_s=3600.0 / ws * 1.1, epochs=8)
+                for name, ws in zip(LONG_NAMES, (2, 2, 4, 1))]
+    stem = "imagenet-resnet50-a-very-long-experiment-name-" + "x" * 70   # longer than a legend line
+    return [fake_run(tmp_path / "huge" / f"{stem}-ws{ws}", world_size=ws, train_time_s=3600.0 / ws,
+                     host="ip-172-31-44-201.eu-central-1.compute.internal-" + "y" * 60)
+            for ws in (1, 2, 4)]
+
+
+PLOTS = {"curves": report.plot_curves, "throughput": report.plot_throughput}
+
+
+def shown_texts(fig) -> list:
+    """Every text the figure draws: titles, caption, axis and tick labels, bar labels, legends."""
+    texts = list(fig.texts)
+    for legend in fig.findobj(Legend):
+        texts += [*legend.get_texts(), legend.get_title()]
+    for ax in fig.axes:
+        texts += [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        for axis, limits in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            low, high = sorted(limits)
+            texts += [label for loc, label in zip(axis.get_ticklocs(), axis.get_ticklabels())
+                      if low - 1e-9 <= loc <= high + 1e-9]   # ticks outside the view are not drawn
+    return [t for t in texts if t.get_visible() and t.get_text().strip()]
+
+
+def overlap(a, b, tolerance=0.5) -> bool:
+    return (min(a.x1, b.x1) - max(a.x0, b.x0) > tolerance) and (min(a.y1, b.y1) - max(a.y0, b.y0) > tolerance)
+
+
+def inside(inner, outer, tolerance=0.5) -> bool:
+    return (inner.x0 >= outer.x0 - tolerance and inner.x1 <= outer.x1 + tolerance
+            and inner.y0 >= outer.y0 - tolerance and inner.y1 <= outer.y1 + tolerance)
+
+
+@pytest.mark.parametrize("plot", PLOTS)
+def test_no_text_of_a_figure_is_cut_off_at_its_edges(named_runs, plot):
+    fig = PLOTS[plot](named_runs)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    outside = [t.get_text() for t in shown_texts(fig) if not inside(t.get_window_extent(renderer), fig.bbox)]
+    assert outside == []
+
+
+@pytest.mark.parametrize("plot", PLOTS)
+def test_run_labels_under_the_bars_and_bar_labels_stand_apart_and_inside_their_axes(named_runs, plot):
+    fig = PLOTS[plot](named_runs)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        ticks = [t for t in shown_texts(fig) if t in ax.get_xticklabels()]
+        for group in (ticks, ax.texts):   # one run's label never runs into another's
+            boxes = [t.get_window_extent(renderer) for t in group]
+            assert not [(a.get_text(), b.get_text()) for i, a in enumerate(group) for j, b in enumerate(group)
+                        if i < j and overlap(boxes[i], boxes[j])]
+        # Bar labels (images/s, speed-up, ideal) end inside the axes: the y limits leave room for them.
+        assert [t.get_text() for t in ax.texts if not inside(t.get_window_extent(renderer), ax.bbox)] == []
+
+
+@pytest.mark.parametrize("plot", PLOTS)
+def test_legends_cover_no_axes_and_no_other_text(named_runs, plot):
+    fig = PLOTS[plot](named_runs)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legends = fig.findobj(Legend)
+    assert legends
+    for legend in legends:
+        box = legend.get_window_extent(renderer)
+        assert not [ax.get_title() for ax in fig.axes if overlap(box, ax.bbox)]   # not on the curves or bars
+        own = {*legend.get_texts(), legend.get_title()}
+        assert not [t.get_text() for t in shown_texts(fig)
+                    if t not in own and overlap(box, t.get_window_extent(renderer))]
+
+
+@pytest.mark.parametrize("plot", PLOTS)
+def test_every_runs_full_name_is_on_its_figures(named_runs, plot):
+    fig = PLOTS[plot](named_runs)
+    text = " ".join(t.get_text().replace("\n", "") for t in shown_texts(fig))
+    assert all(run.name in text for run in named_runs)
