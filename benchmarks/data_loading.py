@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_utils.data import build_data, prepare_demo  # noqa: E402
+from ddp_utils.data import build_data  # noqa: E402
+from ddp_utils.demo_data import prepare_demo  # noqa: E402
 from ddp_utils.settings import Settings  # noqa: E402
 
 

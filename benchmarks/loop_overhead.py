@@ -126,7 +126,7 @@ def main():
               f"{r['threads']} thread): bare {r['bare_images_per_s']:.0f} img/s, kit {r['kit_images_per_s']:.0f} "
               f"img/s, kit/bare = {r['kit_over_bare']:.3f}")
     if args.part in ("scaling", "all"):
-        from ddp_utils.data import prepare_demo
+        from ddp_utils.demo_data import prepare_demo
         prepare_demo("data/demo")
         r = part_scaling(args.epochs)
         print(f"scaling ({cpu}; demo set, convnet, batch 32 per rank, {r['epochs']} epochs, gloo on loopback): "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import time
 
-from .data import DataError, check_data
+from .datasets import DataError, check_data
 from .distributed import DistSetupError
 from .preflight import preflight
 

@@ -9,6 +9,10 @@ disk or a killed worker while saving leaves the previous checkpoint exactly as i
 code. Everything we store must therefore be plain: ``settings.to_dict()``, ``str(torch.__version__)``
 (a ``TorchVersion`` object is refused), ``rng_state()`` (no numpy arrays).
 
+``save_state``, ``load_state`` and ``restore`` are the training side: every rank calls them (they
+are collectives), rank 0 alone touches files, and rank 0 sends what it read to the others, so the
+nodes need no shared folder.
+
 Layout of a run folder's checkpoints (rank 0 writes them, on the rank-0 node only)::
 
     <run_dir>/last.pt   end of the latest epoch: resume from here
@@ -17,13 +21,17 @@ Layout of a run folder's checkpoints (rank 0 writes them, on the rank-0 node onl
 from __future__ import annotations
 
 import inspect
-import os
 import pickle
 import random
 import re
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from . import distributed
+from .files import atomic_write
+from .model import unwrap
 
 
 class CheckpointError(RuntimeError):
@@ -45,21 +53,7 @@ def save_checkpoint(path, state: dict, verify: bool = True) -> None:
     of being discovered after the crash it was meant to survive.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Same folder as the target: os.replace is only atomic within one file system.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them "the" file
-        if verify:
-            _check_loads_back(tmp, path)
-        os.replace(tmp, path)
-    except BaseException:  # also KeyboardInterrupt: never leave a temp file behind
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_folder(path.parent)  # make the rename itself survive a power cut
+    atomic_write(path, lambda f: torch.save(state, f), check=(lambda tmp: _check_loads_back(tmp, path)) if verify else None)
 
 
 def _check_loads_back(tmp: Path, path: Path) -> None:
@@ -70,21 +64,6 @@ def _check_loads_back(tmp: Path, path: Path) -> None:
             f"Not saving {path}: torch.load(weights_only=True) could not read the state back "
             f"({_why(e)}). Store only tensors and plain values: state_dict()s, settings.to_dict(), "
             f"str(torch.__version__), rng_state(). Any earlier {path.name} is unchanged.") from e
-
-
-def _fsync_folder(folder: Path) -> None:
-    if os.name != "posix":
-        return
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems (network mounts) do not support it; the data is safe anyway
-        pass
-    finally:
-        os.close(fd)
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -179,3 +158,47 @@ def set_rng_state(state: dict) -> None:
         import numpy as np
         name, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# -- the training state, across ranks ---------------------------------------------------------------
+def gather_rng(ctx) -> list:
+    """Every rank's RNG state, gathered so rank 0 can store them all in one file (a collective)."""
+    state = rng_state()
+    if not ctx.distributed:
+        return [state]
+    states = [None] * ctx.world_size
+    dist.all_gather_object(states, state)   # DDP: collective
+    return states
+
+
+def save_state(paths, model, optimizer, scheduler, scaler, epoch, step, best_acc1, history, settings,
+               ctx) -> None:
+    """Write the full training state to each of ``paths`` (rank 0 only; every rank must call this)."""
+    rngs = gather_rng(ctx)   # collective, so that resuming restores each rank's own RNG
+    if ctx.is_main:
+        state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                 "epoch": epoch, "step": step, "best_acc1": best_acc1, "history": history,
+                 "settings": settings.to_dict(),
+                 "rng": rngs, "torch_version": str(torch.__version__)}
+        for path in paths:
+            save_checkpoint(path, state)
+
+
+def load_state(path, ctx) -> dict | None:
+    """Rank 0 reads the checkpoint and sends it to the others: the nodes need no shared folder."""
+    state = load_checkpoint(path) if ctx.is_main and path else None
+    if ctx.distributed:
+        state = distributed.broadcast_object(state, ctx)   # DDP: worker nodes get rank 0's file
+    return state
+
+
+def restore(state, model, optimizer, scheduler, scaler, ctx) -> None:
+    """Put a loaded state back: weights, optimiser, schedule, scaler and this rank's own RNG."""
+    unwrap(model).load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+    rngs = state["rng"]
+    set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0])

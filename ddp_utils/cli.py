@@ -20,9 +20,6 @@ from . import settings as settings_module
 # Errors whose message already says what is wrong and what to do: no traceback for these.
 CLEAR_ERRORS = (ValueError, FileExistsError, FileNotFoundError, RuntimeError)
 
-_DIST_FIELDS = ("master_addr", "master_port", "rank", "world_size", "local_rank", "backend",
-                "init_timeout", "socket_ifname", "init_method")
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ddp_utils", description=__doc__,
@@ -47,8 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="results table (Markdown) and labelled figures from finished run folders")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding results.json")
-    report.add_argument("--out", default="runs/report", help="folder for results.md, curves.png, throughput.png "
-                                                           "(default runs/report)")
+    where = report.add_mutually_exclusive_group()
+    where.add_argument("--out", metavar="DIR", default=None,
+                       help="folder for results.md, curves.png, throughput.png (default: a new folder "
+                            "reports/<YYYYmmdd-HHMMSS>/ under the current directory). Files of those names "
+                            "already in DIR are replaced only if an earlier report wrote them (it lists them "
+                            "in DIR/.ddp_utils-report.json) and they are unchanged; otherwise nothing is written")
+    where.add_argument("--kit-images", action="store_true",
+                       help="write into the kit's own images/ folder, replacing its committed example "
+                            "pictures: the one way to regenerate them (a plain --out images/ is refused)")
     report.add_argument("--baseline", metavar="RUN_DIR", default=None,
                         help="run to measure speed-up against (default: the first 1-rank run)")
     return parser
@@ -58,8 +62,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
-            from .run import run
-            run(settings_module.from_args(args), resume=args.resume, evaluate=args.evaluate)
+            from .job import run_job
+            run_job(settings_module.from_args(args), resume=args.resume, evaluate=args.evaluate)
         elif args.command == "check":
             from .check import run_check
             return 0 if run_check(settings_module.from_args(args)) else 1
@@ -67,9 +71,10 @@ def main(argv=None) -> int:
             from .demo import run_demo
             run_demo(epochs=args.epochs, world_size=args.world_size, run_dir=args.run_dir, port=args.master_port)
         elif args.command == "report":
-            from .report import results_table, write_report
+            from .report import report_dir, results_table, write_report
+            out = report_dir(args.out, kit_images=args.kit_images)   # a refusal comes before any output
             print(results_table(args.run_dirs, baseline=args.baseline))
-            for path in write_report(args.run_dirs, args.out, baseline=args.baseline):
+            for path in write_report(args.run_dirs, out, baseline=args.baseline, kit_images=args.kit_images):
                 print(f"wrote {path}")
         return 0
     except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""Data for DDP training: presets, folder checks, and the per-rank train and validation loaders.
+"""``build_data``: this rank's train and validation loaders, checked once, built once.
 
     data = build_data(settings, rank, world_size, device)
     for epoch in range(settings.epochs):
@@ -7,447 +7,23 @@
         for images, labels in data.val:                   # this rank's share; all ranks together see
             ...                                           # every validation image exactly once
 
-Each rank reads its own copy of the data from its own disk (there is no shared file system
-between the nodes), so every rank checks its folders before training and ``Data.fingerprint()``
-lets the ranks compare what they found. Rank and world size are plain arguments: nothing here
-touches ``torch.distributed``.
-
-Presets (``PRESETS``) carry their own normalisation statistics and transforms, so ImageNet is
-never normalised with CINIC-10 statistics and the ImageNet validation images are always
-centre-cropped.
+It checks the folders (``datasets.check_data``), then picks one of two loader pairs with the same
+shards, steps and validation tensors: ``workers`` (DataLoader worker processes decode each epoch, the
+classic path, any preset) or ``memory`` (decode once into a uint8 tensor, ``memdata.py``; cinic10 and
+demo). The pieces live in ``datasets.py``; this module only decides and assembles.
 """
 from __future__ import annotations
 
-import hashlib
-import dataclasses
-import itertools
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sized
 
 import torch
-from PIL import Image
-from torch import Tensor
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
-from torchvision import transforms as T
-from torchvision.datasets import FakeData, ImageFolder
-from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
+from torch.utils.data import DataLoader, DistributedSampler
 
-from .demo_data import DEMO_JSON, prepare_demo, read_demo_info
+from .datasets import (Data, EpochLoader, EvalShardSampler, ImageFolderDataset, check_batch_fits, check_data,
+                       eval_transform, fake_dataset, load_preset, train_transform)
+from .memdata import build_memory_data, check_memory_dataset
 
-__all__ = ["DataError", "Preset", "PRESETS", "load_preset", "train_transform", "eval_transform",
-           "check_data", "Data", "build_data", "EpochLoader", "EvalShardSampler", "ImageFolderDataset",
-           "prepare_demo"]
-
-# A split with at most this many images has every image decoded by check_data (a few seconds);
-# a bigger one (ImageNet, full CINIC-10) has one image per class checked, and a broken file
-# met later during training raises a DataError that names it.
-VERIFY_ALL_UP_TO = 20_000
-FAKE_SIZES = {"train": 2560, "val": 512}  # images in the fake preset's splits
-
-
-class DataError(ValueError):
-    """The data on disk is not what the preset expects. The message names the path, what is
-    wrong and what to do about it."""
-
-
-# --------------------------------------------------------------------------------------------
-# Presets
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Preset:
-    """Everything that belongs to one data set: folders, statistics and the kind of transforms.
-
-    ``mean`` and ``std`` are per RGB channel, for pixels scaled to 0..1. ``image_size`` is the
-    default training crop in pixels. ``num_classes`` None means "count the class folders".
-    ``crop`` picks the transforms: "resized" (ImageNet style), "padded" (CIFAR/CINIC style) or
-    "none". ``layout`` is the folder layout, as shown in error messages.
-    """
-    name: str
-    mean: tuple[float, float, float] | None
-    std: tuple[float, float, float] | None
-    image_size: int
-    num_classes: int | None
-    train_split: str
-    val_split: str
-    test_split: str | None
-    crop: str = "resized"
-    hflip: bool = True
-    folders: bool = True  # False: generated in memory, no data_dir needed
-    layout: str = ""
-
-
-CINIC10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer",
-                   "dog", "frog", "horse", "ship", "truck"]
-
-PRESETS: dict[str, Preset] = {
-    "imagenet": Preset(
-        "imagenet", mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), image_size=224,
-        num_classes=None, train_split="train", val_split="val", test_split=None, crop="resized",
-        layout="DATA_DIR/train/<wnid>/*.JPEG and DATA_DIR/val/<wnid>/*.JPEG "
-               "(e.g. train/n01440764/n01440764_10026.JPEG). The 50,000 ImageNet validation images "
-               "ship in one flat folder: sort them into the same <wnid> class folders as train/ "
-               "with lab/scripts/sort_imagenet_val.py before training"),
-    "cinic10": Preset(
-        "cinic10", mean=(0.47889522, 0.47227842, 0.43047404),
-        std=(0.24205776, 0.23828046, 0.25874835), image_size=32, num_classes=10,
-        train_split="train", val_split="valid", test_split="test", crop="padded",
-        layout="DATA_DIR/train/<class>/*.png, DATA_DIR/valid/<class>/*.png and DATA_DIR/test/<class>/*.png, "
-               "32x32 RGB, with the ten class folders " + ", ".join(CINIC10_CLASSES) +
-               " (unpack CINIC-10.tar.gz into DATA_DIR)"),
-    # Handwritten digits: a mirrored digit is not the same digit, so no horizontal flip.
-    # mean/std are None here: load_preset reads them from DATA_DIR/demo.json.
-    "demo": Preset(
-        "demo", mean=None, std=None, image_size=32, num_classes=10,
-        train_split="train", val_split="valid", test_split="test", crop="padded", hflip=False,
-        layout="DATA_DIR/{train,valid,test}/<digit>/*.png plus DATA_DIR/demo.json, written by "
-               "ddp_utils.data.prepare_demo(DATA_DIR) (build_data does it when DATA_DIR does not exist)"),
-    # Random pixels, deterministic per index: measures speed and tests the plumbing, learns nothing.
-    "fake": Preset(
-        "fake", mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), image_size=224, num_classes=1000,
-        train_split="train", val_split="val", test_split=None, crop="none", hflip=False,
-        folders=False),
-}
-
-
-def load_preset(dataset: str, data_dir: str | Path = "") -> Preset:
-    """The preset for ``dataset``, complete: the demo preset gets its mean/std from demo.json."""
-    if dataset not in PRESETS:
-        raise DataError(f"Unknown dataset {dataset!r}: choose one of {', '.join(PRESETS)}")
-    preset = PRESETS[dataset]
-    if preset.mean is None:
-        path = Path(data_dir).expanduser() / DEMO_JSON
-        try:
-            info = read_demo_info(path.parent)
-            mean, std = tuple(info["mean"]), tuple(info["std"])
-        except (OSError, ValueError, KeyError) as e:
-            raise DataError(f"{path}: cannot read the demo statistics ({e}). The demo preset expects "
-                            f"{preset.layout}. Delete {path.parent} and it will be rebuilt.") from None
-        preset = dataclasses.replace(preset, mean=mean, std=std)
-    return preset
-
-
-# --------------------------------------------------------------------------------------------
-# Transforms: PIL image in, normalised float32 tensor (3, size, size) out
-# --------------------------------------------------------------------------------------------
-def train_transform(preset: Preset, image_size: int = 0) -> T.Compose:
-    """Training augmentation for ``preset``: PIL image -> float32 tensor (3, S, S), normalised.
-
-    ``image_size`` S in pixels; 0 = the preset's (224 ImageNet, 32 CINIC-10/demo).
-    """
-    size = image_size or preset.image_size
-    _require_stats(preset)
-    steps = []
-    if preset.crop == "resized":      # ImageNet: random area 8-100 %, random aspect, resized to S
-        steps.append(T.RandomResizedCrop(size))
-    elif preset.crop == "padded":     # CIFAR/CINIC: pad by S/8 (4 px at 32) and crop back to S
-        if size != preset.image_size:
-            steps.append(T.Resize((size, size)))
-        steps.append(T.RandomCrop(size, padding=size // 8))
-    if preset.hflip:
-        steps.append(T.RandomHorizontalFlip())
-    steps += [T.ToTensor(), T.Normalize(preset.mean, preset.std)]  # uint8 0..255 -> 0..1 -> z-score
-    return T.Compose(steps)
-
-
-def eval_transform(preset: Preset, image_size: int = 0) -> T.Compose:
-    """Deterministic evaluation transform: PIL image -> float32 tensor (3, S, S), normalised.
-
-    ImageNet style resizes the short side to S * 256/224 (256 at 224) and centre-crops S.
-    """
-    size = image_size or preset.image_size
-    _require_stats(preset)
-    steps = []
-    if preset.crop == "resized":
-        steps += [T.Resize(round(size * 256 / 224)), T.CenterCrop(size)]
-    elif preset.crop == "padded" and size != preset.image_size:
-        steps.append(T.Resize((size, size)))
-    steps += [T.ToTensor(), T.Normalize(preset.mean, preset.std)]
-    return T.Compose(steps)
-
-
-def _require_stats(preset: Preset) -> None:
-    if preset.mean is None or preset.std is None:
-        raise ValueError(f"The {preset.name} preset has no statistics yet: get it with "
-                         f"load_preset({preset.name!r}, data_dir), which reads them from the data folder")
-
-
-# --------------------------------------------------------------------------------------------
-# Data sets (module level, so DataLoader workers started with spawn/forkserver can unpickle them)
-# --------------------------------------------------------------------------------------------
-def find_classes(directory: str | Path) -> tuple[list[str], dict[str, int]]:
-    """Class folders in ``directory``, sorted; hidden ones (``.ipynb_checkpoints``) skipped."""
-    classes = sorted(e.name for e in Path(directory).iterdir() if e.is_dir() and not e.name.startswith("."))
-    return classes, {name: i for i, name in enumerate(classes)}
-
-
-def load_rgb(path: str) -> Image.Image:
-    """Open an image file as RGB; a file Pillow cannot read raises a DataError naming it."""
-    try:
-        with open(path, "rb") as f:
-            return Image.open(f).convert("RGB")
-    except (OSError, ValueError, SyntaxError) as e:  # Pillow raises all three for bad files
-        raise DataError(f"{path}: Pillow cannot read this image ({type(e).__name__}: {e}). "
-                        f"Delete it or replace it with a good copy.") from None
-
-
-class ImageFolderDataset(ImageFolder):
-    """torchvision's ImageFolder (``root/<class>/<image>``, labels = sorted class folder index)
-    that skips hidden folders and names the file when an image cannot be read.
-
-    ``dataset[i]`` -> (transform(image), label): with the preset transforms a float32 tensor
-    (3, S, S) and an int in 0..num_classes-1.
-    """
-
-    def __init__(self, root: str | Path, transform=None):
-        super().__init__(str(root), transform=transform, loader=load_rgb)
-
-    def find_classes(self, directory):
-        return find_classes(directory)
-
-
-def fake_dataset(split: str, preset: Preset, image_size: int) -> FakeData:
-    """Random images (3, S, S), the same for a given index on every rank and every run."""
-    # The offset gives val other images than train (FakeData seeds each image with index + offset).
-    offset = 0 if split == "train" else FAKE_SIZES["train"]
-    return FakeData(size=FAKE_SIZES["train" if split == "train" else "val"],
-                    image_size=(3, image_size, image_size), num_classes=preset.num_classes,
-                    transform=eval_transform(preset, image_size), random_offset=offset)
-
-
-# --------------------------------------------------------------------------------------------
-# Checks: run before anything is loaded, every error says what is wrong, where, and what to do
-# --------------------------------------------------------------------------------------------
-def check_data(settings) -> dict:
-    """Check the folders of ``settings.dataset`` in ``settings.data_dir`` without building loaders.
-
-    Checks: DATA_DIR and the train and validation split folders exist; each split has class
-    folders, none of them empty; all splits have the same classes (and as many as the preset
-    expects); Pillow can decode the images (all of them in splits up to VERIFY_ALL_UP_TO images,
-    else the first of each class). The demo set is written first if DATA_DIR does not exist.
-
-    Returns ``{"dataset", "data_dir", "splits": {name: {"images": n, "classes": k}}, "classes": [...]}``.
-    Raises DataError.
-    """
-    preset = PRESETS[settings.dataset]
-    val_split = settings.val_split or preset.val_split
-    if not preset.folders:
-        classes = [str(i) for i in range(preset.num_classes)]
-        return {"dataset": preset.name, "data_dir": "", "classes": classes,
-                "splits": {name: {"images": FAKE_SIZES[name], "classes": preset.num_classes}
-                           for name in (preset.train_split, preset.val_split)}}
-    root = Path(settings.data_dir).expanduser()
-    if preset.name == "demo":
-        try:
-            prepare_demo(root)  # writes the set the first time (race-safe across ranks), then a no-op
-        except FileExistsError as e:
-            raise DataError(f"{e} The demo preset expects {preset.layout}.") from None
-    _check_root(root, preset)
-    preset = load_preset(preset.name, root)
-
-    scans = {split: _scan_split(root, split, preset) for split in dict.fromkeys([preset.train_split, val_split])}
-    classes = next(iter(scans.values()))[0]
-    _check_same_classes(root, {split: scan[0] for split, scan in scans.items()})
-    if preset.num_classes is not None and len(classes) != preset.num_classes:
-        raise DataError(f"{root / preset.train_split} has {len(classes)} class folders "
-                        f"({_few(classes)}) but the {preset.name} preset expects {preset.num_classes}: "
-                        f"{preset.layout}. {_layout_hint(root, preset)}")
-    for split, (_, samples) in scans.items():
-        _check_images(root / split, samples, preset)
-    return {"dataset": preset.name, "data_dir": str(root), "classes": classes,
-            "splits": {split: {"images": len(samples), "classes": len(cls)}
-                       for split, (cls, samples) in scans.items()}}
-
-
-def _check_root(root: Path, preset: Preset) -> None:
-    if not root.is_dir():
-        what = "is a file, not a folder" if root.exists() else "does not exist"
-        raise DataError(f"data_dir {root} {what}. The {preset.name} preset expects {preset.layout}. "
-                        f"Put the data on this node (every node needs its own copy) or fix data_dir.")
-
-
-def _scan_split(root: Path, split: str, preset: Preset) -> tuple[list[str], list[tuple[str, int]]]:
-    """(classes, [(image path, label), ...]) of one split folder, or a DataError."""
-    folder = root / split
-    if not folder.is_dir():
-        found = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
-        raise DataError(f"Split folder {folder} is missing (data_dir {root} holds: {_few(found) or 'nothing'}). "
-                        f"The {preset.name} preset expects {preset.layout}. {_layout_hint(root, preset)}")
-    classes, class_to_idx = find_classes(folder)
-    if not classes:
-        loose = [p for p in folder.iterdir() if p.suffix.lower() in IMG_EXTENSIONS]
-        detail = (f"it holds {len(loose)} images directly instead: sort them into class folders"
-                  if loose else "it is empty")
-        raise DataError(f"Split folder {folder} has no class folders ({detail}). "
-                        f"The {preset.name} preset expects {preset.layout}.")
-    samples = make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
-    counts = dict.fromkeys(classes, 0)
-    for _, label in samples:
-        counts[classes[label]] += 1
-    empty = [name for name, n in counts.items() if n == 0]
-    if empty:
-        raise DataError(f"{len(empty)} class folder(s) in {folder} hold no images "
-                        f"({', '.join(IMG_EXTENSIONS)}): {_few([str(folder / e) for e in empty])}. "
-                        f"Copy the missing images again or delete the empty folders in every split.")
-    return classes, samples
-
-
-def _check_same_classes(root: Path, classes_by_split: dict[str, list[str]]) -> None:
-    """Every split must have the same class folders, or label i would mean different things."""
-    (first, reference), *others = classes_by_split.items()
-    problems = []
-    for split, classes in others:
-        missing = sorted(set(reference) - set(classes))
-        extra = sorted(set(classes) - set(reference))
-        if missing:
-            problems.append(f"{root / split} lacks {len(missing)} class(es) that {first}/ has: {_few(missing)}")
-        if extra:
-            problems.append(f"{root / split} has {len(extra)} class(es) that {first}/ lacks: {_few(extra)}")
-    if problems:
-        raise DataError("The splits have different class folders, so the same label would mean "
-                        "different classes:\n  - " + "\n  - ".join(problems) +
-                        "\nGive every split the same class folders.")
-
-
-def _check_images(folder: Path, samples: list[tuple[str, int]], preset: Preset) -> None:
-    """Decode every image of a small split, or the first image of each class of a big one."""
-    if len(samples) > VERIFY_ALL_UP_TO:
-        first_of_class = {}
-        for path, label in samples:
-            first_of_class.setdefault(label, path)
-        paths = list(first_of_class.values())
-    else:
-        paths = [path for path, _ in samples]
-    for path in paths:
-        try:
-            with Image.open(path) as img:
-                size = img.size
-                img.draft("RGB", (1, 1))  # JPEG: decode at 1/8 scale, much faster, still reads every byte
-                img.load()
-        except (OSError, ValueError, SyntaxError) as e:
-            raise DataError(f"{path}: Pillow cannot read this image ({type(e).__name__}: {e}). "
-                            f"Delete it or replace it with a good copy.") from None
-        if preset.crop == "padded" and size != (preset.image_size, preset.image_size):
-            raise DataError(f"{path} is {size[0]}x{size[1]} pixels, but {preset.name} images are "
-                            f"{preset.image_size}x{preset.image_size}. {_layout_hint(folder.parent, preset)}")
-
-
-def _layout_hint(root: Path, preset: Preset) -> str:
-    """A guess at the right preset from the folders that are there."""
-    names = {p.name for p in root.iterdir()} if root.is_dir() else set()
-    if "val" in names and "valid" not in names and preset.name != "imagenet":
-        return "These folders look like the ImageNet layout (train/ and val/): use dataset='imagenet'."
-    if "valid" in names and "val" not in names and preset.name == "imagenet":
-        guess = "demo" if DEMO_JSON in names else "cinic10"
-        return f"These folders look like the CINIC-10 layout (train/, valid/, test/): use dataset='{guess}'."
-    return ""
-
-
-def _few(names: list[str], k: int = 5) -> str:
-    shown = ", ".join(names[:k])
-    return shown + (f" (and {len(names) - k} more)" if len(names) > k else "")
-
-
-# --------------------------------------------------------------------------------------------
-# Samplers and loaders
-# --------------------------------------------------------------------------------------------
-class EvalShardSampler(Sampler[int]):
-    """Exact evaluation: rank r gets indices r, r + W, r + 2W, ... of the data set.
-
-    Every index goes to exactly one rank, with no padding (DistributedSampler pads with repeats,
-    which counts some images twice). Ranks may get one batch more or fewer than each other, so
-    an evaluation loop must not run a collective per batch: sum loss and correct counts locally,
-    then all-reduce the sums and counts once at the end.
-    """
-
-    def __init__(self, data: Sized | int, rank: int, world_size: int):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} must be in 0..{world_size - 1}")
-        self.size = data if isinstance(data, int) else len(data)
-        self.rank, self.world_size = rank, world_size
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.size, self.world_size))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.size, self.world_size))
-
-
-class EpochLoader:
-    """One rank's training batches, reshuffled every epoch.
-
-    ``for images, labels in loader.epoch(epoch)``: images float32 (B, 3, S, S), normalised;
-    labels int64 (B,). B = settings.batch_size (per rank); every batch is full (drop_last).
-    ``epoch()`` calls ``sampler.set_epoch(epoch)`` itself: without it DistributedSampler
-    repeats the same order every epoch. There is deliberately no plain ``iter(loader)``.
-    """
-
-    def __init__(self, loader: DataLoader, max_steps: int = 0, seed: int = 0):
-        if not hasattr(loader.sampler, "set_epoch"):
-            raise TypeError("EpochLoader needs a DataLoader whose sampler has set_epoch (a DistributedSampler)")
-        self.loader = loader
-        self.sampler = loader.sampler
-        self.max_steps = max_steps  # 0 = whole epoch
-        self.seed = seed            # augmentation seed of this rank (see epoch())
-
-    @property
-    def dataset(self):
-        return self.loader.dataset
-
-    @property
-    def batch_size(self) -> int:
-        return self.loader.batch_size
-
-    def __len__(self) -> int:
-        """Steps (batches) per epoch on this rank, the same on every rank."""
-        steps = len(self.loader)
-        return min(steps, self.max_steps) if self.max_steps > 0 else steps
-
-    def epoch(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        """The batches of epoch ``epoch`` (0, 1, ...): same order on a re-run, new order each epoch."""
-        self.sampler.set_epoch(epoch)  # DDP: seed + epoch -> one shuffle shared by all ranks
-        if self.loader.generator is not None:
-            # Worker augmentation seeds depend on (seed, rank, epoch) only, so a run resumed at
-            # epoch k draws the same random crops as one that never stopped.
-            self.loader.generator.manual_seed(self.seed + epoch)
-        return itertools.islice(self.loader, len(self))
-
-    def __iter__(self):
-        raise TypeError("Iterate over loader.epoch(epoch), not the loader itself: the epoch number "
-                        "sets the shuffle (DistributedSampler.set_epoch).")
-
-
-@dataclass
-class Data:
-    """What build_data returns: this rank's loaders and facts about the data set.
-
-    ``train_size`` and ``val_size`` are the whole splits (all ranks together), in images.
-    """
-    train: EpochLoader
-    val: DataLoader
-    num_classes: int
-    classes: list[str]
-    train_size: int
-    val_size: int
-    image_size: int
-    preset: Preset
-    val_split: str = ""
-
-    def fingerprint(self) -> dict:
-        """What every rank must share (compare across ranks before training; JSON-friendly)."""
-        return {"dataset": self.preset.name, "train_size": self.train_size, "val_size": self.val_size,
-                "val_split": self.val_split, "num_classes": self.num_classes,
-                "classes_sha1": hashlib.sha1("\n".join(self.classes).encode()).hexdigest()[:12],
-                "image_size": self.image_size,
-                "mean": [round(m, 6) for m in self.preset.mean], "std": [round(s, 6) for s in self.preset.std]}
-
-
-def check_batch_fits(train_images: int, settings, world_size: int, where: str) -> None:
-    """DataError if a rank's share of the train split is smaller than one batch (no step could run)."""
-    per_rank = train_images // world_size
-    if per_rank < settings.batch_size:
-        raise DataError(f"The train split ({train_images} images {where}) gives each of {world_size} ranks "
-                        f"{per_rank} images, less than one batch of {settings.batch_size}: lower batch_size.")
+__all__ = ["build_data"]
 
 
 def build_data(settings, rank: int, world_size: int, device: torch.device | str | None = None) -> Data:
@@ -456,28 +32,27 @@ def build_data(settings, rank: int, world_size: int, device: torch.device | str 
     Train: DistributedSampler (shuffle with ``settings.seed``, drop_last), so each rank gets a
     disjoint 1/world_size of the split each epoch, in full batches of ``settings.batch_size``.
     Val: EvalShardSampler, every image exactly once across ranks, last batch may be short.
-    ``device`` only decides ``pin_memory`` (on for CUDA). Raises DataError.
-    With ``settings.loader == "memory"`` (cinic10, demo): both splits decoded once and kept on
-    ``device``, same shuffle and evaluation shards, batched augmentation (see memdata.py).
+    ``device`` decides ``pin_memory`` (on for CUDA) and, for the memory loader, where the images live.
+    Raises DataError.
     """
     if settings.loader == "memory":
-        from .memdata import build_memory_data, check_memory_dataset   # here: memdata imports this module
-        check_memory_dataset(settings.dataset)                         # ImageNet: fail before scanning folders
-    summary = check_data(settings)
+        check_memory_dataset(settings.dataset)   # ImageNet: fail before scanning its folders
+    found = check_data(settings)
     preset = load_preset(settings.dataset, settings.data_dir)
     size = settings.image_size or preset.image_size
     val_split = settings.val_split or preset.val_split
+    root = Path(settings.data_dir).expanduser()
     if settings.loader == "memory":
-        return build_memory_data(settings, preset, size, val_split, summary["classes"], rank, world_size, device)
+        return build_memory_data(root, preset, size, val_split, found["classes"], settings.batch_size,
+                                 settings.seed, settings.max_steps_per_epoch, settings.workers, rank,
+                                 world_size, device)
     if preset.folders:
-        root = Path(settings.data_dir).expanduser()
         train_set = ImageFolderDataset(root / preset.train_split, train_transform(preset, size))
         val_set = ImageFolderDataset(root / val_split, eval_transform(preset, size))
     else:
         train_set = fake_dataset("train", preset, size)
         val_set = fake_dataset("val", preset, size)
-
-    check_batch_fits(len(train_set), settings, world_size,
+    check_batch_fits(len(train_set), settings.batch_size, world_size,
                      f"in {settings.data_dir}" if preset.folders else "of fake data")
 
     cuda = device is not None and torch.device(device).type == "cuda"
@@ -485,14 +60,13 @@ def build_data(settings, rank: int, world_size: int, device: torch.device | str 
                        pin_memory=cuda)                             # faster host-to-GPU copies
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=settings.seed, drop_last=True)
-    # Seeds the workers' augmentation: reproducible, and different on each rank. Train workers
-    # start afresh each epoch (not persistent) so that EpochLoader can reseed them per epoch.
-    aug_seed = settings.seed * 1000 + rank
-    generator = torch.Generator().manual_seed(aug_seed)
-    train = DataLoader(train_set, sampler=sampler, drop_last=True, generator=generator, **loader_args)
+    # The generator seeds the workers' augmentation; EpochLoader reseeds it every epoch with
+    # datasets.augmentation_seed(seed, rank, epoch). Train workers are not persistent, so they
+    # pick up the new seeds each epoch.
+    train = DataLoader(train_set, sampler=sampler, drop_last=True, generator=torch.Generator(), **loader_args)
     val = DataLoader(val_set, sampler=EvalShardSampler(val_set, rank, world_size), drop_last=False,
                      persistent_workers=settings.workers > 0, **loader_args)   # no restart per epoch
-    return Data(train=EpochLoader(train, settings.max_steps_per_epoch, seed=aug_seed), val=val,
-                num_classes=len(summary["classes"]), classes=summary["classes"],
+    return Data(train=EpochLoader(train, settings.max_steps_per_epoch, seed=settings.seed, rank=rank), val=val,
+                num_classes=len(found["classes"]), classes=found["classes"],
                 train_size=len(train_set), val_size=len(val_set), image_size=size, preset=preset,
                 val_split=val_split)

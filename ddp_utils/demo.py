@@ -1,8 +1,9 @@
 """``python -m ddp_utils demo``: the whole lesson on one machine in a few minutes, no GPU needed.
 
 Runs DDP with 2 ranks on localhost and then 1 process on the bundled demo images (real handwritten
-digits), with the same per-rank batch as the course homework does, and prints a comparison table.
-Each rank gets one CPU thread, the way each node gets one GPU.
+digits), with the demo preset's recipe and the same per-rank batch in both runs, as the course
+homework does, and prints a comparison table. Every process gets one CPU thread (``--threads 1``),
+the way each node gets one GPU: the single run stands for one node, not for the whole machine.
 """
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-DEMO_EPOCHS = 8
-DEMO_ARGS = ["--dataset", "demo", "--data-dir", "data/demo", "--arch", "convnet", "--batch-size", "32",
-             "--lr", "0.8", "--workers", "0", "--wandb", "disabled", "--backend", "gloo"]
+from .settings import Settings
+
+# The demo preset's recipe (presets.py) for everything else.
+DEMO = Settings(dataset="demo", data_dir="data/demo", workers=0, wandb="disabled", backend="gloo", threads=1,
+                master_addr="127.0.0.1", init_timeout=120)
 
 
 def free_port() -> int:
@@ -25,15 +28,14 @@ def free_port() -> int:
 
 
 def train_cmd(run_dir: Path, epochs: int, rank: int, world_size: int, port: int) -> list[str]:
-    return [sys.executable, "-m", "ddp_utils", "train", *DEMO_ARGS, "--epochs", str(epochs),
-            "--run-dir", str(run_dir), "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "--rank", str(rank), "--world-size", str(world_size), "--init-timeout", "120"]
+    settings = DEMO.replace(epochs=epochs, run_dir=str(run_dir), master_port=port, rank=rank, world_size=world_size)
+    return [sys.executable, "-m", "ddp_utils", "train", *settings.to_argv()]
 
 
 def launch(cmds: list[list[str]], timeout: float, quiet: bool = False) -> None:
     """Start all commands together; rank 0 streams to the console (unless ``quiet``), the others
     stay quiet unless they fail."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    env = {**os.environ, "WANDB_SILENT": "true"}
     procs = [subprocess.Popen(c, env=env, stdout=None if i == 0 and not quiet else subprocess.PIPE,
                               stderr=None if i == 0 and not quiet else subprocess.STDOUT, text=True)
              for i, c in enumerate(cmds)]
@@ -51,10 +53,10 @@ def launch(cmds: list[list[str]], timeout: float, quiet: bool = False) -> None:
 
 
 def run_demo(epochs: int | None = None, world_size: int = 2, run_dir: str = "runs/demo", port: int = 0) -> str:
-    from .data import prepare_demo
+    from .demo_data import prepare_demo
     from .report import results_table
 
-    epochs = epochs or DEMO_EPOCHS
+    epochs = epochs or DEMO.epochs
     prepare_demo("data/demo")   # once, before the ranks start, so they do not race to write it
     stamp = time.strftime("%Y%m%d-%H%M%S")
     ddp_dir, single_dir = Path(run_dir) / f"{stamp}-ddp{world_size}", Path(run_dir) / f"{stamp}-single"

@@ -14,17 +14,17 @@ and the collectives below do nothing, so the same training code runs on one proc
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from . import rendezvous
 from . import settings as settings_module
 from .preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
 
-__all__ = ["DistContext", "DistSetupError", "SettingsMismatch", "agree", "all_reduce_sum", "barrier",
+__all__ = ["DistContext", "DistSetupError", "PeerLost", "SettingsMismatch", "agree", "all_reduce_sum", "barrier",
            "broadcast_object", "sync_buffers", "choose_interface", "port_holder", "preflight", "resolve_backend",
            "session", "setup", "teardown"]
 
@@ -49,6 +49,29 @@ class DistContext:
 
 class SettingsMismatch(DistSetupError):
     """The ranks were started with different settings (say, one notebook edited and not the other)."""
+
+
+class PeerLost(RuntimeError):
+    """Another rank stopped answering in the middle of training."""
+
+
+_PEER_SIGNS = ("connection", "closed", "reset", "peer", "timed out", "timeout", "broken pipe", "nccl")
+
+
+def lost_a_peer(exc: BaseException) -> bool:
+    """Whether a collective's error means another rank went away (its text is all PyTorch gives)."""
+    text = str(exc).lower()
+    return any(sign in text for sign in _PEER_SIGNS)
+
+
+def peer_lost_text(ctx, run_dir, exc: BaseException) -> str:
+    """The paragraph a surviving rank prints: what happened, what is saved, how to continue."""
+    first_line = (str(exc).strip().splitlines() or ["?"])[0][:200]
+    where = f"{run_dir}/last.pt" if run_dir else "last.pt in rank 0's run folder"
+    return (f"rank {ctx.rank}: training stopped because another rank stopped answering ({first_line}). "
+            f"Its node may have crashed, been interrupted or lost the network. The last completed epoch is "
+            f"saved as {where}. Restart every rank with --resume pointing at that file on rank 0 "
+            f"(in the notebooks: RESUME); rank 0 sends it to the others, so the nodes need no shared folder.")
 
 
 # Settings whose change needs a new process group: where the ranks meet, who they are, and what
@@ -121,9 +144,9 @@ def _init_process_group(settings, backend: str, report: dict, log) -> None:
     timeout = timedelta(seconds=settings.init_timeout)
     if settings.init_method == "env":  # torchrun: its agent hosts the store on MASTER_PORT
         call = {"init_method": "env://"}
-    else:
-        call = {"store": _rendezvous_store(settings, log)}
-        _wait_for_all_ranks(call["store"], settings)
+    else:  # our own store on master_port, so that re-running a notebook cell works (rendezvous.py)
+        call = {"store": rendezvous.open_store(settings, log)}
+        rendezvous.wait_for_all_ranks(call["store"], settings)
     try:
         dist.init_process_group(backend, rank=settings.rank, world_size=settings.world_size,
                                 timeout=timeout, **call)
@@ -133,79 +156,7 @@ def _init_process_group(settings, backend: str, report: dict, log) -> None:
         raise DistSetupError(_init_failure(settings, backend, report, e)) from e
     finally:
         if "store" in call and settings.rank == 0:  # joined or failed: no more ranks may join it
-            _close_generation(call["store"])
-
-
-# -- the rendezvous store ---------------------------------------------------------------------
-# Why not simply init_method="tcp://addr:port"? Because of re-running a notebook cell. Rank 0
-# hosts a key-value store (TCPStore) on master_port; a process group that is still referenced
-# (say by a DDP model) keeps it alive after teardown, so the port cannot be bound again, and a
-# worker that re-runs setup first would join the old group. So: rank 0 reuses its live store
-# (multi_tenant=True), each setup gets a fresh "generation" of keys in it, and a generation is
-# closed once formed; workers only join an open one.
-GENERATION = "ddp_utils/generation"
-
-
-def _rendezvous_store(settings, log) -> dist.PrefixStore:
-    """The keys of a new (rank 0) or the currently open (ranks > 0) generation."""
-    deadline, said = time.monotonic() + settings.init_timeout, None
-    while True:
-        left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
-        try:
-            store = dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size,
-                                  is_master=settings.rank == 0, timeout=left,
-                                  wait_for_workers=False, multi_tenant=True)
-            if settings.rank == 0:
-                generation = store.add(GENERATION, 1)  # counts up, also across reused stores
-                return dist.PrefixStore(f"ddp_utils/{generation}", store)
-            generation = int(store.get(GENERATION))  # waits for rank 0 to publish one
-            if not store.check([f"ddp_utils/{generation}/closed"]):
-                return dist.PrefixStore(f"ddp_utils/{generation}", store)
-            why = "still runs an earlier process group (has rank 0 re-run setup?)"
-        except (RuntimeError, ValueError) as e:  # DistError subclasses RuntimeError
-            if settings.rank == 0:
-                raise DistSetupError(
-                    f"rank 0 could not listen on master_port {settings.master_port} "
-                    f"({(str(e).splitlines() or ['?'])[0][:120]}); held by: "
-                    f"{port_holder(settings.master_port)}. Free the port or choose another one on "
-                    f"ALL nodes.") from e
-            why = f"did not answer ({(str(e).splitlines() or ['?'])[0][:120]})"  # old store closing?
-        if time.monotonic() > deadline:
-            raise DistSetupError(
-                f"rank {settings.rank}: the master at {settings.master_addr}:{settings.master_port} "
-                f"{why}, for {settings.init_timeout:g} s (init_timeout). When settings change, every "
-                f"rank must run setup again; if rank 0 is stuck, run distributed.teardown() there (or "
-                f"restart its kernel) and then setup on all nodes.")
-        if why != said:  # say it once, not every half second
-            log(f"rank {settings.rank}: the master {why}; retrying until init_timeout")
-            said = why
-        time.sleep(0.5)
-
-
-def _wait_for_all_ranks(keys: dist.PrefixStore, settings) -> None:
-    """Announce this rank, then wait until all have. The wait is a Python loop, so a notebook
-    interrupt (Ctrl-C) stops it at once, and a timeout can say which ranks never came."""
-    keys.set(f"arrived/{settings.rank}", str(settings.rank))
-    everyone = [f"arrived/{r}" for r in range(settings.world_size)]
-    deadline = time.monotonic() + settings.init_timeout
-    while not keys.check(everyone):
-        if time.monotonic() > deadline:
-            missing = [r for r, key in enumerate(everyone) if not keys.check([key])]
-            raise DistSetupError(
-                f"rank {settings.rank}: rank(s) {', '.join(map(str, missing))} of world_size "
-                f"{settings.world_size} did not arrive at {settings.url} within init_timeout="
-                f"{settings.init_timeout:g} s. Most likely they are not started yet, or were started "
-                f"with a different master_addr, master_port or world_size, or cannot reach the master "
-                f"(firewall / security group, a container without --net=host). Start every rank "
-                f"within init_timeout of each other, with the same master settings, and run setup "
-                f"again.")
-        time.sleep(0.2)
-
-
-def _close_generation(keys: dist.PrefixStore) -> None:
-    """Mark rank 0's generation as formed (or failed): late workers must wait for the next one."""
-    with contextlib.suppress(Exception):  # the store may be gone with the failure being reported
-        keys.set("closed", "1")
+            rendezvous.close_generation(call["store"])
 
 
 def _init_failure(settings, backend, report: dict, error: BaseException) -> str:

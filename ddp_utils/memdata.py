@@ -16,7 +16,8 @@ What stays the same as the workers path, by construction:
   the same arithmetic as ToTensor + Normalize, so the validation tensors are bit-identical;
 - the augmentation recipe: random crop with S/8 pixels of zero padding (4 at 32 px), a horizontal
   flip when the preset flips (never the demo's digits), then normalisation. Only the random draws
-  differ: here they come from one generator per (seed, rank, epoch), drawn per sample.
+  differ: both paths seed from ``datasets.augmentation_seed(seed, rank, epoch)``, but here one
+  generator draws for a whole batch, there each worker process draws per image.
 
 No disk cache: decoding CINIC-10 takes seconds per split, data folders may be read-only, and a
 cache would need invalidating when the files change.
@@ -28,14 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import transforms as T
 
-from .data import Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, check_batch_fits
+from .datasets import Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, augmentation_seed, check_batch_fits
 
 __all__ = ["MEMORY_DATASETS", "MemorySplit", "MemoryLoader", "MemoryEvalLoader", "decode_split",
            "crop_flip", "normalize", "augmentation_generator", "check_memory_dataset",
@@ -102,8 +102,7 @@ def decode_split(root: str | Path, split: str, classes: list[str] | None = None,
 # --------------------------------------------------------------------------------------------
 def augmentation_generator(seed: int, rank: int, epoch: int, device=None) -> torch.Generator:
     """A generator that depends on (seed, rank, epoch) only: a resumed epoch draws the same crops."""
-    state = np.random.SeedSequence([seed % 2**64, rank, epoch]).generate_state(1, np.uint64)[0]
-    return torch.Generator(device=device or "cpu").manual_seed(int(state))
+    return torch.Generator(device=device or "cpu").manual_seed(augmentation_seed(seed, rank, epoch))
 
 
 def crop_flip(images: Tensor, pad: int, flip: bool, generator: torch.Generator) -> Tensor:
@@ -223,25 +222,25 @@ def check_memory_dataset(dataset: str) -> None:
                     f"dataset={dataset!r}.")
 
 
-def build_memory_data(settings, preset: Preset, image_size: int, val_split: str, classes: list[str],
-                      rank: int, world_size: int, device=None) -> Data:
+def build_memory_data(root: Path, preset: Preset, image_size: int, val_split: str, classes: list[str],
+                      batch_size: int, seed: int, max_steps: int, workers: int, rank: int, world_size: int,
+                      device=None) -> Data:
     """build_data's ``loader="memory"`` branch: decode both splits once, keep them on ``device``.
 
     ``preset`` is the loaded preset (demo statistics read), ``classes`` the class folders that
-    check_data found. Returns the same Data as the workers path. Raises DataError.
+    check_data found, ``workers`` the processes that share decoding a big split. Returns the same
+    Data as the workers path. Raises DataError.
     """
-    root = Path(settings.data_dir).expanduser()
     resize = image_size if image_size != preset.image_size else 0   # as eval_transform
     device = torch.device(device) if device is not None else torch.device("cpu")
 
     def load(split: str) -> MemorySplit:   # decoded on the CPU, copied to the device once
-        return MemorySplit(*decode_split(root, split, classes, resize, settings.workers), classes).to(device)
+        return MemorySplit(*decode_split(root, split, classes, resize, workers), classes).to(device)
 
     train = load(preset.train_split)
-    check_batch_fits(len(train), settings, world_size, f"in {settings.data_dir}")
+    check_batch_fits(len(train), batch_size, world_size, f"in {root}")
     val = load(val_split)
-    return Data(train=MemoryLoader(train, preset, settings.batch_size, rank, world_size, settings.seed,
-                                   settings.max_steps_per_epoch),
-                val=MemoryEvalLoader(val, preset, settings.batch_size, rank, world_size),
+    return Data(train=MemoryLoader(train, preset, batch_size, rank, world_size, seed, max_steps),
+                val=MemoryEvalLoader(val, preset, batch_size, rank, world_size),
                 num_classes=len(classes), classes=classes, train_size=len(train), val_size=len(val),
                 image_size=image_size, preset=preset, val_split=val_split)

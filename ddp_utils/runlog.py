@@ -1,4 +1,4 @@
-"""One folder per run, written by rank 0 only: text log, TensorBoard, Weights & Biases, results.
+"""One folder per run, written by rank 0 only: text log, TensorBoard, Weights & Biases, results.json.
 
 Rank 0 gets a ``RunLogger``; every other rank gets a ``NullLogger`` with the same methods that do
 nothing, so the training loop calls ``log.scalars(...)`` on every rank without an ``if rank == 0``::
@@ -39,11 +39,15 @@ from __future__ import annotations
 import json
 import netrc
 import os
+import socket
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import torch
 from torch.utils.tensorboard import SummaryWriter
+
+from .files import atomic_write_text
 
 from .summary import model_summary as _model_summary_text
 
@@ -152,7 +156,7 @@ class RunLogger:
         """Write results.json atomically (never half a file) and put the values in the W&B summary."""
         self._check_open()
         text = json.dumps(values, indent=2, sort_keys=True, default=_plain)
-        _atomic_write_text(self.run_dir / "results.json", text + "\n")
+        atomic_write_text(self.run_dir / "results.json", text + "\n")
         if self.wandb_run is not None:
             self.wandb_run.summary.update(json.loads(text))
 
@@ -189,7 +193,7 @@ class RunLogger:
             os.replace(path, kept)
             self.info(f"Settings differ from this run's earlier ones ({_changed(old, self.settings)}); "
                       f"the earlier ones are kept in {kept.name}")
-        _atomic_write_text(path, text)
+        atomic_write_text(path, text)
 
     def _start_wandb(self, mode: str, resume: bool):
         if mode == "disabled":
@@ -250,12 +254,43 @@ class NullLogger:
         pass
 
 
-def make_logger(settings, rank: int, run_dir=None, resume: bool = False,
+def make_logger(settings, rank: int, resume: bool = False,
                 resume_step: int | None = None) -> RunLogger | NullLogger:
-    """A RunLogger on rank 0, a NullLogger on every other rank."""
+    """A RunLogger on rank 0 (in ``settings.run_dir``), a NullLogger on every other rank."""
     if rank == 0:
-        return RunLogger(settings, run_dir=run_dir, resume=resume, resume_step=resume_step)
+        return RunLogger(settings, resume=resume, resume_step=resume_step)
     return NullLogger()
+
+
+# -- the results of a run -----------------------------------------------------------------------
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+        return platform.processor() or "unknown CPU"
+
+
+def summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=None) -> dict:
+    """What results.json holds: final evaluation, speed over every trained epoch, and the hardware."""
+    trained = [h["train"] for h in history]
+    images = sum(t["count"] for t in trained)
+    train_s = sum(t["wall_s"] for t in trained)
+    return {
+        "acc1": val["acc1"], "acc5": val["acc5"], "loss": val["loss"], "best_acc1": best_acc1,
+        "val_images": val["count"], "epochs": settings.epochs,
+        "epochs_run": len(history) if epochs_run is None else epochs_run,
+        "world_size": settings.world_size, "global_batch_size": settings.global_batch_size,
+        "lr": settings.effective_lr, "wall_time_s": wall, "train_time_s": train_s,
+        "images_per_s": images / max(train_s, 1e-9) if trained else 0.0,
+        "data_wait_fraction": sum(t["data_s"] for t in trained) / max(train_s, 1e-9) if trained else 0.0,
+        "dataset": settings.dataset, "arch": settings.arch, "device": str(ctx.device),
+        "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
+        "backend": ctx.backend or "none", "host": socket.gethostname(), "cpus": os.cpu_count(),
+        "cpu_name": _cpu_name(), "threads": torch.get_num_threads(),
+        "history": history,
+    }
 
 
 # -- reading back --------------------------------------------------------------------------------
@@ -278,20 +313,6 @@ def _refuse_existing_run(run_dir: Path) -> None:
         raise FileExistsError(
             f"{run_dir} already holds a run ({', '.join(found)}); choose another run_dir, delete "
             f"that folder, or resume with --resume {run_dir / 'last.pt'}")
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file, then rename it over ``path``: readers see old or new, never half."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _unused(folder: Path, stem: str, suffix: str) -> Path:

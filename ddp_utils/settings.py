@@ -3,7 +3,10 @@
 Build it from keyword arguments (notebooks), from the command line (``python -m ddp_utils train``)
 or from the variables torchrun sets (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``). It is saved as ``settings.json`` in every run folder and inside every checkpoint.
-Defaults are laptop-friendly: the ``demo`` data set on CPU, one process.
+Defaults are laptop-friendly: the ``demo`` data set on CPU, one process. The model, batch, epochs,
+warm-up and lr that are not given come from the data set's recipe (``presets.py``), so every preset
+learns at its defaults; the resolved values are what settings.json and every checkpoint hold.
+``Settings.to_argv()`` is the one place that turns settings back into command-line flags.
 """
 from __future__ import annotations
 
@@ -14,13 +17,19 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-DATASETS = ("imagenet", "cinic10", "demo", "fake")
+from .presets import LR_REFERENCE_BATCH, PRESETS
+
+DATASETS = tuple(PRESETS)
 BACKENDS = ("auto", "gloo", "nccl")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 LOADERS = ("workers", "memory")
+PROGRESS_MODES = ("auto", "steps", "bar", "off")
 
 # Fields that every rank must share, or the ranks would silently train different things.
+# The fields a preset's recipe fills in when they are left out (None).
+RECIPE_FIELDS = ("arch", "batch_size", "epochs", "lr", "warmup_epochs")
+
 MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_reference_batch",
               "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port")
@@ -47,16 +56,20 @@ class Settings:
                                 "(on the GPU when there is one), batched augmentation, no worker processes "
                                 "(cinic10 and demo only)", choices=LOADERS)
     # -- model --------------------------------------------------------------------------------
-    arch: str = _f("convnet", "convnet (small, fast on CPU; convnet_gn with GroupNorm), resnet18_cifar "
-                              "(32 px stem) or any torchvision classifier name such as resnet18, resnet50")
+    arch: str = _f(None, "convnet (small, fast on CPU; convnet_gn with GroupNorm), resnet18_cifar "
+                         "(32 px stem) or any torchvision classifier name such as resnet18, resnet50; "
+                         "default: the preset's recipe", type=str)
     sync_bn: bool = _f(False, "convert BatchNorm to SyncBatchNorm so statistics use the global batch")
     # -- optimisation -------------------------------------------------------------------------
-    epochs: int = _f(2, "passes over the training split")
-    batch_size: int = _f(64, "images per rank per step; the global batch is this times world_size")
-    lr: float = _f(0.1, "learning rate at lr_reference_batch images (scaled, see scale_lr)")
+    epochs: int = _f(None, "passes over the training split; default: the preset's recipe", type=int)
+    batch_size: int = _f(None, "images per rank per step (the global batch is this times world_size); "
+                               "default: the preset's recipe", type=int)
+    lr: float = _f(None, "learning rate at lr_reference_batch images, scaled to the real global batch "
+                         "(see scale_lr); default: the preset's recipe", type=float)
     scale_lr: bool = _f(True, "scale lr linearly with the global batch: lr * global_batch / lr_reference_batch")
-    lr_reference_batch: int = _f(256, "global batch at which lr is given (Goyal et al. use 256)")
-    warmup_epochs: float = _f(0.0, "linear warm-up length before the cosine decay, in epochs")
+    lr_reference_batch: int = _f(LR_REFERENCE_BATCH, "global batch at which lr is given (Goyal et al. use 256)")
+    warmup_epochs: float = _f(None, "linear warm-up length before the cosine decay, in epochs; default: "
+                                    "the preset's recipe", type=float)
     momentum: float = _f(0.9, "SGD momentum")
     weight_decay: float = _f(1e-4, "SGD weight decay (not applied to norm layers and biases)")
     max_steps_per_epoch: int = _f(0, "stop each epoch after this many steps; 0 = the whole split")
@@ -65,6 +78,8 @@ class Settings:
                           "others, off on CPU), bf16, fp16 or off", choices=AMP_MODES)
     channels_last: bool = _f(True, "NHWC memory layout on GPU (faster convolutions; ignored on CPU)")
     compile: bool = _f(False, "torch.compile the model (first steps are slow while it compiles)")
+    threads: int = _f(0, "CPU threads per process; 0 = this machine's cores / the ranks on it, so that "
+                         "ranks sharing a machine do not fight over its cores (OMP_NUM_THREADS wins if set)")
     seed: int = _f(0, "seed for weights, shuffling and augmentation; same on every rank")
     # -- output -------------------------------------------------------------------------------
     run_dir: str = _f("", "folder for logs, TensorBoard, checkpoints; empty = runs/<dataset>-<arch>-ws<N>-<time>")
@@ -72,6 +87,9 @@ class Settings:
                             "offline or disabled", choices=WANDB_MODES)
     wandb_project: str = _f("ddp-course", "W&B project name")
     log_every: int = _f(20, "steps between TensorBoard scalars on rank 0")
+    progress: str = _f("auto", "auto: a progress bar on a terminal or in Jupyter, one line per epoch when the "
+                               "output is piped; steps: also a line every log_every steps; bar; off",
+                       choices=PROGRESS_MODES)
     # -- distributed --------------------------------------------------------------------------
     master_addr: str = _f("127.0.0.1", "IP of the rank-0 node: its private IP on a cloud network")
     master_port: int = _f(29500, "TCP port rank 0 listens on; open it (and the ports NCCL/Gloo add) "
@@ -90,6 +108,11 @@ class Settings:
 
     # ---------------------------------------------------------------------------------------
     def __post_init__(self):
+        # Fill what was left out from the preset's recipe (frozen: hence object.__setattr__).
+        recipe = PRESETS[self.dataset if self.dataset in PRESETS else "demo"].recipe
+        for name in RECIPE_FIELDS:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(recipe, name))
         problems = self.problems()
         if problems:
             raise ValueError("Invalid settings:\n  - " + "\n  - ".join(problems))
@@ -112,7 +135,7 @@ class Settings:
             if getattr(self, name) <= 0:
                 out.append(f"{name}={getattr(self, name)}: must be positive")
         for name in ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr",
-                     "weight_decay", "momentum", "local_rank"):
+                     "weight_decay", "momentum", "local_rank", "threads"):
             if getattr(self, name) < 0:
                 out.append(f"{name}={getattr(self, name)}: must not be negative")
         if not str(self.master_addr).strip():
@@ -145,6 +168,25 @@ class Settings:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def to_argv(self, skip=(), every=False) -> list[str]:
+        """These settings as ``python -m ddp_utils train`` flags: ``["--dataset", "demo", ...]``.
+
+        Flags appear for the values that differ from the field defaults (recipe values always, so the
+        command reproduces the run even if a recipe changes later); ``every`` gives all of them.
+        ``skip`` leaves fields out (say ``("rank",)`` for a command shared by every node).
+        """
+        argv = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in skip or (not every and value == f.default):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, str(value)]
+        return argv
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -180,19 +222,18 @@ class Settings:
         return cls.from_dict(values)
 
 
-def add_arguments(parser: argparse.ArgumentParser, skip=()) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per settings field (``--batch-size``), typed and documented from the dataclass."""
     for f in fields(Settings):
-        if f.name in skip:
-            continue
         flag = "--" + f.name.replace("_", "-")
-        kind = type(f.default)
+        kind = f.metadata.get("type", type(f.default))
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help=f"{f.metadata['help']} (default: {f.default})")
         else:
+            default = "" if f.default is None else f" (default: {f.default!r})"
             parser.add_argument(flag, type=kind, default=None, choices=f.metadata.get("choices"),
-                                help=f"{f.metadata['help']} (default: {f.default!r})")
+                                help=f"{f.metadata['help']}{default}")
 
 
 def from_args(args: argparse.Namespace, environ=None) -> Settings:
@@ -200,3 +241,12 @@ def from_args(args: argparse.Namespace, environ=None) -> Settings:
     given = {f.name: getattr(args, f.name) for f in fields(Settings)
              if getattr(args, f.name, None) is not None}
     return Settings.from_env(environ, **given)
+
+
+def describe_batch(settings: Settings) -> str:
+    """The effective global batch and lr, which users should always see."""
+    lr = (f"{settings.lr} x {settings.global_batch_size}/{settings.lr_reference_batch} = {settings.effective_lr:.4g}"
+          if settings.scale_lr else f"{settings.effective_lr:.4g} (not scaled)")
+    return (f"global batch {settings.global_batch_size} = {settings.batch_size} per rank x "
+            f"{settings.world_size} rank(s); lr {lr}; {settings.epochs} epoch(s), "
+            f"{settings.warmup_epochs:g} of warm-up; model {settings.arch}")

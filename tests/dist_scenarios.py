@@ -99,7 +99,7 @@ if __name__ == "__main__":
     name, rank, world, port = sys.argv[1], *map(int, sys.argv[2:5])
     addr = sys.argv[5] if len(sys.argv) > 5 else "127.0.0.1"
     timeout = float(sys.argv[6]) if len(sys.argv) > 6 else 30.0
-    settings = Settings(rank=rank, world_size=world, master_addr=addr, master_port=port,
+    settings = Settings(epochs=2, rank=rank, world_size=world, master_addr=addr, master_port=port,
                         backend="gloo", init_timeout=timeout, workers=0)
     start = time.monotonic()
     try:

@@ -17,11 +17,11 @@ import torch
 from PIL import Image
 from torchvision import transforms as T
 
-from ddp_utils import data as data_mod
-from ddp_utils.data import (PRESETS, Data, DataError, EpochLoader, EvalShardSampler, ImageFolderDataset,
-                            build_data, check_data, eval_transform, load_preset, prepare_demo,
-                            train_transform)
-from ddp_utils.demo_data import DEMO_CLASSES, DEMO_JSON, read_demo_info
+from ddp_utils import datasets as data_mod
+from ddp_utils.data import build_data
+from ddp_utils.datasets import (PRESETS, Data, DataError, EpochLoader, EvalShardSampler, ImageFolderDataset,
+                                check_data, eval_transform, load_preset, train_transform)
+from ddp_utils.demo_data import DEMO_CLASSES, DEMO_JSON, prepare_demo, read_demo_info
 from ddp_utils.settings import Settings
 from tests import procs
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_utils import distributed, preflight
+from ddp_utils import distributed, preflight, rendezvous
 from ddp_utils.settings import Settings
 from tests import netns
 from tests.procs import base_env, describe, free_port, python, run_all
@@ -181,7 +181,7 @@ def test_keyboard_interrupt_after_init_tears_the_group_down(clean_env, monkeypat
         raise KeyboardInterrupt
 
     monkeypatch.setattr(dist, "init_process_group", init_then_interrupt)
-    monkeypatch.setattr(distributed, "_wait_for_all_ranks", lambda *args: None)  # no worker here
+    monkeypatch.setattr(rendezvous, "wait_for_all_ranks", lambda *args: None)  # no worker here
     settings = Settings(world_size=2, rank=0, master_port=free_port(), backend="gloo", init_timeout=5,
                         workers=0)
     with pytest.raises(KeyboardInterrupt):

@@ -218,16 +218,13 @@ def test_quoted_error_texts_are_still_the_kits(quoted):
 def test_demo_output_in_the_walkthrough_matches_the_demos_current_settings():
     """Step 0 quotes `python -m ddp_utils demo`: when its batch, lr or epochs change, re-run and re-quote it."""
     from ddp_utils import demo
-    from ddp_utils.settings import Settings
-    from ddp_utils.train import describe_batch
+    from ddp_utils.settings import describe_batch
 
-    args = dict(zip(demo.DEMO_ARGS[::2], demo.DEMO_ARGS[1::2]))
-    batch, lr = int(args["--batch-size"]), float(args["--lr"])
     step0 = section(readme(), "0.")
     for world_size in (2, 1):
-        line = describe_batch(Settings(batch_size=batch, lr=lr, world_size=world_size))
+        line = describe_batch(demo.DEMO.replace(world_size=world_size))
         assert line in step0, f"step 0 should show: {line}"
-    assert f"epoch {demo.DEMO_EPOCHS}/{demo.DEMO_EPOCHS}:" in step0
+    assert f"epoch {demo.DEMO.epochs}/{demo.DEMO.epochs}:" in step0
 
 
 def test_files_the_walkthrough_names_exist():
@@ -319,7 +316,7 @@ def errors(executed: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     """All five notebooks run at once on the demo data; returns (tmp, {name: (result, output notebook)})."""
-    from ddp_utils.data import prepare_demo
+    from ddp_utils.demo_data import prepare_demo
 
     tmp = tmp_path_factory.mktemp("lab")
     data = str(prepare_demo(tmp / "demo"))   # once, before five kernels would race to write it

@@ -15,7 +15,8 @@ from PIL import Image
 from torch.utils.data import DistributedSampler
 
 from ddp_utils import memdata
-from ddp_utils.data import DataError, build_data, check_data
+from ddp_utils.data import build_data
+from ddp_utils.datasets import DataError, check_data
 from ddp_utils.memdata import MemoryLoader, augmentation_generator, crop_flip, decode_split, normalize
 from ddp_utils.settings import MUST_AGREE, Settings
 from tests.test_data import CINIC

@@ -143,10 +143,41 @@ def test_every_code_cell_is_valid_ipython(path):
 
 def test_ddp_tags_mark_main_and_are_absent_from_single():
     main, single = "\n".join(code_cells(read(MAIN))), "\n".join(code_cells(read(SINGLE)))
-    for ddp_call in ("preflight(settings)", "agree(", "teardown()", "rank=RANK", "MASTER_ADDR = "):
+    for ddp_call in ("preflight(settings)", "prepare(settings", "teardown()", "rank=RANK", "MASTER_ADDR = "):
         line = next(line for line in main.splitlines() if ddp_call in line)
         assert TAG in line, line
     assert TAG not in single and "DDP:" not in single
+
+
+def test_the_ddp_steps_inside_prepare_are_tagged_too():
+    """The notebooks call prepare(); the agreement, resume and DDP wrap inside it stay marked for students."""
+    import inspect
+
+    from ddp_utils import job
+    source = inspect.getsource(job.prepare)
+    for ddp_call in ("distributed.setup(", "agree(data.fingerprint()", "prepare_model("):
+        line = next(line for line in source.splitlines() if ddp_call in line)
+        assert TAG in line, line
+
+
+@pytest.mark.parametrize("path", [MAIN, WORKER, SINGLE], ids=lambda p: p.name)
+def test_notebooks_build_their_run_with_prepare_and_train_with_fit(path):
+    """The same calls as the command line, so resume, the TensorBoard purge and lost peers behave alike."""
+    code = "\n".join(code_cells(read(path)))
+    assert "job = prepare(settings, resume=RESUME or None)" in code
+    assert "results = fit(job)" in code
+    for hand_made in ("build_data(", "make_logger(", "prepare_model(", "setup(settings"):
+        assert hand_made not in code, f"{path.name} assembles the run by hand ({hand_made})"
+
+
+@pytest.mark.parametrize("path", [MAIN, SINGLE], ids=lambda p: p.name)
+def test_notebook_parameters_use_the_recipe_and_show_the_lr_convention(path):
+    params = parameters(path)
+    for name in ("ARCH", "EPOCHS", "BATCH_SIZE", "LR", "WARMUP_EPOCHS"):
+        assert params[name] is None, f"{name} should default to the preset's recipe"
+    assert params["SCALE_LR"] is True
+    [cell] = parameter_cells(read(path))
+    assert "global batch of 256" in cell.source
 
 
 def test_single_is_main_without_its_ddp_lines():

@@ -25,7 +25,7 @@ from ddp_utils.summary import model_summary
 FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 hex characters, like a real W&B key
 
 # W&B modes: every test that does not test W&B itself keeps it disabled (fast, no service process).
-OFF = Settings(wandb="disabled")
+OFF = Settings(wandb="disabled", epochs=2)
 
 
 @pytest.fixture(autouse=True)

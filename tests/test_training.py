@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from ddp_utils import checkpoint, train
+from ddp_utils import checkpoint, optim, train
 from ddp_utils.metrics import Meter, topk_correct
-from ddp_utils.settings import Settings
+from ddp_utils.settings import Settings, describe_batch
 from tests.procs import base_env, describe, free_port, python, run_all
 
 FAST = ["--dataset", "fake", "--image-size", "32", "--arch", "convnet", "--workers", "0",
@@ -54,32 +54,32 @@ def test_meter_reports_sample_weighted_means_in_percent():
 
 
 def test_lr_warms_up_linearly_then_decays_along_a_cosine_to_zero():
-    assert train.lr_factor(0, 100, 10) == pytest.approx(0.1)
-    assert train.lr_factor(9, 100, 10) == pytest.approx(1.0)
-    assert train.lr_factor(55, 100, 10) == pytest.approx(0.5)
-    assert train.lr_factor(100, 100, 10) == pytest.approx(0.0)
-    assert train.lr_factor(0, 100, 0) == pytest.approx(1.0)
+    assert optim.lr_factor(0, 100, 10) == pytest.approx(0.1)
+    assert optim.lr_factor(9, 100, 10) == pytest.approx(1.0)
+    assert optim.lr_factor(55, 100, 10) == pytest.approx(0.5)
+    assert optim.lr_factor(100, 100, 10) == pytest.approx(0.0)
+    assert optim.lr_factor(0, 100, 0) == pytest.approx(1.0)
 
 
 def test_lr_is_scaled_with_the_global_batch_and_both_are_printed():
     s = Settings(batch_size=500, world_size=2, rank=1, lr=0.1)
     assert s.global_batch_size == 1000 and s.effective_lr == pytest.approx(0.1 * 1000 / 256)
-    text = train.describe_batch(s)
+    text = describe_batch(s)
     assert "global batch 1000" in text and "0.3906" in text
     assert Settings(lr=0.1, scale_lr=False, batch_size=500, world_size=2).effective_lr == 0.1
 
 
 def test_no_weight_decay_on_biases_and_norm_weights():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(2, 8))
-    opt = train.build_optimizer(model, Settings(weight_decay=0.05))
+    opt = optim.build_optimizer(model, Settings(weight_decay=0.05))
     decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     assert decayed == {id(model[0].weight)}
 
 
 def test_amp_is_off_on_cpu_by_default_and_bf16_when_asked():
     cpu = torch.device("cpu")
-    assert train.amp_dtype(Settings(), cpu) is None
-    assert train.amp_dtype(Settings(amp="bf16"), cpu) is torch.bfloat16
+    assert optim.amp_dtype(Settings(), cpu) is None
+    assert optim.amp_dtype(Settings(amp="bf16"), cpu) is torch.bfloat16
 
 
 # -- DDP maths ---------------------------------------------------------------------------------
@@ -114,22 +114,14 @@ def test_evaluation_is_exact_across_ranks_for_a_split_not_divisible_by_the_world
 
 # -- checkpoints and resume --------------------------------------------------------------------
 
-def _in_process_fit(run_dir, epochs=3, resume=None):
-    from ddp_utils.data import build_data
-    from ddp_utils.distributed import DistContext
-    from ddp_utils.model import build_model, prepare_model
-    from ddp_utils.runlog import make_logger
-    settings = Settings(dataset="fake", image_size=32, arch="convnet", workers=0, wandb="disabled",
-                        epochs=epochs, batch_size=8, max_steps_per_epoch=3, run_dir=str(run_dir), log_every=1)
-    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
-    torch.manual_seed(settings.seed)
-    data = build_data(settings, 0, 1, ctx.device)
-    model = prepare_model(build_model(settings.arch, data.num_classes), settings, ctx)
-    logger = make_logger(settings, 0, resume=resume is not None)
-    try:
-        return train.fit(settings, ctx, data, model, logger, resume=resume)
-    finally:
-        logger.close()
+def _in_process_fit(run_dir, epochs=3, resume=None, dataset="fake", data_dir="data/demo"):
+    """What a notebook does: prepare() then fit(job), in this process."""
+    from ddp_utils.job import prepare
+    settings = Settings(dataset=dataset, data_dir=str(data_dir), image_size=32, arch="convnet", workers=2,
+                        wandb="disabled", epochs=epochs, batch_size=8, max_steps_per_epoch=3,
+                        run_dir=str(run_dir), log_every=1)
+    with prepare(settings, resume=resume, log=lambda *_: None) as job:
+        return train.fit(job)
 
 
 def test_interrupted_then_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, monkeypatch):

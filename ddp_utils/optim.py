@@ -1,0 +1,69 @@
+"""Optimiser, learning-rate schedule and mixed precision: the parts of a step that are not DDP.
+
+The same on one process and on many: DDP only changes how the gradients are made, not how the
+optimiser uses them.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+
+def build_optimizer(model: torch.nn.Module, settings) -> torch.optim.SGD:
+    """SGD with momentum; no weight decay on biases and normalisation weights (1-D tensors)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    return torch.optim.SGD([{"params": decay, "weight_decay": settings.weight_decay},
+                            {"params": no_decay, "weight_decay": 0.0}],
+                           lr=settings.effective_lr, momentum=settings.momentum)
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
+    """Linear warm-up from ~0 to 1, then cosine decay to 0 at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_scheduler(optimizer, settings, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-step schedule: ``settings.warmup_epochs`` of warm-up, cosine over the rest."""
+    total = settings.epochs * steps_per_epoch
+    warmup = int(settings.warmup_epochs * steps_per_epoch)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, warmup))
+
+
+def amp_dtype(settings, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for full fp32. auto: bf16 where the GPU has it, else fp16; off on CPU."""
+    mode = settings.amp
+    if mode == "auto":
+        if device.type != "cuda":
+            return None
+        mode = "bf16" if torch.cuda.is_bf16_supported() else "fp16"  # the T4 has no bf16
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[mode]
+
+
+def make_scaler(dtype, device: torch.device):
+    """A gradient scaler, active only for fp16 (bf16 has fp32's range and needs none)."""
+    enabled = dtype == torch.float16
+    if hasattr(torch.amp, "GradScaler"):       # torch >= 2.3
+        return torch.amp.GradScaler(device.type, enabled=enabled)
+    return torch.cuda.amp.GradScaler(enabled=enabled and device.type == "cuda")
+
+
+def autocast(dtype, device):
+    """torch.autocast for ``dtype``, or a context that does nothing for full fp32."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def to_device(images, labels, settings, device):
+    """Move a batch to ``device`` without blocking, in channels_last layout on a GPU when asked."""
+    non_blocking = device.type == "cuda"
+    images = images.to(device, non_blocking=non_blocking)
+    if settings.channels_last and device.type == "cuda":
+        images = images.contiguous(memory_format=torch.channels_last)
+    return images, labels.to(device, non_blocking=non_blocking)

@@ -1,0 +1,50 @@
+"""Progress of an epoch: a live bar on a terminal or in Jupyter, plain lines when output is piped.
+
+A bar redraws itself with ``\\r`` several times a second: right in a terminal or a notebook, hundreds
+of garbage frames per epoch in a log file or CI output. So the ``progress`` setting's ``auto`` shows a
+bar only where one can be drawn, and piped output gets the epoch lines alone; ``steps`` adds one line
+per log point (every ``log_every`` steps), ``bar`` forces the bar, ``off`` shows neither.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def interactive() -> bool:
+    """True in a terminal or a Jupyter kernel, where a progress bar can redraw itself."""
+    if "ipykernel" in sys.modules:
+        try:
+            from IPython import get_ipython
+            if get_ipython() is not None and "IPKernelApp" in get_ipython().config:
+                return True
+        except ImportError:
+            pass
+    return sys.stderr.isatty()
+
+
+class Progress:
+    """One epoch's progress on this rank: ``update()`` per step, ``log_point(...)`` per log point."""
+
+    def __init__(self, mode: str, total: int, desc: str, show: bool, print_line=print):
+        self.show_bar = show and (mode == "bar" or (mode == "auto" and interactive()))
+        self.show_lines = show and mode == "steps"
+        self.desc, self.total, self.print_line = desc, total, print_line
+        self.bar = None
+        if self.show_bar:
+            from tqdm.auto import tqdm   # a widget in Jupyter, text on a terminal
+            self.bar = tqdm(total=total, desc=desc, leave=True, dynamic_ncols=True)
+
+    def update(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def log_point(self, step_in_epoch: int, loss: float, acc1: float, lr: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{acc1:.1f}")
+        if self.show_lines:
+            self.print_line(f"{self.desc} step {step_in_epoch}/{self.total}: loss {loss:.4f} "
+                            f"acc1 {acc1:.2f} lr {lr:.4g}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

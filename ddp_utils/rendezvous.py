@@ -1,0 +1,82 @@
+"""The re-runnable rendezvous behind ``distributed.setup``: a key-value store on master_port.
+
+Why not simply ``init_method="tcp://addr:port"``? Because of re-running a notebook cell. Rank 0
+hosts a key-value store (TCPStore) on master_port; a process group that is still referenced (say by
+a DDP model) keeps it alive after teardown, so the port cannot be bound again, and a worker that
+re-runs setup first would join the old group. So: rank 0 reuses its live store (multi_tenant=True),
+each setup gets a fresh "generation" of keys in it, and a generation is closed once formed; workers
+only join an open one. Students need not read this to follow the DDP lesson.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .preflight import DistSetupError, port_holder
+
+GENERATION = "ddp_utils/generation"
+
+
+def open_store(settings, log) -> dist.PrefixStore:
+    """The keys of a new (rank 0) or the currently open (ranks > 0) generation."""
+    deadline, said = time.monotonic() + settings.init_timeout, None
+    while True:
+        left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+        try:
+            store = dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size,
+                                  is_master=settings.rank == 0, timeout=left,
+                                  wait_for_workers=False, multi_tenant=True)
+            if settings.rank == 0:
+                generation = store.add(GENERATION, 1)  # counts up, also across reused stores
+                return dist.PrefixStore(f"ddp_utils/{generation}", store)
+            generation = int(store.get(GENERATION))  # waits for rank 0 to publish one
+            if not store.check([f"ddp_utils/{generation}/closed"]):
+                return dist.PrefixStore(f"ddp_utils/{generation}", store)
+            why = "still runs an earlier process group (has rank 0 re-run setup?)"
+        except (RuntimeError, ValueError) as e:  # DistError subclasses RuntimeError
+            if settings.rank == 0:
+                raise DistSetupError(
+                    f"rank 0 could not listen on master_port {settings.master_port} "
+                    f"({(str(e).splitlines() or ['?'])[0][:120]}); held by: "
+                    f"{port_holder(settings.master_port)}. Free the port or choose another one on "
+                    f"ALL nodes.") from e
+            why = f"did not answer ({(str(e).splitlines() or ['?'])[0][:120]})"  # old store closing?
+        if time.monotonic() > deadline:
+            raise DistSetupError(
+                f"rank {settings.rank}: the master at {settings.master_addr}:{settings.master_port} "
+                f"{why}, for {settings.init_timeout:g} s (init_timeout). When settings change, every "
+                f"rank must run setup again; if rank 0 is stuck, run distributed.teardown() there (or "
+                f"restart its kernel) and then setup on all nodes.")
+        if why != said:  # say it once, not every half second
+            log(f"rank {settings.rank}: the master {why}; retrying until init_timeout")
+            said = why
+        time.sleep(0.5)
+
+
+def wait_for_all_ranks(keys: dist.PrefixStore, settings) -> None:
+    """Announce this rank, then wait until all have. The wait is a Python loop, so a notebook
+    interrupt (Ctrl-C) stops it at once, and a timeout can say which ranks never came."""
+    keys.set(f"arrived/{settings.rank}", str(settings.rank))
+    everyone = [f"arrived/{r}" for r in range(settings.world_size)]
+    deadline = time.monotonic() + settings.init_timeout
+    while not keys.check(everyone):
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(everyone) if not keys.check([key])]
+            raise DistSetupError(
+                f"rank {settings.rank}: rank(s) {', '.join(map(str, missing))} of world_size "
+                f"{settings.world_size} did not arrive at {settings.url} within init_timeout="
+                f"{settings.init_timeout:g} s. Most likely they are not started yet, or were started "
+                f"with a different master_addr, master_port or world_size, or cannot reach the master "
+                f"(firewall / security group, a container without --net=host). Start every rank "
+                f"within init_timeout of each other, with the same master settings, and run setup "
+                f"again.")
+        time.sleep(0.2)
+
+
+def close_generation(keys: dist.PrefixStore) -> None:
+    """Mark rank 0's generation as formed (or failed): late workers must wait for the next one."""
+    with contextlib.suppress(Exception):  # the store may be gone with the failure being reported
+        keys.set("closed", "1")
