@@ -1,13 +1,19 @@
 """What students hand in: a results table and two labelled figures, made from finished run folders.
 
-    python -m ddp_utils report runs/demo/<stamp>-ddp2 runs/demo/<stamp>-single --out images/
+    python -m ddp_utils report runs/demo/<stamp>-ddp2 runs/demo/<stamp>-single
 
-writes into the ``--out`` folder::
+writes into a new folder ``reports/<YYYYmmdd-HHMMSS>/`` (or the ``--out`` folder)::
 
     results.md       the table (time, throughput, accuracy, speed-up, scaling efficiency), the
                      hardware, and the commands that made the runs
     curves.png       loss and Acc@1 per epoch, train (solid) and val (dashed), one colour per run
     throughput.png   global images/s per run, and the speed-up next to the ideal linear one
+    .ddp_utils-report.json   the files above with their hashes: a later report into the same
+                     folder may replace them, and nothing else (any other file of those names,
+                     or one changed since, makes the report stop before writing anything)
+
+The kit's own example pictures in ``images/`` are replaced only with ``--kit-images``; a plain
+``--out images/`` is refused.
 
 From a notebook: ``print(results_table(dirs))``, ``plot_curves(dirs)``, ``plot_throughput(dirs)``.
 
@@ -29,6 +35,9 @@ nothing without the machine it was measured on.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import hashlib
+import io
 import json
 import shlex
 from pathlib import Path
@@ -479,16 +488,113 @@ def train_command(settings: dict) -> str:
     return " ".join(parts)
 
 
-def write_report(run_dirs, out_dir, baseline=None) -> list[Path]:
-    """Write ``curves.png``, ``throughput.png`` and ``results.md`` into ``out_dir``; return their paths."""
-    runs = _load_all(run_dirs)   # fails before anything is written if a folder is not a run
+# -- where the report goes: a new folder, never over files the report did not write -------------
+REPORT_FILES = ("curves.png", "throughput.png", "results.md")
+MANIFEST = ".ddp_utils-report.json"   # in each report folder: the files written there, and their hashes
+REPORTS_DIR = Path("reports")          # the default parent, relative to the current directory
+# The kit's own pictures (committed examples made from real runs, described in images/README.md).
+KIT_IMAGES = Path(__file__).resolve().parent.parent / "images"
+
+
+def new_report_dir(parent=REPORTS_DIR, now: datetime.datetime | None = None) -> Path:
+    """``parent/<YYYYmmdd-HHMMSS>``, with ``-2``, ``-3``, ... added when that folder exists already."""
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    folder, n = Path(parent) / stamp, 2
+    while folder.exists():
+        folder, n = Path(parent) / f"{stamp}-{n}", n + 1
+    return folder
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _written_before(out: Path) -> dict[str, str]:
+    """``{file name: sha256}`` of the files an earlier report wrote into ``out`` (its manifest)."""
+    try:
+        files = json.loads((out / MANIFEST).read_text(encoding="utf-8")).get("files", {})
+    except (OSError, ValueError, AttributeError):   # no manifest, or not one the report wrote
+        return {}
+    return files if isinstance(files, dict) else {}
+
+
+def _is_kit_images(folder: Path) -> bool:
+    try:
+        return folder.exists() and KIT_IMAGES.exists() and folder.samefile(KIT_IMAGES)
+    except OSError:
+        return False
+
+
+def report_dir(out_dir=None, kit_images: bool = False) -> Path:
+    """The folder a report goes into, checked before anything is written.
+
+    - no ``out_dir``: a new folder ``reports/<YYYYmmdd-HHMMSS>/`` under the current directory;
+    - ``out_dir``: that folder. Files in it named like the report's (results.md, curves.png,
+      throughput.png) are replaced only when an earlier report wrote them and they are unchanged
+      since (its ``.ddp_utils-report.json`` lists them with their hashes); otherwise this raises
+      FileExistsError, and nothing is written. The kit's own ``images/`` folder is always refused;
+    - ``kit_images=True``: the kit's ``images/`` folder, whose committed pictures are replaced:
+      the one way to regenerate them.
+    """
+    if kit_images:
+        if out_dir is not None and not _is_kit_images(Path(out_dir)):
+            raise ValueError(f"choose either --out {out_dir} or --kit-images (which writes to "
+                             f"{KIT_IMAGES}), not both")
+        if not KIT_IMAGES.is_dir():
+            raise FileNotFoundError(
+                f"--kit-images writes into the kit's own images/ folder, {KIT_IMAGES}, but there is no "
+                f"such folder: this copy of ddp_utils is installed, not a checkout of the kit. "
+                f"Use --out DIR to choose a folder, or run without --out for a new {REPORTS_DIR}/<time>/ folder.")
+        return KIT_IMAGES
+    if out_dir is None:
+        return new_report_dir()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if _is_kit_images(out):
+        raise FileExistsError(
+            f"{out} is the kit's own images/ folder ({KIT_IMAGES}): its pictures are committed "
+            f"examples made from real runs (see images/README.md), and the report would replace "
+            f"them, so nothing was written. Run without --out to write to a new {REPORTS_DIR}/<time>/ "
+            f"folder, or choose another folder with --out DIR. To regenerate the kit's pictures on "
+            f"purpose, pass --kit-images instead of --out.")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file, not a folder, so the report cannot go there and "
+                              f"nothing was written. Choose a folder with --out DIR, or run without "
+                              f"--out for a new {REPORTS_DIR}/<time>/ folder.")
+    present = [name for name in REPORT_FILES if (out / name).exists()]
+    ours = _written_before(out)
+    foreign = [name for name in present if name not in ours]
+    changed = [name for name in present if name in ours and _sha256(out / name) != ours[name]]
+    if foreign or changed:
+        why = []
+        if foreign:
+            why.append(f"{', '.join(foreign)} {'was' if len(foreign) == 1 else 'were'} not written by "
+                       f"`python -m ddp_utils report` (it lists what it writes in {out / MANIFEST})")
+        if changed:
+            why.append(f"{', '.join(changed)} {'was' if len(changed) == 1 else 'were'} changed after "
+                       f"the report wrote {'it' if len(changed) == 1 else 'them'}")
+        raise FileExistsError(
+            f"{out} already holds {', '.join(foreign + changed)}, which the report would overwrite: "
+            f"{'; '.join(why)}. Nothing was written. Run without --out to write to a new "
+            f"{REPORTS_DIR}/<time>/ folder, choose another folder with --out DIR, or move "
+            f"{'that file' if len(foreign + changed) == 1 else 'those files'} away first.")
+    return out
+
+
+def write_report(run_dirs, out_dir=None, baseline=None, *, kit_images: bool = False) -> list[Path]:
+    """Write ``curves.png``, ``throughput.png`` and ``results.md`` into ``out_dir`` (default: a new
+    folder ``reports/<YYYYmmdd-HHMMSS>/``); return their paths.
+
+    Nothing is written when a run folder is not a finished run, or when ``out_dir`` holds files
+    the report did not write (FileExistsError; see ``report_dir``). The folder's
+    ``.ddp_utils-report.json`` lists what was written, so that a later report may replace it.
+    ``kit_images=True`` writes into the kit's own ``images/`` folder instead (no list there: its
+    pictures are replaced only on this explicit request).
+    """
+    runs = _load_all(run_dirs)   # fails before anything is written if a folder is not a run
+    out = report_dir(out_dir, kit_images)   # fails before anything is written if out holds others' files
     dirs = [run["run_dir"] for run in runs]
-    paths = [out / "curves.png", out / "throughput.png", out / "results.md"]
-    plot_curves(dirs).savefig(paths[0], dpi=DPI)
-    plot_throughput(dirs, baseline).savefig(paths[1], dpi=DPI)
-    words = ["python -m ddp_utils report", *map(str, dirs), "--out", str(out)]
+    words = ["python -m ddp_utils report", *map(str, dirs)]
+    words += ["--kit-images"] if kit_images else ["--out", str(out)]
     words += ["--baseline", str(baseline)] if baseline is not None else []
     report_cmd = " ".join([words[0], *map(shlex.quote, words[1:])])
     text = "\n".join([
@@ -500,5 +606,20 @@ def write_report(run_dirs, out_dir, baseline=None) -> list[Path]:
         f"This report: `{report_cmd}`", "",
         "![training curves](curves.png)", "",
         "![throughput and speed-up](throughput.png)", ""])
-    paths[2].write_text(text, encoding="utf-8")
+    contents = {}   # everything made before the first file is written
+    for name, fig in (("curves.png", plot_curves(dirs)), ("throughput.png", plot_throughput(dirs, baseline))):
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=DPI)
+        contents[name] = buffer.getvalue()
+    contents["results.md"] = text.encode("utf-8")
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / name for name in REPORT_FILES]
+    for path in paths:
+        path.write_bytes(contents[path.name])
+    if not kit_images:
+        manifest = {"written_by": "python -m ddp_utils report", "command": report_cmd,
+                    "note": "the report replaces only these files, and only while unchanged",
+                    "files": {name: hashlib.sha256(data).hexdigest() for name, data in contents.items()}}
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return paths

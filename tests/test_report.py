@@ -1,8 +1,11 @@
 """report.py: the results table and figures students hand in, right numbers and labelled pictures."""
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import re
+from pathlib import Path
 
 import pytest
 from matplotlib.legend import Legend
@@ -195,12 +198,136 @@ def test_write_report_on_a_non_run_folder_writes_nothing(runs, tmp_path):
 def test_cli_report_writes_the_table_and_figures(runs, tmp_path, capsys):
     assert cli.main(["report", *map(str, runs), "--out", str(tmp_path / "out")]) == 0
     assert "| ddp2 | 2 | 128 |" in capsys.readouterr().out
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["curves.png", "results.md", "throughput.png"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        ".ddp_utils-report.json", "curves.png", "results.md", "throughput.png"]   # the list of what it wrote
 
 
 def test_cli_report_on_a_non_run_folder_exits_2_naming_the_folder(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert f"error: {tmp_path} is not a run folder" in capsys.readouterr().err
+
+
+# -- where the report goes -----------------------------------------------------------------------
+REPORT_FILES = ["curves.png", "results.md", "throughput.png"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_report_writes_by_default_into_a_new_folder_under_reports(runs, tmp_path, monkeypatch, capsys):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert cli.main(["report", *map(str, runs)]) == 0
+    assert cli.main(["report", *map(str, runs)]) == 0   # at once again: still a new folder
+    folders = sorted((cwd / "reports").iterdir())
+    assert len(folders) == 2 and [p.name for p in cwd.iterdir()] == ["reports"]   # no runs/report any more
+    for folder in folders:
+        stamp = re.fullmatch(r"(\d{8}-\d{6})(-\d+)?", folder.name).group(1)
+        made = datetime.datetime.strptime(stamp, "%Y%m%d-%H%M%S")
+        assert abs((datetime.datetime.now() - made).total_seconds()) < 120   # named after the time it was made
+        assert REPORT_FILES == sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    assert f"wrote {Path('reports', folders[0].name, 'curves.png')}" in capsys.readouterr().out
+
+
+def test_a_new_report_folder_gets_a_number_when_its_time_stamp_is_taken(tmp_path):
+    now = datetime.datetime(2026, 11, 23, 10, 15, 0)
+    assert report.new_report_dir(tmp_path, now) == tmp_path / "20261123-101500"
+    (tmp_path / "20261123-101500").mkdir()
+    assert report.new_report_dir(tmp_path, now) == tmp_path / "20261123-101500-2"
+
+
+def test_report_refuses_to_overwrite_files_it_did_not_write_and_writes_nothing(runs, tmp_path, capsys):
+    out = tmp_path / "handin"
+    out.mkdir()
+    (out / "results.md").write_text("my answers\n")
+    assert cli.main(["report", *map(str, runs), "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert f"error: {out} already holds results.md, which the report would overwrite" in captured.err
+    assert "Nothing was written" in captured.err and "--out DIR" in captured.err
+    assert captured.out == ""   # refused before the table, so nobody takes it for a finished report
+    assert [p.name for p in out.iterdir()] == ["results.md"] and (out / "results.md").read_text() == "my answers\n"
+    with pytest.raises(FileExistsError, match="results.md was not written by"):
+        report.write_report(runs, out)
+    assert [p.name for p in out.iterdir()] == ["results.md"]
+
+
+def test_report_refuses_to_overwrite_its_own_file_once_it_was_edited(runs, tmp_path):
+    out = tmp_path / "out"
+    report.write_report(runs, out)
+    pngs = {name: (out / name).read_bytes() for name in ("curves.png", "throughput.png")}
+    with open(out / "results.md", "a") as f:
+        f.write("\nMy answer to question 1: ...\n")
+    with pytest.raises(FileExistsError, match="results.md was changed after the report wrote it"):
+        report.write_report(runs, out)
+    assert "My answer to question 1" in (out / "results.md").read_text()
+    assert pngs == {name: (out / name).read_bytes() for name in pngs}
+
+
+def test_rerunning_report_into_its_own_folder_replaces_its_files(runs, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["report", *map(str, runs), "--out", str(out)]) == 0
+    assert "| ddp2 | 2 | 128 | 2 | 0:30:10 | 1000 | 500 | 50.00 | 90.00 | 2.00x |" in (out / "results.md").read_text()
+    assert cli.main(["report", *map(str, runs), "--out", str(out), "--baseline", str(runs[0])]) == 0
+    assert "| ddp2 | 2 | 128 | 2 | 0:30:10 | 1000 | 500 | 50.00 | 90.00 | 1.00x |" in (out / "results.md").read_text()
+    assert cli.main(["report", *map(str, runs), "--out", str(out)]) == 0   # and again: its list follows its files
+    assert "2.00x" in (out / "results.md").read_text()
+    assert capsys.readouterr().err == ""
+
+
+def test_the_kit_images_folder_is_the_repositorys_images_folder():
+    assert report.KIT_IMAGES == Path(__file__).resolve().parents[1] / "images"
+    assert (report.KIT_IMAGES / "curves.png").read_bytes()[:8] == PNG   # the committed pictures
+
+
+def test_plain_out_into_the_kits_images_folder_is_refused(runs, monkeypatch, capsys):
+    kit = report.KIT_IMAGES
+    committed = {p: p.read_bytes() for p in kit.iterdir() if p.is_file()}
+    monkeypatch.chdir(kit.parent)   # as the README has it: from the repository root
+    try:
+        codes = [cli.main(["report", *map(str, runs), "--out", out]) for out in ("images/", str(kit))]
+        after = {p: p.read_bytes() for p in kit.iterdir() if p.is_file()}
+    finally:   # never leave the kit's pictures changed, even when the refusal is broken
+        for p in kit.iterdir():
+            if p.name in (*REPORT_FILES, report.MANIFEST) and p not in committed:
+                p.unlink()
+        for p, data in committed.items():
+            if p.read_bytes() != data:
+                p.write_bytes(data)
+    assert codes == [2, 2] and after == committed
+    err = capsys.readouterr().err
+    assert "error: images is the kit's own images/ folder" in err and "pass --kit-images instead of --out" in err
+
+
+def test_kit_images_flag_replaces_the_kits_pictures_where_plain_out_may_not(runs, tmp_path, monkeypatch, capsys):
+    kit = tmp_path / "images"   # stands in for the kit's images/ folder
+    kit.mkdir()
+    for name in REPORT_FILES:
+        (kit / name).write_text("committed example")
+    (kit / "README.md").write_text("how they were made")
+    # Not even the list of an earlier report opens the kit's folder to a plain --out.
+    files = {name: hashlib.sha256((kit / name).read_bytes()).hexdigest() for name in REPORT_FILES}
+    (kit / report.MANIFEST).write_text(json.dumps({"files": files}))
+    monkeypatch.setattr(report, "KIT_IMAGES", kit)
+    assert cli.main(["report", *map(str, runs), "--out", str(kit)]) == 2
+    assert all((kit / name).read_text() == "committed example" for name in REPORT_FILES)
+    assert cli.main(["report", *map(str, runs), "--kit-images"]) == 0
+    assert (kit / "curves.png").read_bytes()[:8] == PNG and (kit / "throughput.png").read_bytes()[:8] == PNG
+    md = (kit / "results.md").read_text()
+    assert "| ddp2 | 2 | 128 |" in md and md.count("--kit-images`") == 1   # how to make it again
+    assert (kit / "README.md").read_text() == "how they were made"
+    assert f"wrote {kit / 'curves.png'}" in capsys.readouterr().out
+
+
+def test_kit_images_flag_and_out_cannot_be_combined(runs, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["report", *map(str, runs), "--out", str(tmp_path / "out"), "--kit-images"])
+    assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_kit_images_flag_without_the_kits_folder_says_so(runs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(report, "KIT_IMAGES", tmp_path / "site-packages" / "images")
+    assert cli.main(["report", *map(str, runs), "--kit-images"]) == 2
+    assert "installed, not a checkout of the kit. Use --out DIR" in capsys.readouterr().err
 
 
 # -- figures: long run names, nothing cut off, nothing on top of anything else -------------------
