@@ -378,14 +378,37 @@ class EpochLoader:
     def epoch(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
         """The batches of epoch ``epoch`` (0, 1, ...): same order on a re-run, new order each epoch."""
         self.sampler.set_epoch(epoch)  # DDP: seed + epoch -> one shuffle shared by all ranks
-        # The workers' augmentation seeds derive from this generator (train workers start afresh
-        # each epoch, they are not persistent).
-        self.loader.generator.manual_seed(augmentation_seed(self.seed, self.rank, epoch))
-        return itertools.islice(self.loader, len(self))
+        seed = augmentation_seed(self.seed, self.rank, epoch)
+        if self.loader.num_workers > 0:
+            # Each worker process seeds its random crops from this generator (train workers start
+            # afresh each epoch: they are not persistent). Seeded before iter(): that draws the seeds.
+            self.loader.generator.manual_seed(seed)
+            return itertools.islice(self.loader, len(self))
+        return _with_own_rng(itertools.islice(self.loader, len(self)), seed)
 
     def __iter__(self):
         raise TypeError("Iterate over loader.epoch(epoch), not the loader itself: the epoch number "
                         "sets the shuffle (DistributedSampler.set_epoch).")
+
+
+def _with_own_rng(batches: Iterator, seed: int) -> Iterator:
+    """``batches`` made in this process (no workers) with a random stream of their own.
+
+    Without workers the transforms draw from torch's global generator, which prepare() seeds the same
+    on every rank: every rank would crop alike, and the training step's own draws would shift the
+    crops. So each batch is made with the global generator set to this loader's stream, and the
+    training's state put back afterwards.
+    """
+    state = torch.Generator().manual_seed(seed).get_state()
+    batches = iter(batches)
+    while True:
+        with torch.random.fork_rng(devices=[]):   # CPU generator only: the transforms run on the CPU
+            torch.set_rng_state(state)
+            batch = next(batches, None)
+            state = torch.get_rng_state()
+        if batch is None:
+            return
+        yield batch
 
 
 @dataclass

@@ -247,6 +247,66 @@ def test_an_epochs_augmented_batches_do_not_depend_on_the_epochs_before_it(cinic
     assert all(torch.equal(a, b) for a, b in zip(after_epoch_0, resumed)) and len(resumed) == len(after_epoch_0)
 
 
+class _Draws:
+    """A transform that returns the random numbers it draws instead of an image: what a crop would use."""
+
+    def __call__(self, image):
+        return torch.rand(3, 2, 2, dtype=torch.float64)   # 2**53 values: no collision by chance
+
+
+def _augmentation_draws(demo_dir, monkeypatch, workers: int, rank: int, epoch: int) -> torch.Tensor:
+    monkeypatch.setattr(data_mod, "train_transform", lambda preset, size: _Draws())
+    from ddp_utils import data as build_mod
+    monkeypatch.setattr(build_mod, "train_transform", lambda preset, size: _Draws())
+    loader = build_data(settings(demo_dir, "demo", workers=workers, batch_size=16, max_steps_per_epoch=4),
+                        rank, 2).train
+    torch.manual_seed(0)   # what prepare() does on every rank: the same global RNG everywhere
+    return torch.cat([x for x, _ in loader.epoch(epoch)])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_no_two_ranks_or_epochs_draw_the_same_augmentation(demo_dir, monkeypatch, workers):
+    """One independent stream per (seed, rank, epoch): the old seed*1000 + rank + epoch gave rank 0 at
+    epoch 1 the crops of rank 1 at epoch 0, and without workers every rank cropped alike."""
+    keys = [(rank, epoch) for rank in (0, 1) for epoch in (0, 1, 2)]
+    draws = {key: _augmentation_draws(demo_dir, monkeypatch, workers, *key) for key in keys}
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            shared = set(draws[a].flatten().tolist()) & set(draws[b].flatten().tolist())
+            assert not shared, f"rank/epoch {a} and {b} drew the same random numbers"
+    again = _augmentation_draws(demo_dir, monkeypatch, workers, 1, 2)
+    assert torch.equal(again, draws[(1, 2)])   # and the same key draws the same again (resume)
+
+
+def test_without_workers_the_loader_leaves_the_training_rng_alone(demo_dir, monkeypatch):
+    """Draws of the training step (dropout, ...) must not shift the crops, nor the crops the step's draws."""
+    monkeypatch.setattr(data_mod, "train_transform", lambda preset, size: _Draws())
+    from ddp_utils import data as build_mod
+    monkeypatch.setattr(build_mod, "train_transform", lambda preset, size: _Draws())
+    loader = build_data(settings(demo_dir, "demo", workers=0, batch_size=16, max_steps_per_epoch=3), 0, 1).train
+    torch.manual_seed(5)
+    plain = torch.cat([x for x, _ in loader.epoch(0)])
+    torch.manual_seed(5)
+    expected_step_draws = torch.rand(3)
+    torch.manual_seed(5)
+    mixed, step_draws = [], []
+    for x, _ in loader.epoch(0):
+        mixed.append(x)
+        step_draws.append(torch.rand(1))   # a training step that draws
+    assert torch.equal(torch.cat(mixed), plain)
+    assert torch.equal(torch.cat(step_draws), expected_step_draws)
+
+
+def test_both_loaders_take_their_seed_from_the_one_recipe():
+    from ddp_utils import memdata
+    from ddp_utils.datasets import augmentation_seed
+    seeds = {augmentation_seed(0, rank, epoch) for rank in range(8) for epoch in range(50)}
+    assert len(seeds) == 400
+    a = torch.rand(4, generator=memdata.augmentation_generator(3, 1, 2))
+    b = torch.rand(4, generator=torch.Generator().manual_seed(augmentation_seed(3, 1, 2)))
+    assert torch.equal(a, b)
+
+
 def test_pin_memory_only_for_cuda(cinic):
     assert build_data(settings(cinic), 0, 1, device=torch.device("cuda")).train.loader.pin_memory
     assert not build_data(settings(cinic), 0, 1, device="cpu").val.pin_memory

@@ -74,3 +74,57 @@ def test_json_round_trip_and_unknown_fields_are_refused():
 def test_fields_that_must_agree_across_ranks_exist_and_exclude_the_rank():
     names = {f.name for f in dataclasses.fields(Settings)}
     assert set(MUST_AGREE) <= names and "rank" not in MUST_AGREE and "batch_size" in MUST_AGREE
+
+
+# -- recipes: what the settings left out ------------------------------------------------------
+def test_unset_training_fields_come_from_the_presets_recipe():
+    from ddp_utils.presets import PRESETS
+    for name, preset in PRESETS.items():
+        s = Settings(dataset=name)
+        assert (s.arch, s.batch_size, s.epochs, s.lr, s.warmup_epochs) == (
+            preset.recipe.arch, preset.recipe.batch_size, preset.recipe.epochs, preset.recipe.lr,
+            preset.recipe.warmup_epochs), name
+    assert Settings(dataset="imagenet").arch == "resnet18" and Settings(dataset="cinic10").arch == "resnet18_cifar"
+
+
+def test_a_given_value_wins_over_the_recipe_and_is_saved_resolved():
+    s = Settings(dataset="imagenet", epochs=1, batch_size=500)
+    assert (s.epochs, s.batch_size, s.lr) == (1, 500, 0.1)
+    assert Settings.from_dict(s.to_dict()) == s
+    assert None not in s.to_dict().values()
+
+
+def test_every_recipe_lr_is_given_at_the_reference_batch_of_256():
+    s = Settings(dataset="demo", world_size=2)
+    assert s.lr_reference_batch == 256
+    assert s.effective_lr == pytest.approx(s.lr * s.batch_size * 2 / 256)
+
+
+# -- settings -> command line, in one place ---------------------------------------------------
+def test_to_argv_parses_back_to_the_same_settings():
+    s = Settings(dataset="cinic10", data_dir="/data/cinic 10", batch_size=100, lr=0.05, scale_lr=False,
+                 channels_last=False, world_size=2, rank=1, master_addr="10.0.0.1", amp="fp16", threads=3)
+    assert parse(*s.to_argv()) == s
+
+
+def test_to_argv_gives_only_non_default_flags_but_always_the_recipe_and_can_skip_the_rank():
+    argv = Settings(world_size=2, rank=1).to_argv(skip=("rank",))
+    assert "--rank" not in argv and argv[argv.index("--world-size") + 1] == "2"
+    for flag in ("--arch", "--epochs", "--batch-size", "--lr", "--warmup-epochs"):
+        assert flag in argv, flag   # a recipe change later must not change what the command reproduces
+    assert "--backend" not in argv   # still at its default
+    assert "--no-channels-last" in Settings(channels_last=False).to_argv()
+
+
+def test_no_other_module_builds_train_flags_by_hand():
+    """One place turns settings into flags: a hand-written `"--batch-size", str(...)` list drifts."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = [*root.glob("ddp_utils/*.py"), *root.glob("benchmarks/*.py"), *root.glob("lab/*.ipynb"),
+             *root.glob("notebooks/*.ipynb")]
+    for path in files:
+        if path.name == "settings.py":
+            continue
+        text = path.read_text()
+        assert not re.search(r'"--(batch-size|epochs|lr|arch)",\s*\\?"?str\(', text), path.name
