@@ -467,20 +467,13 @@ def _ticks_fit(fig: Figure, ax, n: int, gap_px: float = 8) -> bool:
 # -- everything at once --------------------------------------------------------------------------
 def train_command(settings: dict) -> str:
     """The ``python -m ddp_utils train`` command that reproduces a run (rank 0's), rebuilt from its
-    settings.json: only the flags that differ from the defaults."""
+    settings.json with ``Settings.to_argv``: the flags that differ from the defaults, and the data."""
     from .settings import Settings
 
-    always = ("dataset", "data_dir", "arch", "epochs", "batch_size")   # what a reader looks for first
-    parts = ["python", "-m", "ddp_utils", "train"]
-    for f in dataclasses.fields(Settings):   # the dataclass order: data, model, optimisation, ...
-        name, value = f.name, settings.get(f.name, f.default)
-        if name == "rank" or (value == f.default and name not in always):
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            parts.append(flag if value else "--no-" + flag[2:])
-        else:
-            parts += [flag, shlex.quote(str(value))]
+    known = {f.name for f in dataclasses.fields(Settings)}   # a newer kit's extra fields are left out
+    argv = Settings.from_dict({k: v for k, v in settings.items() if k in known}).to_argv(
+        skip=("rank",), always=("dataset", "data_dir"))
+    parts = ["python", "-m", "ddp_utils", "train", *map(shlex.quote, argv)]
     world_size = settings.get("world_size", 1)
     if world_size > 1:
         others = "1" if world_size == 2 else f"1..{world_size - 1}"

@@ -169,17 +169,18 @@ class Settings:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def to_argv(self, skip=(), every=False) -> list[str]:
+    def to_argv(self, skip=(), always=(), every=False) -> list[str]:
         """These settings as ``python -m ddp_utils train`` flags: ``["--dataset", "demo", ...]``.
 
         Flags appear for the values that differ from the field defaults (recipe values always, so the
-        command reproduces the run even if a recipe changes later); ``every`` gives all of them.
-        ``skip`` leaves fields out (say ``("rank",)`` for a command shared by every node).
+        command reproduces the run even if a recipe changes later), for the fields in ``always``, or
+        for every field with ``every``. ``skip`` leaves fields out (say ``("rank",)`` for a command
+        shared by every node).
         """
         argv = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in skip or (not every and value == f.default):
+            if f.name in skip or (not every and value == f.default and f.name not in always):
                 continue
             flag = "--" + f.name.replace("_", "-")
             if isinstance(value, bool):

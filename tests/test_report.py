@@ -418,3 +418,19 @@ def test_every_runs_full_name_is_on_its_figures(named_runs, plot):
     fig = PLOTS[plot](named_runs)
     text = " ".join(t.get_text().replace("\n", "") for t in shown_texts(fig))
     assert all(run.name in text for run in named_runs)
+
+
+def test_the_command_in_results_md_rebuilds_the_runs_settings():
+    """Made by Settings.to_argv, the one place that turns settings into flags: parse it back and compare."""
+    import argparse
+    import shlex
+
+    from ddp_utils.settings import add_arguments, from_args
+    settings = Settings(dataset="cinic10", data_dir="/data/my cinic", epochs=3, lr=0.05, world_size=2, rank=0,
+                        master_addr="10.0.0.1", channels_last=False, wandb="disabled")
+    command = report.train_command(settings.to_dict())
+    words = shlex.split(command.split("#")[0])
+    assert words[:4] == ["python", "-m", "ddp_utils", "train"] and "--rank 1 on the other" in command
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert from_args(parser.parse_args(words[4:]), environ={}) == settings
