@@ -219,3 +219,90 @@ def test_final_metrics_of_a_two_rank_run_equal_a_single_process_evaluation_of_it
     assert trained["val_images"] == single["val_images"]
     assert trained["loss"] == pytest.approx(single["loss"], rel=1e-6)
     assert trained["acc1"] == pytest.approx(single["acc1"]) and trained["acc5"] == pytest.approx(single["acc5"])
+
+
+# -- defaults that learn, threads, output -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo_at_defaults(tmp_path_factory):
+    """`python -m ddp_utils train --dataset demo` with nothing else set, on 2 ranks and on 1, output piped."""
+    tmp = tmp_path_factory.mktemp("defaults")
+    port = free_port()
+    base = ["--dataset", "demo", "--data-dir", str(tmp / "demo"), "--wandb", "disabled"]
+    from ddp_utils.demo_data import prepare_demo
+    prepare_demo(tmp / "demo")
+    env = base_env()
+    env.pop("OMP_NUM_THREADS")   # the kit chooses the threads itself
+    two = run_all([python("-m", "ddp_utils", "train", *base, "--run-dir", str(tmp / "ddp"), "--world-size", "2",
+                          "--rank", str(r), "--master-port", str(port)) for r in range(2)], timeout=300, env=env)
+    one = run_all([python("-m", "ddp_utils", "train", *base, "--run-dir", str(tmp / "single"))], timeout=300,
+                  env=env)
+    return tmp, two, one
+
+
+@pytest.mark.parametrize("run", ["ddp", "single"])
+def test_demo_at_default_settings_reaches_95_percent(demo_at_defaults, run):
+    tmp, two, one = demo_at_defaults
+    assert all(r.returncode == 0 for r in two + one), describe(two + one)
+    results = json.loads((tmp / run / "results.json").read_text())
+    assert results["acc1"] >= 95.0, results["acc1"]
+    saved = json.loads((tmp / run / "settings.json").read_text())
+    assert (saved["arch"], saved["epochs"], saved["batch_size"], saved["lr"]) == ("convnet", 8, 32, 0.8)
+
+
+def test_ranks_sharing_a_machine_share_its_cores(demo_at_defaults):
+    import os
+    tmp, two, one = demo_at_defaults
+    assert all(r.returncode == 0 for r in two + one), describe(two + one)
+    cores = len(os.sched_getaffinity(0))
+    assert json.loads((tmp / "ddp" / "results.json").read_text())["threads"] == max(1, cores // 2)
+    assert json.loads((tmp / "single" / "results.json").read_text())["threads"] == cores
+    assert f"CPU threads per process: {max(1, cores // 2)} ({cores} cores / 2 rank(s) on this machine)" in two[0].output
+
+
+def test_piped_output_has_one_line_per_epoch_and_no_progress_bar_frames(demo_at_defaults):
+    tmp, two, one = demo_at_defaults
+    assert all(r.returncode == 0 for r in two + one), describe(two + one)
+    for output in (two[0].output, one[0].output):
+        assert "\r" not in output and "it/s" not in output
+        assert [line.split(":")[0] for line in output.splitlines() if line.startswith("epoch ")] == [
+            f"epoch {e}/8" for e in range(1, 9)]
+
+
+def test_progress_steps_prints_a_line_per_log_point(tmp_path):
+    [res] = run_all([python("-m", "ddp_utils", "train", *FAST, "--run-dir", str(tmp_path / "r"), "--epochs", "1",
+                            "--max-steps-per-epoch", "4", "--batch-size", "8", "--progress", "steps")],
+                    timeout=120, env=base_env())
+    assert res.returncode == 0, describe([res])
+    assert "epoch 1/1 step 2/4: loss" in res.output and "epoch 1/1 step 4/4: loss" in res.output
+    assert "\r" not in res.output
+
+
+@pytest.mark.parametrize("setting, env, expected", [
+    (0, {}, (1, "2 cores / 2 rank(s) on this machine")),
+    (0, {"OMP_NUM_THREADS": "3"}, (3, "OMP_NUM_THREADS")),
+    (2, {"OMP_NUM_THREADS": "3"}, (2, "the threads setting")),
+])
+def test_threads_are_the_setting_else_omp_num_threads_else_a_share_of_the_cores(setting, env, expected):
+    from ddp_utils.threads import choose_threads
+    assert choose_threads(setting, cores=2, ranks_here=2, environ=env) == expected
+    assert choose_threads(0, cores=1, ranks_here=4, environ={})[0] == 1
+
+
+def test_resume_through_prepare_drops_the_tensorboard_points_logged_after_the_checkpoint(tmp_path):
+    """What the notebooks do on RESUME: the interrupted epoch's points must not show twice."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from ddp_utils.runlog import read_scalars
+    run = tmp_path / "run"
+    _in_process_fit(run, epochs=1)
+    saved_step = checkpoint.load_checkpoint(run / "last.pt")["step"]
+    stray = SummaryWriter(str(run / "tb"))   # the interrupted epoch 2 logged these before dying
+    for step in range(saved_step + 1, saved_step + 3):
+        stray.add_scalar("Loss/train", 1234.0, step)
+    stray.close()
+    _in_process_fit(run, epochs=2, resume=str(run / "last.pt"))
+    points = read_scalars(run)["Loss/train"]
+    assert 1234.0 not in [value for _, value in points]
+    steps = [step for step, _ in points]
+    assert steps == sorted(set(steps)) and steps[-1] == 2 * saved_step
