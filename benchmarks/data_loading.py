@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_utils.data import build_data  # noqa: E402
 from ddp_utils.demo_data import prepare_demo  # noqa: E402
+from ddp_utils.runlog import cpu_name  # noqa: E402
 from ddp_utils.settings import Settings  # noqa: E402
 
 
@@ -31,16 +31,6 @@ def epoch_images_per_s(loader, epoch: int) -> float:
     t = time.perf_counter()
     n = sum(len(labels) for _, labels in loader.epoch(epoch))
     return n / (time.perf_counter() - t)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main():

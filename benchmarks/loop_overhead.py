@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_utils import train  # noqa: E402
-from ddp_utils.distributed import DistContext  # noqa: E402
+from ddp_utils import optim, train  # noqa: E402
+from ddp_utils.job import prepare  # noqa: E402
 from ddp_utils.model import build_model  # noqa: E402
-from ddp_utils.runlog import NullLogger  # noqa: E402
 from ddp_utils.settings import Settings  # noqa: E402
 
 
@@ -62,16 +61,16 @@ def bare_epoch(model, batches, optimizer, scheduler) -> float:
     return sum(len(y) for _, y in batches) / (time.perf_counter() - t)
 
 
-def kit_epoch(model, data, optimizer, scheduler, scaler, settings, ctx) -> float:
-    stats = train.train_one_epoch(model, data, optimizer, scheduler, scaler, 0, settings, ctx, NullLogger())
+def kit_epoch(model, data, optimizer, scheduler, scaler, job) -> float:
+    stats = train.train_one_epoch(model, data, optimizer, scheduler, scaler, 0, job.settings, job.ctx, job.logger)
     return stats["images_per_s"]
 
 
 def part_loop(rounds: int, steps: int, batch: int, arch: str, threads: int) -> dict:
-    torch.set_num_threads(threads)
-    settings = Settings(dataset="fake", arch=arch, batch_size=batch, epochs=1, log_every=20, wandb="disabled")
-    ctx = DistContext(rank=1, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
-    # rank=1 in the context only silences the progress bar, as on a worker; the maths is unchanged.
+    settings = Settings(dataset="fake", image_size=32, arch=arch, batch_size=batch, epochs=1, log_every=20,
+                        workers=0, wandb="disabled", progress="off", threads=threads,
+                        run_dir=tempfile.mkdtemp(prefix="loop_overhead-"))
+    job = prepare(settings, log=lambda *_: None)   # the kit's context, threads and logger, as in a real run
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g))
                for _ in range(steps)]
@@ -80,15 +79,16 @@ def part_loop(rounds: int, steps: int, batch: int, arch: str, threads: int) -> d
     def fresh():
         torch.manual_seed(0)
         model = build_model(arch, 10)
-        opt = train.build_optimizer(model, settings)
-        return model, opt, train.build_scheduler(opt, settings, steps)
+        opt = optim.build_optimizer(model, settings)
+        return model, opt, optim.build_scheduler(opt, settings, steps)
 
     bare, kit = [], []
     for _ in range(rounds):            # alternate so drifts in machine speed hit both alike
         model, opt, sched = fresh()
         bare.append(bare_epoch(model, batches, opt, sched))
         model, opt, sched = fresh()
-        kit.append(kit_epoch(model, data, opt, sched, train.make_scaler(None, ctx.device), settings, ctx))
+        kit.append(kit_epoch(model, data, opt, sched, optim.make_scaler(None, job.ctx.device), job))
+    job.logger.close()
     b, k = statistics.median(bare), statistics.median(kit)
     return {"bare_images_per_s": b, "kit_images_per_s": k, "kit_over_bare": k / b,
             "rounds": rounds, "steps": steps, "batch": batch, "arch": arch, "threads": threads}

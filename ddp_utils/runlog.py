@@ -263,7 +263,8 @@ def make_logger(settings, rank: int, resume: bool = False,
 
 
 # -- the results of a run -----------------------------------------------------------------------
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The processor's model name, for results and pictures (a speed means nothing without its machine)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
@@ -288,7 +289,7 @@ def summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=None) -> 
         "dataset": settings.dataset, "arch": settings.arch, "device": str(ctx.device),
         "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
         "backend": ctx.backend or "none", "host": socket.gethostname(), "cpus": os.cpu_count(),
-        "cpu_name": _cpu_name(), "threads": torch.get_num_threads(),
+        "cpu_name": cpu_name(), "threads": torch.get_num_threads(),
         "history": history,
     }
 
