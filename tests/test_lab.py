@@ -128,7 +128,7 @@ def test_wandb_lab_is_offline_by_default():
 
 def test_dataparallel_lab_wraps_the_model_itself_only_with_several_gpus():
     source = code(LAB / "lab4_dataparallel.ipynb")
-    assert "torch.nn.DataParallel(model)" in source
+    assert "torch.nn.DataParallel(job.model)" in source
     assert "torch.cuda.device_count()" in source and "gpus > 1" in source
     assert "DistributedDataParallel" in markdown(LAB / "lab4_dataparallel.ipynb")
 
@@ -138,6 +138,21 @@ def test_two_node_lab_points_to_the_homework_notebooks():
     assert "notebooks/main.ipynb" in text and "notebooks/worker.ipynb" in text
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "BACKEND", "RUN_DIR", "WANDB_MODE"):
         assert name in parameters(LAB / "lab5_ddp_two_nodes.ipynb"), name
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_labs_build_their_runs_with_prepare_like_the_notebooks_and_the_command_line(name):
+    """One way to start a run: the labs call prepare() (or run_job, which calls it), never assemble one by hand."""
+    source = code(LAB / name)
+    assert "prepare(" in source or "run_job(" in source, name
+    for hand_made in ("DistContext(", "build_data(", "make_logger(", "prepare_model(", "setup(settings"):
+        assert hand_made not in source, f"{name} assembles a run by hand ({hand_made})"
+    assert "OMP_NUM_THREADS" not in source, "threads come from the kit (threads.py), the same for every entry point"
+
+
+def test_lab5_builds_its_command_lines_from_the_same_settings_as_its_notebook_run():
+    source = code(LAB / "lab5_ddp_two_nodes.ipynb")
+    assert ".to_argv(skip=(\"rank\",))" in source and '"--rank", str(rank)' in source
 
 
 # -- the walkthrough --------------------------------------------------------------------------
@@ -213,6 +228,67 @@ def kit_source() -> str:
 def test_quoted_error_texts_are_still_the_kits(quoted):
     assert quoted in readme(), f"README no longer quotes: {quoted}"
     assert quoted in kit_source(), f"the kit no longer says: {quoted} (update lab/README.md)"
+
+
+# -- quoted tables, timeouts and times: the two READMEs must agree with each other and the kit ------
+TABLE_ROW = re.compile(r"^\| (\d{8}-\d{6}-\w+) \|.*\|$", re.M)   # a results-table row of a real run
+
+
+def quoted_rows(text: str) -> dict[str, set[str]]:
+    rows: dict[str, set[str]] = {}
+    for match in TABLE_ROW.finditer(text):
+        rows.setdefault(match.group(1), set()).add(match.group(0))
+    return rows
+
+
+def test_every_quoted_results_row_is_the_same_wherever_it_is_quoted():
+    """The same run quoted twice (step 0, step 8, README, images/results.md) must show the same numbers."""
+    texts = {"lab/README.md": readme(), "README.md": (Path(REPO) / "README.md").read_text(),
+             "images/results.md": (Path(REPO) / "images" / "results.md").read_text()}
+    seen: dict[str, tuple[str, str]] = {}
+    for where, text in texts.items():
+        for run, rows in quoted_rows(text).items():
+            assert len(rows) == 1, f"{where} quotes {run} with different numbers: {rows}"
+            row = next(iter(rows))
+            if run in seen:
+                assert seen[run][1] == row, f"{run}: {seen[run][0]} says\n{seen[run][1]}\n{where} says\n{row}"
+            seen[run] = (where, row)
+
+
+def test_the_walkthrough_quotes_one_demo_run_and_its_speed_up_in_the_prose():
+    """Step 0 and step 8 show the same demo runs, and the prose's speed-up is the table's."""
+    runs = quoted_rows(readme())
+    ddp = [r for r in runs if r.endswith("-ddp2")]
+    assert len(ddp) == 1, f"the walkthrough quotes several demo runs: {sorted(runs)}"
+    speedup = next(iter(runs[ddp[0]])).split("|")[-3].strip()     # e.g. 1.74x
+    assert f": {speedup}, not 2x" in section(readme(), "0."), speedup
+    assert ddp[0] in section(readme(), "8."), "step 8 should show the report of step 0's runs"
+
+
+def test_quoted_timeouts_are_the_kits_defaults():
+    from ddp_utils.settings import Settings
+    default = Settings().init_timeout
+    text = readme()
+    for waited in re.findall(r"waiting up to (\d+) s for the checks", text):
+        assert float(waited) == default, f"check output quotes {waited} s, the default is {default:g} s"
+    for said in re.findall(r"INIT_TIMEOUT`?,? \(?(\d+)(?: s)?\)?", text) + re.findall(r"init_timeout`?\)? ?\((\d+)", text):
+        assert float(said) == default, said
+    for nb in ("main", "worker"):
+        assert parameters(Path(REPO) / "notebooks" / f"{nb}.ipynb")["INIT_TIMEOUT"] == default
+
+
+def test_the_imagenet_epoch_time_is_quoted_the_same_everywhere():
+    sources = [readme(), (Path(REPO) / "README.md").read_text()] + [
+        code(Path(REPO) / "notebooks" / f"{nb}.ipynb") for nb in ("main", "worker", "single")]
+    minutes = {m for text in sources for m in re.findall(r"ImageNet epoch[^.]*?about (\d+) min", text)}
+    assert len(minutes) == 1, f"one ImageNet epoch on 2 x T4 is quoted as {sorted(minutes)} minutes"
+
+
+def test_the_jupyter_line_quoted_in_step_4_is_what_start_jupyter_prints():
+    script = (Path(REPO) / "docker" / "start-jupyter.sh").read_text()
+    echoed = re.search(r'echo "(JupyterLab listens on .*)"', script).group(1)
+    expected = echoed.replace("${ip}", "127.0.0.1").replace("${port}", "8888")
+    assert expected in section(readme(), "4."), expected
 
 
 def test_demo_output_in_the_walkthrough_matches_the_demos_current_settings():
