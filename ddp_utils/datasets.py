@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Sampler
 from torchvision import transforms as T
 from torchvision.datasets import FakeData, ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset

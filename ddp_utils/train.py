@@ -148,8 +148,8 @@ def _fit(settings, ctx, data, model, logger, state, resume) -> dict:
         history.append({"epoch": epoch + 1, "train": train, "val": val})
         trained_now += 1
         paths = [last_path, best_path] if is_best else [last_path]
-        checkpoint.save_state([p for p in paths if p], model, optimizer, scheduler, scaler, epoch, step, best_acc1,
-                   history, settings, ctx)
+        checkpoint.save_state([p for p in paths if p], model, optimizer, scheduler, scaler, epoch, step,
+                              best_acc1, history, settings, ctx)
         logger.info(f"epoch {epoch + 1}/{settings.epochs}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | "
                     f"val loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | "
                     f"{train['images_per_s']:.0f} img/s global, {train['images_per_s_rank']:.0f} per rank, "

@@ -82,11 +82,13 @@ def test_every_flag_the_readme_mentions_exists(tmp_path):
     readme = Path(REPO, "README.md").read_text()
     helps = "".join(subprocess.run(python("-m", "ddp_utils", cmd, "--help"), cwd=REPO, capture_output=True,
                                    text=True, env=base_env()).stdout for cmd in ("train", "check", "demo", "report"))
+    helps += "".join(subprocess.run(python(str(script), "--help"), cwd=REPO, capture_output=True, text=True,
+                                    env=base_env()).stdout for script in Path(REPO, "benchmarks").glob("*.py"))
     torchrun_flags = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--build"}
     for flag in sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", readme)) - torchrun_flags):
         if flag in ("--net", "--ipc", "--gpus", "--shm-size", "--logdir"):
             continue   # docker / tensorboard flags
-        assert flag in helps, f"README mentions {flag}, which no ddp_utils command accepts"
+        assert flag in helps, f"README mentions {flag}, which no ddp_utils command or benchmark accepts"
 
 
 def test_when_a_worker_dies_mid_run_the_master_stops_with_a_clear_error_and_an_intact_checkpoint(tmp_path):

@@ -429,7 +429,7 @@ def test_lab1_compares_fp32_amp_and_a_bigger_batch(executed):
     for run in ("fp32", "amp-auto", "amp-auto-batch64"):
         assert f"| {run} | 1 |" in text, run
         assert (executed[0] / "lab1" / run / "results.json").is_file(), run
-    assert "global batch 64 = 64 per rank x 1 rank(s); lr 0.1 x 64/256 = 0.025" in text   # lr scaled
+    assert "global batch 64 = 64 per rank x 1 rank(s); lr 0.8 x 64/256 = 0.2" in text   # the recipe's lr, scaled
     import torch
     if not torch.cuda.is_available():
         assert "No GPU here: the memory probe needs CUDA" in text
