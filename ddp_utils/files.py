@@ -1,12 +1,35 @@
 """Atomic file writes: a reader (or a resume after a crash) sees the old file or the new one, never half.
 
-Used for checkpoints and for the run folder's text files (settings.json, results.json).
+Used for checkpoints and for the run folder's text files (settings.json, results.json). The temporary
+file is ``.<name>.tmp`` beside the target, one name per target: a process killed while writing leaves
+at most one, which ``remove_leftovers`` deletes when the run folder is opened again.
 """
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+MB = 2**20
+
+
+class DiskFull(RuntimeError):
+    """The disk filled up while writing; the previous file is kept. The message says where and how much."""
+
+
+def temporary_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def remove_leftovers(folder) -> list[Path]:
+    """Delete the temporary files an interrupted write left in ``folder``; return what was deleted."""
+    gone = []
+    for tmp in Path(folder).glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+        gone.append(tmp)
+    return gone
 
 
 def atomic_write(path, write: Callable[[BinaryIO], None], check: Callable[[Path], None] | None = None) -> Path:
@@ -18,7 +41,7 @@ def atomic_write(path, write: Callable[[BinaryIO], None], check: Callable[[Path]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Same folder as the target: os.replace is only atomic within one file system.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temporary_name(path)
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -27,11 +50,30 @@ def atomic_write(path, write: Callable[[BinaryIO], None], check: Callable[[Path]
         if check is not None:
             check(tmp)
         os.replace(tmp, path)
-    except BaseException:  # also KeyboardInterrupt: never leave a temp file behind
+    except BaseException as exc:  # also KeyboardInterrupt: never leave a temp file behind
+        written = tmp.stat().st_size if tmp.exists() else 0
         tmp.unlink(missing_ok=True)
+        if _disk_full(exc, path.parent):
+            raise DiskFull(_disk_full_text(path, written)) from exc
         raise
     fsync_folder(path.parent)  # make the rename itself survive a power cut
     return path
+
+
+def _disk_full(exc: BaseException, folder: Path) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # torch.save through its zip writer reports a full disk as "[enforce fail ...] unexpected pos".
+    return isinstance(exc, RuntimeError) and shutil.disk_usage(folder).free < MB
+
+
+def _disk_full_text(path: Path, written: int) -> str:
+    free = shutil.disk_usage(path.parent).free
+    need = (f"about {path.stat().st_size / MB:.1f} MB (the size of the previous {path.name})" if path.exists()
+            else f"more than the {written / MB:.1f} MB written when it failed")
+    return (f"No space left on the disk that holds {path.parent}: writing {path.name} needed {need}, and "
+            f"{free / MB:.1f} MB are free. The previous {path.name} (if any) is unchanged. Free space on that disk "
+            f"(old runs and checkpoints: du -sh runs/*) or choose a run folder on a bigger disk, then resume.")
 
 
 def atomic_write_text(path, text: str) -> Path:

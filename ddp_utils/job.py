@@ -41,6 +41,8 @@ class Job:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:      # the run folder says why the run ended
+            self.logger.error(f"{exc_type.__name__}: {exc}" if not str(exc).startswith("rank") else str(exc))
         self.logger.close(exit_code=0 if exc_type is None else 1)
         if exc_type is not None:      # DDP: leave the broken group, so that setup can run again
             distributed.teardown()

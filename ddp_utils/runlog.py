@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from .files import atomic_write_text
+from .files import atomic_write_text, remove_leftovers
 
 from .summary import model_summary as _model_summary_text
 
@@ -122,6 +122,7 @@ class RunLogger:
         if not resume:
             _refuse_existing_run(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(self.run_dir)   # half-written files of a run killed while saving
         if resume and (self.run_dir / "log.txt").exists():
             self.info(f"=== resumed {time.strftime('%Y-%m-%d %H:%M:%S')} ===")
         self._write_settings()
@@ -135,6 +136,12 @@ class RunLogger:
         print(msg, flush=True)
         with open(self.run_dir / "log.txt", "a", encoding="utf-8") as f:
             f.write(f"{msg}\n")
+
+    def error(self, msg: str) -> None:
+        """Append a final error to log.txt only: the console shows it already (the CLI's ``error:``
+        line, the notebook's traceback), but the run folder must say why the run ended."""
+        with open(self.run_dir / "log.txt", "a", encoding="utf-8") as f:
+            f.write(f"error: {msg}\n")
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         """Log ``{tag: number}`` at ``step`` (global optimiser steps) to TensorBoard and W&B."""
@@ -233,6 +240,9 @@ class NullLogger:
         pass
 
     def info(self, msg: str) -> None:
+        pass
+
+    def error(self, msg: str) -> None:
         pass
 
     def scalars(self, values: dict[str, float], step: int) -> None:

@@ -6,6 +6,7 @@ model is not wrapped and every collective is a no-op. The DDP-specific lines are
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -23,6 +24,28 @@ from .settings import describe_batch
 # one epoch of training, exact evaluation
 
 
+class Diverged(RuntimeError):
+    """The loss (or the weights) stopped being finite numbers: training cannot recover by itself.
+
+    Raised on every rank at once: the values checked are the global, all-reduced ones.
+    """
+
+    def __init__(self, what: str, step: int, lr: float, message: str = ""):
+        self.what, self.step, self.lr = what, step, lr
+        super().__init__(message or f"training diverged at step {step}: {what} with lr {lr:.4g}.")
+
+    def explain(self, rank: int, kept: str) -> str:
+        return (f"rank {rank}: training diverged at step {self.step}: {self.what} with lr {self.lr:.4g}. "
+                f"Nothing of this epoch was saved; {kept}. Try a smaller lr (a tenth), a longer warm-up "
+                f"(--warmup-epochs / WARMUP_EPOCHS), or amp=bf16 / off if fp16 overflowed; then start again "
+                f"(or resume from that checkpoint with the smaller lr).")
+
+
+def _check_finite(value: float, what: str, step: int, lr: float) -> None:
+    if not math.isfinite(value):
+        raise Diverged(f"{what} is {value}", step, lr)
+
+
 def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, settings, ctx, logger,
                     start_step: int = 0) -> dict:
     """Train one pass over this rank's shard. Returns global metrics and timing for the epoch.
@@ -38,37 +61,41 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
     progress = Progress(settings.progress, len(data.train), f"epoch {epoch + 1}/{settings.epochs}",
                         show=ctx.is_main, print_line=logger.info)
     t_epoch = t_end = time.perf_counter()
-    for images, labels in data.train.epoch(epoch):   # DDP: set_epoch happens inside .epoch()
-        t_data = time.perf_counter()
-        data_s += t_data - t_end
-        images, labels = to_device(images, labels, settings, ctx.device)
-        with autocast(dtype, ctx.device):
-            logits = model(images)
-            loss = F.cross_entropy(logits, labels)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()     # DDP: gradients are all-reduced (averaged) during backward
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        step += 1
-        window.update(loss.detach() * labels.shape[0], logits, labels)
-        if step % settings.log_every == 0:
-            stats = window.reduced(ctx)   # DDP: a collective, reached by every rank at the same step
-            epoch_meter.add(window)
-            window.reset()
-            lr = scheduler.get_last_lr()[0]
-            logger.scalars({"Loss/train": stats["loss"], "acc1/train": stats["acc1"], "acc5/train": stats["acc5"],
-                            "lr": lr}, step)
-            progress.log_point(step - start_step, stats["loss"], stats["acc1"], lr)
-        progress.update()
-        t_end = time.perf_counter()
-        compute_s += t_end - t_data
+    try:
+        for images, labels in data.train.epoch(epoch):   # DDP: set_epoch happens inside .epoch()
+            t_data = time.perf_counter()
+            data_s += t_data - t_end
+            images, labels = to_device(images, labels, settings, ctx.device)
+            with autocast(dtype, ctx.device):
+                logits = model(images)
+                loss = F.cross_entropy(logits, labels)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()     # DDP: gradients are all-reduced (averaged) during backward
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            step += 1
+            window.update(loss.detach() * labels.shape[0], logits, labels)
+            if step % settings.log_every == 0:
+                stats = window.reduced(ctx)   # DDP: a collective, reached by every rank at the same step
+                epoch_meter.add(window)
+                window.reset()
+                lr = scheduler.get_last_lr()[0]
+                _check_finite(stats["loss"], "the training loss", step, lr)   # global: every rank stops alike
+                logger.scalars({"Loss/train": stats["loss"], "acc1/train": stats["acc1"], "acc5/train": stats["acc5"],
+                                "lr": lr}, step)
+                progress.log_point(step - start_step, stats["loss"], stats["acc1"], lr)
+            progress.update()
+            t_end = time.perf_counter()
+            compute_s += t_end - t_data
+    finally:
+        progress.close()   # also when a step fails: no half-drawn bar left behind
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)    # so the epoch's wall time includes queued GPU work
     wall = time.perf_counter() - t_epoch
-    progress.close()
     epoch_meter.add(window)           # the steps since the last log point
     stats = epoch_meter.reduced(ctx)
+    _check_finite(stats["loss"], "the training loss of the epoch", step, scheduler.get_last_lr()[0])
     # DDP: every rank saw the same number of steps (drop_last), so images/s adds up across ranks.
     rank_ips = stats["count"] / ctx.world_size / max(wall, 1e-9)
     stats.update(epoch=epoch, step=step, wall_s=wall, data_s=data_s, compute_s=compute_s,
@@ -113,6 +140,9 @@ def fit(job) -> dict:
     """
     try:
         return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume)
+    except Diverged as exc:   # the same paragraph on every rank, naming what rank 0 kept
+        kept = _kept_checkpoint(job.logger.run_dir, job.ctx)
+        raise Diverged(exc.what, exc.step, exc.lr, exc.explain(job.ctx.rank, kept)) from None
     except RuntimeError as exc:
         if job.ctx.distributed and distributed.lost_a_peer(exc):
             raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, job.logger.run_dir, exc)) from exc
@@ -127,6 +157,11 @@ def _fit(settings, ctx, data, model, logger, state, resume) -> dict:
     start_epoch, step, best_acc1, history = 0, 0, 0.0, []
     if state is not None:
         checkpoint.restore(state, model, optimizer, scheduler, scaler, ctx)
+        # The schedule continues at its step, but from this run's lr: resuming with a smaller lr after
+        # a divergence must take effect (the scheduler's saved state holds the old one).
+        scheduler.base_lrs = [settings.effective_lr] * len(optimizer.param_groups)
+        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * factor(scheduler.last_epoch)
         start_epoch, step, best_acc1 = state["epoch"] + 1, state["step"], state["best_acc1"]
         history = state.get("history", [])   # results then cover the epochs before the interruption too
         logger.info(f"resumed from {resume}: continuing at epoch {start_epoch + 1}")
@@ -139,6 +174,10 @@ def _fit(settings, ctx, data, model, logger, state, resume) -> dict:
         train = train_one_epoch(model, data, optimizer, scheduler, scaler, epoch, settings, ctx, logger, step)
         step = train["step"]
         val = evaluate(model, data.val, settings, ctx)
+        lr = scheduler.get_last_lr()[0]
+        _check_finite(val["loss"], "the validation loss", step, lr)
+        if not _weights_finite(model, ctx):
+            raise Diverged("some weights are not finite", step, lr)
         logger.scalars({"Loss/val": val["loss"], "acc1/val": val["acc1"], "acc5/val": val["acc5"],
                         "throughput/images_per_s": train["images_per_s"],
                         "throughput/images_per_s_rank": train["images_per_s_rank"],
@@ -160,6 +199,28 @@ def _fit(settings, ctx, data, model, logger, state, resume) -> dict:
     results = summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=trained_now)
     logger.results(results)
     return results
+
+
+def _weights_finite(model, ctx) -> bool:
+    """Whether every parameter and buffer is finite on every rank (one small collective per epoch)."""
+    net = unwrap(model)
+    bad = sum(int(not torch.isfinite(t).all()) for t in (*net.parameters(), *net.buffers()) if t.is_floating_point())
+    flag = torch.tensor([float(bad)], device=ctx.device)
+    return distributed.all_reduce_sum(flag, ctx).item() == 0
+
+
+def _kept_checkpoint(run_dir, ctx) -> str:
+    """What the run folder holds now, said only if it exists (rank 0's view; others point at it)."""
+    if not ctx.is_main:
+        return "rank 0's last.pt (if any) holds the last finite epoch"
+    last = checkpoint.checkpoint_paths(run_dir)[0] if run_dir else None
+    if last is None or not last.exists():
+        return "no checkpoint was written yet"
+    try:
+        epoch = checkpoint.load_checkpoint(last)["epoch"] + 1
+    except Exception:   # noqa: BLE001 - only for the message
+        return f"{last} is kept as it was"
+    return f"{last} holds epoch {epoch}, the last one with finite numbers"
 
 
 def evaluate_only(job) -> dict:

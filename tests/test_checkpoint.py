@@ -199,3 +199,59 @@ def test_rng_state_holds_plain_values_only():
     state = rng_state()
     assert set(state) >= {"python", "torch", "cuda"}
     assert not any(isinstance(v, np.ndarray) for v in state.get("numpy", ()))
+
+
+# -- nothing left behind, and a full disk said plainly ---------------------------------------------
+
+def test_an_interrupted_write_leaves_one_temporary_file_per_target_that_the_next_start_removes(tmp_path):
+    from ddp_utils.runlog import RunLogger
+    run = tmp_path / "run"
+    RunLogger(Settings(wandb="disabled"), run).close()
+    save_checkpoint(run / "last.pt", {"epoch": 0})
+    state = {"w": torch.zeros(10)}
+
+    class Killed(BaseException):
+        pass
+
+    def killed_midway(f):
+        f.write(b"half a checkpoint")
+        raise Killed
+    from ddp_utils import files
+    for _ in range(3):   # killed three times: still one name per target, never one per process
+        with pytest.raises(Killed):
+            files.atomic_write(run / "last.pt", killed_midway)
+    (run / ".best.pt.tmp").write_bytes(b"left by a SIGKILL")   # what a hard kill leaves (no except clause ran)
+    (run / ".last.pt.tmp").write_bytes(b"left by a SIGKILL")
+    RunLogger(Settings(wandb="disabled"), run, resume=True).close()
+    assert not list(run.glob(".*.tmp"))
+    assert load_checkpoint(run / "last.pt") == {"epoch": 0}
+    save_checkpoint(run / "best.pt", state)
+    assert torch.equal(load_checkpoint(run / "best.pt")["w"], state["w"])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MB tmpfs: a real full disk, as a run folder on a full volume meets it (needs root to mount)."""
+    import subprocess
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def test_a_full_disk_names_the_folder_and_the_sizes_and_keeps_the_previous_checkpoint(small_disk):
+    from ddp_utils.files import DiskFull
+    save_checkpoint(small_disk / "last.pt", {"w": torch.zeros(50_000)})      # 200 KB: fits
+    with pytest.raises(DiskFull) as err:
+        save_checkpoint(small_disk / "last.pt", {"w": torch.ones(400_000)})  # 1.6 MB: does not
+    text = str(err.value)
+    assert f"No space left on the disk that holds {small_disk}" in text and "MB are free" in text
+    assert "The previous last.pt (if any) is unchanged" in text and "resume" in text
+    assert torch.equal(load_checkpoint(small_disk / "last.pt")["w"], torch.zeros(50_000))
+    assert not list(small_disk.glob(".*.tmp"))

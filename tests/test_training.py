@@ -306,3 +306,30 @@ def test_resume_through_prepare_drops_the_tensorboard_points_logged_after_the_ch
     assert 1234.0 not in [value for _, value in points]
     steps = [step for step, _ in points]
     assert steps == sorted(set(steps)) and steps[-1] == 2 * saved_step
+
+
+# -- divergence: a NaN run is never saved, and every rank stops ------------------------------------
+
+def test_a_diverging_run_stops_every_rank_and_saves_no_nan_model(tmp_path):
+    import hashlib
+    run_ranks(tmp_path, "run", 2, "--epochs", "1", "--max-steps-per-epoch", "4", "--batch-size", "8")
+    saved = {name: hashlib.sha1((tmp_path / "run" / name).read_bytes()).hexdigest() for name in ("last.pt", "best.pt")}
+    port = free_port()
+    common = ["--epochs", "3", "--max-steps-per-epoch", "4", "--batch-size", "8", "--lr", "1e20"]
+    cmds = [train_cmd(tmp_path / "run", r, 2, port, *common, "--resume", tmp_path / "run" / "last.pt") for r in range(2)]
+    results = run_all(cmds, timeout=120, env=base_env())
+    assert [r.returncode for r in results] == [2, 2], describe(results)
+    for rank, r in enumerate(results):
+        assert f"rank {rank}: training diverged at step" in r.output and "is nan with lr " in r.output, r.output[-2000:]
+        assert "Traceback" not in r.output and r.output.count("training diverged") == 1
+    assert "holds epoch 1, the last one with finite numbers" in results[0].output
+    for name, digest in saved.items():   # both checkpoints untouched: no NaN epoch became last or best
+        assert hashlib.sha1((tmp_path / "run" / name).read_bytes()).hexdigest() == digest, name
+    assert "training diverged" in (tmp_path / "run" / "log.txt").read_text()
+
+
+def test_a_run_that_diverges_in_its_first_epoch_says_nothing_was_saved(tmp_path):
+    [res] = run_all([train_cmd(tmp_path / "run", 0, 1, free_port(), "--epochs", "1", "--max-steps-per-epoch", "4",
+                               "--batch-size", "8", "--lr", "1e20")], timeout=120, env=base_env())
+    assert res.returncode == 2 and "no checkpoint was written yet" in res.output, res.output[-2000:]
+    assert not (tmp_path / "run" / "last.pt").exists() and not (tmp_path / "run" / "best.pt").exists()
