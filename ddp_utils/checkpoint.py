@@ -91,7 +91,9 @@ def load_checkpoint(path, map_location="cpu") -> dict:
     try:
         state = _torch_load(path, map_location)
     except pickle.UnpicklingError as e:
-        if "weights only" not in str(e).lower():
+        # Python objects: a zip from torch.save ("Unsupported global") or a plain pickle (it starts
+        # with the PROTO opcode). Anything else (random bytes, a truncated file) is not a checkpoint.
+        if "unsupported global" not in str(e).lower() and not _is_plain_pickle(path):
             raise _damaged(path, e) from e
         raise CheckpointError(
             f"{path} holds Python objects that torch.load(weights_only=True) refuses ({_why(e)}). "
@@ -104,6 +106,12 @@ def load_checkpoint(path, map_location="cpu") -> dict:
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dict "
                               f"(expected keys such as 'model', 'optimizer', 'epoch').")
     return state
+
+
+def _is_plain_pickle(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(2)
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5   # PROTO opcode and version
 
 
 def _damaged(path: Path, error: Exception) -> CheckpointError:
@@ -191,6 +199,20 @@ def load_state(path, ctx) -> dict | None:
     if ctx.distributed:
         state = distributed.broadcast_object(state, ctx)   # DDP: worker nodes get rank 0's file
     return state
+
+
+def check_matches(state: dict, settings, path) -> None:
+    """CheckpointError (on every rank: all hold the state) if the checkpoint is of another model or data."""
+    saved = state.get("settings") or {}
+    wrong = [f"{name}={saved[name]!r}" for name in ("arch", "dataset")
+             if name in saved and saved[name] != getattr(settings, name)]
+    if wrong:
+        now = ", ".join(f"{name}={getattr(settings, name)!r}" for name in ("arch", "dataset"))
+        flags = " ".join(f"--{w.split('=')[0]} {saved[w.split('=')[0]]}" for w in wrong)
+        raise CheckpointError(
+            f"{path} is a checkpoint of {', '.join(wrong)}, but these settings say {now}. Resume it with the "
+            f"same settings ({flags}; in the notebooks the same values in the parameter cell), or start a new "
+            f"run without resume.")
 
 
 def restore(state, model, optimizer, scheduler, scaler, ctx) -> None:

@@ -49,6 +49,15 @@ class DataError(ValueError):
     """The data on disk is not what the preset expects. The message names the path, what is
     wrong and what to do about it."""
 
+    def plain(self) -> "DataError":
+        """The kit's paragraph alone. Raised in a DataLoader worker, the error arrives wrapped in
+        "Caught DataError in DataLoader worker process 0. Original Traceback ...": unwrap it."""
+        text = str(self)
+        marker = f"{type(self).__module__}.{type(self).__name__}: "
+        if marker in text:
+            text = text.rsplit(marker, 1)[1].strip()
+        return DataError(text)
+
 
 # --------------------------------------------------------------------------------------------
 # Presets (defined in presets.py) and the one seeding recipe of both training loaders

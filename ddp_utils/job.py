@@ -69,6 +69,8 @@ def prepare(settings, resume: str | None = None, evaluate: bool = False, log=pri
         # DDP: loading is a collective (rank 0 reads its file and sends it), so all resume or none.
         distributed.agree({"resume": bool(resume)}, ctx, what="whether to resume")
         state = checkpoint.load_state(resume, ctx) if resume else None
+        if state is not None:
+            checkpoint.check_matches(state, settings, resume)   # not an 8 KB key dump from load_state_dict
         torch.manual_seed(settings.seed)      # reproducible initial weights; DDP then copies rank 0's to all
         model = prepare_model(build_model(settings.arch, data.num_classes), settings, ctx)   # DDP: wrap
         continuing = state is not None and not evaluate

@@ -119,8 +119,7 @@ class RunLogger:
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir(settings)
         self._closed = False
         mode = wandb_mode(settings)  # a missing key fails here, before anything is written
-        if not resume:
-            _refuse_existing_run(self.run_dir)
+        set_aside = _refuse_existing_run(self.run_dir) if not resume else None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         remove_leftovers(self.run_dir)   # half-written files of a run killed while saving
         if resume and (self.run_dir / "log.txt").exists():
@@ -129,6 +128,8 @@ class RunLogger:
         self.tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=resume_step,
                                 flush_secs=10)  # curves appear in TensorBoard within 10 s
         self.info(f"Run folder: {self.run_dir}  (TensorBoard: tensorboard --logdir {self.run_dir.parent})")
+        if set_aside:
+            self.info(f"This folder held a start that never finished an epoch; its files are kept in {set_aside.name}/")
         self.wandb_run = self._start_wandb(mode, resume)
 
     def info(self, msg: str) -> None:
@@ -318,12 +319,27 @@ def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
 
 
 # -- small file helpers --------------------------------------------------------------------------
-def _refuse_existing_run(run_dir: Path) -> None:
+def _refuse_existing_run(run_dir: Path) -> Path | None:
+    """FileExistsError if ``run_dir`` holds a run with something to keep (a checkpoint or results).
+
+    A start that failed before its first checkpoint (a bad resume, an early error) must not block the
+    next attempt: its files are moved into ``attempt-<time>/`` inside the folder, which is returned.
+    """
     found = [name for name in RUN_MARKERS if (run_dir / name).exists()]
-    if found:
-        raise FileExistsError(
-            f"{run_dir} already holds a run ({', '.join(found)}); choose another run_dir, delete "
-            f"that folder, or resume with --resume {run_dir / 'last.pt'}")
+    if not found:
+        return None
+    kept = [name for name in ("last.pt", "best.pt", "results.json") if (run_dir / name).exists()]
+    if kept:
+        resume = next((run_dir / n for n in ("last.pt", "best.pt") if (run_dir / n).exists()), None)
+        how = f", or resume with --resume {resume}" if resume else ""
+        raise FileExistsError(f"{run_dir} already holds a run ({', '.join(found)}); choose another run_dir "
+                              f"or delete that folder{how}")
+    aside = _unused(run_dir, f"attempt-{time.strftime('%Y%m%d-%H%M%S')}", "")
+    aside.mkdir()
+    for entry in list(run_dir.iterdir()):
+        if entry != aside and not entry.name.startswith("attempt-"):
+            os.replace(entry, aside / entry.name)
+    return aside
 
 
 def _unused(folder: Path, stem: str, suffix: str) -> Path:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoint, distributed
+from .datasets import DataError
 from .metrics import Meter
 from .model import unwrap
 from .optim import amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, to_device
@@ -140,6 +141,8 @@ def fit(job) -> dict:
     """
     try:
         return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume)
+    except DataError as exc:   # an unreadable image met in a worker process: the paragraph, not a traceback
+        raise exc.plain() from None
     except Diverged as exc:   # the same paragraph on every rank, naming what rank 0 kept
         kept = _kept_checkpoint(job.logger.run_dir, job.ctx)
         raise Diverged(exc.what, exc.step, exc.lr, exc.explain(job.ctx.rank, kept)) from None

@@ -255,3 +255,11 @@ def test_a_full_disk_names_the_folder_and_the_sizes_and_keeps_the_previous_check
     assert "The previous last.pt (if any) is unchanged" in text and "resume" in text
     assert torch.equal(load_checkpoint(small_disk / "last.pt")["w"], torch.zeros(50_000))
     assert not list(small_disk.glob(".*.tmp"))
+
+
+def test_random_bytes_are_not_a_checkpoint_rather_than_an_unsafe_pickle(tmp_path):
+    path = tmp_path / "last.pt"
+    path.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(5000)))
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert "not a complete checkpoint" in str(err.value) and "arbitrary code" not in str(err.value)

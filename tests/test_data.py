@@ -481,3 +481,21 @@ def test_build_data_creates_the_demo_set_and_loads_it(demo_dir):
     x, y = next(data.train.epoch(0))
     assert x.shape == (16, 3, 32, 32) and int(y.max()) < 10
     assert data.fingerprint()["mean"] == [round(m, 6) for m in read_demo_info(demo_dir)["mean"]]
+
+
+def test_a_bad_image_met_by_a_loader_worker_during_training_is_the_kits_paragraph(imagenet, monkeypatch, tmp_path):
+    """Big splits are checked one image per class; a broken file found later must still read as one
+    paragraph naming it, not 'Caught DataError in DataLoader worker process 0' and a traceback."""
+    from ddp_utils.job import prepare
+    from ddp_utils.train import fit
+    monkeypatch.setattr(data_mod, "VERIFY_ALL_UP_TO", 0)
+    bad = imagenet / "train" / WNIDS[0] / f"{WNIDS[0]}_1002.JPEG"   # not the first of its class
+    bad.write_bytes(b"broken")
+    s = settings(imagenet, "imagenet", image_size=32, arch="convnet", workers=2, epochs=1, wandb="disabled",
+                 run_dir=str(tmp_path / "run"), progress="off")
+    with pytest.raises(DataError) as e:
+        with prepare(s, log=lambda *_: None) as job:
+            fit(job)
+    text = str(e.value)
+    assert text.startswith(f"{bad}: Pillow cannot read") and "Traceback" not in text and "worker" not in text
+    assert f"error: DataError: {bad}" in (tmp_path / "run" / "log.txt").read_text()

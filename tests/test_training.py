@@ -333,3 +333,27 @@ def test_a_run_that_diverges_in_its_first_epoch_says_nothing_was_saved(tmp_path)
                                "--batch-size", "8", "--lr", "1e20")], timeout=120, env=base_env())
     assert res.returncode == 2 and "no checkpoint was written yet" in res.output, res.output[-2000:]
     assert not (tmp_path / "run" / "last.pt").exists() and not (tmp_path / "run" / "best.pt").exists()
+
+
+def test_a_failed_first_start_does_not_block_the_next_one_and_its_files_are_kept_aside(tmp_path):
+    first = run_all([train_cmd(tmp_path / "run", 0, 1, free_port(), "--epochs", "1", "--max-steps-per-epoch", "4",
+                               "--batch-size", "8", "--lr", "1e20")], timeout=120, env=base_env())
+    assert first[0].returncode == 2, describe(first)
+    again = run_all([train_cmd(tmp_path / "run", 0, 1, free_port(), "--epochs", "1", "--max-steps-per-epoch", "4",
+                               "--batch-size", "8")], timeout=120, env=base_env())
+    assert again[0].returncode == 0, describe(again)
+    [aside] = list((tmp_path / "run").glob("attempt-*"))
+    assert "training diverged" in (aside / "log.txt").read_text()
+    assert (tmp_path / "run" / "last.pt").exists() and "kept in attempt-" in again[0].output
+
+
+def test_resuming_with_another_architecture_names_both_and_writes_nothing(tmp_path):
+    run_ranks(tmp_path, "run", 1, "--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "8")
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    [res] = run_all([train_cmd(tmp_path / "run", 0, 1, free_port(), "--epochs", "2", "--max-steps-per-epoch", "2",
+                               "--batch-size", "8", "--arch", "convnet_gn", "--resume", tmp_path / "run" / "last.pt")],
+                    timeout=120, env=base_env())
+    assert res.returncode == 2, describe([res])
+    assert "is a checkpoint of arch='convnet', but these settings say arch='convnet_gn'" in res.output
+    assert "--arch convnet" in res.output and "Traceback" not in res.output and len(res.output) < 3000
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
