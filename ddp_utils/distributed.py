@@ -146,7 +146,7 @@ def _init_process_group(settings, backend: str, report: dict, log) -> None:
         call = {"init_method": "env://"}
     else:  # our own store on master_port, so that re-running a notebook cell works (rendezvous.py)
         call = {"store": rendezvous.open_store(settings, log)}
-        rendezvous.wait_for_all_ranks(call["store"], settings)
+        rendezvous.wait_for_all_ranks(call["store"], settings, log)
     try:
         dist.init_process_group(backend, rank=settings.rank, world_size=settings.world_size,
                                 timeout=timeout, **call)

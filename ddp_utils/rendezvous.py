@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .preflight import DistSetupError, port_holder
 
 GENERATION = "ddp_utils/generation"
+NOTE_EVERY = 30.0   # seconds between "still waiting" lines
 
 
 def open_store(settings, log) -> dist.PrefixStore:
@@ -56,23 +57,46 @@ def open_store(settings, log) -> dist.PrefixStore:
         time.sleep(0.5)
 
 
-def wait_for_all_ranks(keys: dist.PrefixStore, settings) -> None:
+def wait_for_all_ranks(keys: dist.PrefixStore, settings, log=print) -> None:
     """Announce this rank, then wait until all have. The wait is a Python loop, so a notebook
-    interrupt (Ctrl-C) stops it at once, and a timeout can say which ranks never came."""
+    interrupt (Ctrl-C) stops it at once, it says every ~30 s whom it waits for, and a timeout can
+    say which ranks never came. When rank 0 gives up, it leaves its reason in the store, so every
+    rank that did come stops with the same paragraph instead of a store error."""
     keys.set(f"arrived/{settings.rank}", str(settings.rank))
     everyone = [f"arrived/{r}" for r in range(settings.world_size)]
-    deadline = time.monotonic() + settings.init_timeout
-    while not keys.check(everyone):
-        if time.monotonic() > deadline:
-            missing = [r for r, key in enumerate(everyone) if not keys.check([key])]
+    start = time.monotonic()
+    deadline, next_note = start + settings.init_timeout, start + NOTE_EVERY
+    while True:
+        try:
+            if keys.check(everyone):
+                return
+            if settings.rank != 0 and keys.check(["gave_up"]):
+                raise DistSetupError(f"rank {settings.rank}: {keys.get('gave_up').decode()}")
+        except DistSetupError:
+            raise
+        except RuntimeError as e:   # the master's store went away: rank 0 stopped waiting
             raise DistSetupError(
-                f"rank {settings.rank}: rank(s) {', '.join(map(str, missing))} of world_size "
-                f"{settings.world_size} did not arrive at {settings.url} within init_timeout="
-                f"{settings.init_timeout:g} s. Most likely they are not started yet, or were started "
-                f"with a different master_addr, master_port or world_size, or cannot reach the master "
-                f"(firewall / security group, a container without --net=host). Start every rank "
-                f"within init_timeout of each other, with the same master settings, and run setup "
-                f"again.")
+                f"rank {settings.rank}: the master at {settings.master_addr}:{settings.master_port} closed the "
+                f"rendezvous while this rank waited for all {settings.world_size} ranks (rank 0 gave up or was "
+                f"stopped; {(str(e).splitlines() or ['?'])[0][:100]}). Start every rank within init_timeout of "
+                f"each other, with the same world_size, and run setup again.") from None
+        now = time.monotonic()
+        missing = [r for r, key in enumerate(everyone) if not keys.check([key])]
+        if now > deadline:
+            text = (f"rank(s) {', '.join(map(str, missing))} of world_size {settings.world_size} did not arrive "
+                    f"at {settings.url} within init_timeout={settings.init_timeout:g} s. Most likely they are not "
+                    f"started yet, or were started with a different master_addr, master_port or world_size, or "
+                    f"cannot reach the master (firewall / security group, a container without --net=host). "
+                    f"Start every rank within init_timeout of each other, with the same master settings, and run "
+                    f"setup again.")
+            if settings.rank == 0:   # tell the ranks that did come, then give them a moment to read it
+                keys.set("gave_up", f"rank 0 stopped waiting: {text}")
+                time.sleep(1.0)
+            raise DistSetupError(f"rank {settings.rank}: {text}")
+        if now >= next_note:
+            log(f"rank {settings.rank}: waiting for rank(s) {', '.join(map(str, missing))} to join "
+                f"({now - start:.0f} s of init_timeout={settings.init_timeout:g} s)")
+            next_note += NOTE_EVERY
         time.sleep(0.2)
 
 

@@ -231,3 +231,21 @@ def test_rank0_refuses_a_master_addr_that_is_not_its_own(two_host_runs):
     assert r.returncode == 3, describe([r])
     assert "master_addr 10.213.0.1 (10.213.0.1) is not one of its addresses" in r.output
     assert "private IP" in r.output
+
+
+def test_a_world_size_larger_than_the_ranks_started_stops_every_started_rank_with_the_kits_paragraph(tmp_path):
+    import time as _time
+
+    from tests.procs import base_env, describe, python, run_all
+    port = free_port()
+    cmds = [python("-m", "ddp_utils", "train", "--dataset", "fake", "--image-size", "32", "--workers", "0",
+                   "--wandb", "disabled", "--backend", "gloo", "--world-size", "3", "--rank", str(r),
+                   "--master-port", str(port), "--init-timeout", "6", "--run-dir", str(tmp_path / "run"))
+            for r in range(2)]   # rank 2 never starts
+    t0 = _time.monotonic()
+    results = run_all(cmds, timeout=60, env=base_env())
+    assert _time.monotonic() - t0 < 30, describe(results)
+    for rank, r in enumerate(results):
+        assert r.returncode == 2, describe(results)
+        assert "rank(s) 2 of world_size 3 did not arrive" in r.output, describe(results)
+        assert "Traceback" not in r.output and "Failed to recv" not in r.output, describe(results)
