@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .datasets import (Data, EpochLoader, EvalShardSampler, ImageFolderDataset, check_batch_fits, check_data,
-                       eval_transform, fake_dataset, load_preset, train_transform)
+                       close_inherited_listeners, eval_transform, fake_dataset, load_preset, train_transform)
 from .memdata import build_memory_data, check_memory_dataset
 
 __all__ = ["build_data"]
@@ -57,7 +57,8 @@ def build_data(settings, rank: int, world_size: int, device: torch.device | str 
 
     cuda = device is not None and torch.device(device).type == "cuda"
     loader_args = dict(batch_size=settings.batch_size, num_workers=settings.workers,
-                       pin_memory=cuda)                             # faster host-to-GPU copies
+                       pin_memory=cuda,                             # faster host-to-GPU copies
+                       worker_init_fn=close_inherited_listeners)    # workers must not keep master_port
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=settings.seed, drop_last=True)
     # The generator seeds the workers' augmentation; EpochLoader reseeds it every epoch with

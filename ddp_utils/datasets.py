@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Protocol, Sized
@@ -334,6 +335,23 @@ class EvalShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.size, self.world_size))
+
+
+def close_inherited_listeners(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``: close the listening sockets a forked worker inherited.
+
+    Rank 0 hosts the rendezvous store on master_port; a worker forked from it holds a copy of that
+    listening socket for as long as it lives (persistent validation workers: until the loader is gone),
+    so re-running the notebook found its own port "in use by pid <worker>". A worker never listens.
+    """
+    import psutil
+
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.fd >= 0:
+            try:
+                os.close(conn.fd)
+            except OSError:
+                pass
 
 
 class TrainLoader(Protocol):

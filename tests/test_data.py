@@ -499,3 +499,23 @@ def test_a_bad_image_met_by_a_loader_worker_during_training_is_the_kits_paragrap
     text = str(e.value)
     assert text.startswith(f"{bad}: Pillow cannot read") and "Traceback" not in text and "worker" not in text
     assert f"error: DataError: {bad}" in (tmp_path / "run" / "log.txt").read_text()
+
+
+def test_loader_workers_do_not_keep_rank_0s_listening_port(demo_dir):
+    """Run All again after a run: the port must not be held by a worker the kit forked (a persistent
+    validation worker lives as long as its loader)."""
+    import psutil
+    import torch.distributed as dist
+    port = procs.free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)   # as rank 0 hosts it
+    try:
+        data = build_data(settings(demo_dir, "demo", workers=2, batch_size=64), 0, 1)
+        next(iter(data.val))              # persistent workers, now alive
+        next(iter(data.train.epoch(0)))   # train workers too
+        children = psutil.Process().children(recursive=True)
+        assert children, "the loaders should have worker processes"
+        holders = [c.pid for c in children for conn in c.net_connections(kind="tcp")
+                   if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port]
+        assert holders == [], f"worker(s) {holders} hold master_port {port}"
+    finally:
+        del store
