@@ -193,9 +193,13 @@ def save_state(paths, model, optimizer, scheduler, scaler, epoch, step, best_acc
             save_checkpoint(path, state)
 
 
-def load_state(path, ctx) -> dict | None:
-    """Rank 0 reads the checkpoint and sends it to the others: the nodes need no shared folder."""
+def load_state(path, ctx, timeout: float = 300.0) -> dict | None:
+    """Rank 0 reads the checkpoint and sends it to the others: the nodes need no shared folder.
+
+    The others wait for the reading explicitly (``timeout`` s), not in the broadcast: a big file on a
+    slow disk must not trip the collective timeout."""
     state = load_checkpoint(path) if ctx.is_main and path else None
+    distributed.wait_for_all("reading the checkpoint", ctx, timeout)
     if ctx.distributed:
         state = distributed.broadcast_object(state, ctx)   # DDP: worker nodes get rank 0's file
     return state

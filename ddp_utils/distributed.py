@@ -14,6 +14,7 @@ and the collectives below do nothing, so the same training code runs on one proc
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -64,24 +65,34 @@ def lost_a_peer(exc: BaseException) -> bool:
     return any(sign in text for sign in _PEER_SIGNS)
 
 
-def peer_lost_text(ctx, run_dir, exc: BaseException) -> str:
-    """The paragraph a surviving rank prints: what happened, what is saved, how to continue."""
-    first_line = (str(exc).strip().splitlines() or ["?"])[0][:200]
-    where = f"{run_dir}/last.pt" if run_dir else "last.pt in rank 0's run folder"
-    return (f"rank {ctx.rank}: training stopped because another rank stopped answering ({first_line}). "
-            f"Its node may have crashed, been interrupted or lost the network. The last completed epoch is "
-            f"saved as {where}. Restart every rank with --resume pointing at that file on rank 0 "
-            f"(in the notebooks: RESUME); rank 0 sends it to the others, so the nodes need no shared folder.")
+def peer_lost_text(ctx, kept: str, exc: BaseException) -> str:
+    """The paragraph a surviving rank prints: what happened (the other rank's own reason when it left
+    one in the store), what is saved (``kept``, only what exists), how to continue."""
+    reason = peer_failure(ctx)
+    if reason:
+        what = f"training stopped because {reason}"
+    else:
+        first_line = (str(exc).strip().splitlines() or ["?"])[0][:200]
+        what = (f"training stopped because another rank stopped answering ({first_line}). Its node may have "
+                f"crashed, been stopped or lost the network")
+    kept = f" {kept[0].upper()}{kept[1:]}." if kept else ""
+    return (f"rank {ctx.rank}: {what}.{kept} Restart every rank with --resume pointing at rank 0's last.pt, if "
+            f"there is one (in the notebooks: RESUME); rank 0 sends it to the others, so the nodes need no "
+            f"shared folder.")
 
 
 # Settings whose change needs a new process group: where the ranks meet, who they are, and what
 # they agreed on. Others (run_dir, wandb, workers, ...) can change without rebuilding the group.
 GROUP_FIELDS = tuple(dict.fromkeys(("master_addr", "master_port", "rank", "world_size", "local_rank", "backend",
-                                    "init_timeout", "socket_ifname", "init_method",
+                                    "init_timeout", "collective_timeout", "socket_ifname", "init_method",
                                     *settings_module.MUST_AGREE)))
 
 # The settings the current context was built from: setup() compares against them (idempotency).
 _active: tuple | None = None  # (settings, DistContext)
+# The rendezvous store the ranks share: the failure channel and the explicit waits use it. Kept after
+# teardown, so that the other ranks can still read why this one stopped.
+_store = None
+_waits = 0   # explicit waits made in this process group (their keys in the store)
 
 
 # -- setup and teardown -----------------------------------------------------------------------
@@ -141,7 +152,8 @@ def _device(settings) -> torch.device:
 
 def _init_process_group(settings, backend: str, report: dict, log) -> None:
     """``init_process_group`` with a bounded wait; a failure becomes one readable DistSetupError."""
-    timeout = timedelta(seconds=settings.init_timeout)
+    global _store, _waits
+    timeout = timedelta(seconds=settings.init_timeout)   # joining: the other ranks may start late
     if settings.init_method == "env":  # torchrun: its agent hosts the store on MASTER_PORT
         call = {"init_method": "env://"}
     else:  # our own store on master_port, so that re-running a notebook cell works (rendezvous.py)
@@ -152,6 +164,13 @@ def _init_process_group(settings, backend: str, report: dict, log) -> None:
                                 timeout=timeout, **call)
         # NCCL connects lazily: a first collective makes its network problems show up here.
         dist.barrier(device_ids=[settings.local_rank] if backend == "nccl" else None)
+        _store = call.get("store") or dist.PrefixStore("ddp_utils/env", dist.distributed_c10d._get_default_store())
+        _waits = 0
+        # From now on a collective waits at most collective_timeout: a silent rank is named within a
+        # minute. Longer waits (the others reading their data, rank 0 starting W&B or writing a
+        # checkpoint) are explicit store waits (wait_for_all), bounded by init_timeout.
+        set_timeout = getattr(dist.distributed_c10d, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+        set_timeout(timedelta(seconds=settings.collective_timeout))
     except Exception as e:
         raise DistSetupError(_init_failure(settings, backend, report, e)) from e
     finally:
@@ -177,11 +196,19 @@ def _init_failure(settings, backend, report: dict, error: BaseException) -> str:
             f"init_timeout of each other and run setup again. (PyTorch said: {said})")
 
 
-def teardown() -> None:
-    """Destroy the process group if there is one. Safe to call any time, any number of times."""
+def teardown(abort: bool = False) -> None:
+    """Destroy the process group if there is one. Safe to call any time, any number of times.
+
+    ``abort`` (after an error or an interrupt) first aborts the group, which closes its connections
+    at once: a DDP model or a traceback still holding the group would otherwise keep them open, and
+    the other ranks would wait in their next collective until it times out instead of stopping now.
+    """
     global _active
     _active = None
     if dist.is_available() and dist.is_initialized():
+        if abort:
+            with contextlib.suppress(Exception):
+                dist.distributed_c10d._get_default_group().abort()
         with contextlib.suppress(Exception):  # a broken group (a peer died) must not stop the cleanup
             dist.destroy_process_group()
 
@@ -248,6 +275,55 @@ def barrier(ctx: DistContext) -> None:
     """Wait until every rank gets here."""
     if ctx.distributed:
         dist.barrier(device_ids=[ctx.local_rank] if ctx.backend == "nccl" else None)
+
+
+def wait_for_all(what: str, ctx: DistContext, timeout: float, log=print) -> None:
+    """An explicit barrier through the store, for waits longer than a collective may take (a rank still
+    reading its data, rank 0 starting W&B or writing a checkpoint). Says every ~30 s whom it waits for,
+    and stops at once with the other rank's reason if that rank failed meanwhile."""
+    if not ctx.distributed or _store is None:
+        return
+    global _waits
+    _waits += 1   # every rank makes the same waits in the same order: the n-th wait has one key
+    key = f"wait/{_waits}"
+    count = _store.add(key, 1)   # arrivals, counted by the store itself
+    start = time.monotonic()
+    next_note = start + 30.0
+    while count < ctx.world_size:
+        failure = peer_failure(ctx)
+        if failure:
+            raise PeerLost(f"rank {ctx.rank}: stopped because {failure}")
+        now = time.monotonic()
+        if now - start > timeout:
+            raise PeerLost(f"rank {ctx.rank}: waited {timeout:g} s for the other ranks to finish {what} and "
+                           f"{ctx.world_size - count} did not. Look at the other nodes' output; restart every "
+                           f"rank (with --resume RUN/last.pt if a checkpoint exists).")
+        if now >= next_note:
+            log(f"rank {ctx.rank}: waiting for {ctx.world_size - count} other rank(s) to finish {what} "
+                f"({now - start:.0f} s)")
+            next_note += 30.0
+        time.sleep(0.1)
+        count = int(_store.add(key, 0))
+
+
+def report_failure(ctx: DistContext, text: str) -> None:
+    """Leave this rank's reason for stopping in the store, where the others read it (best effort)."""
+    if ctx.distributed and _store is not None:
+        with contextlib.suppress(Exception):
+            _store.set(f"failed/{ctx.rank}", text)
+
+
+def peer_failure(ctx: DistContext) -> str | None:
+    """The first reason another rank left in the store, or None (also when the store is gone)."""
+    if not ctx.distributed or _store is None:
+        return None
+    try:
+        for r in range(ctx.world_size):
+            if r != ctx.rank and _store.check([f"failed/{r}"]):
+                return _store.get(f"failed/{r}").decode()
+    except Exception:   # noqa: BLE001 - rank 0's store went away with rank 0
+        return None
+    return None
 
 
 def broadcast_object(obj, ctx: DistContext, src: int = 0):

@@ -11,7 +11,9 @@ TensorBoard purge or a lost peer behave the same everywhere::
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +24,7 @@ from .datasets import Data
 from .model import build_model, prepare_model
 from .runlog import NullLogger, RunLogger, make_logger
 from .threads import set_threads
-from .train import evaluate_only, fit
+from .train import evaluate_only, fit, kept_checkpoint
 
 
 @dataclass
@@ -41,11 +43,48 @@ class Job:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:      # the run folder says why the run ended
-            self.logger.error(f"{exc_type.__name__}: {exc}" if not str(exc).startswith("rank") else str(exc))
-        self.logger.close(exit_code=0 if exc_type is None else 1)
-        if exc_type is not None:      # DDP: leave the broken group, so that setup can run again
-            distributed.teardown()
+        if exc_type is not None:
+            self.fail(exc)
+
+    def close(self) -> None:
+        self.logger.close()
+
+    def fail(self, exc: BaseException) -> None:
+        """After an error or an interrupt: tell the other ranks why (DDP), write it to the run folder,
+        and leave the process group so that its connections close now and setup can run again."""
+        own = isinstance(exc, distributed.PeerLost)   # another rank's failure: nothing new to tell
+        if not own:
+            kept = kept_checkpoint(self.logger.run_dir, self.ctx)
+            distributed.report_failure(self.ctx, f"rank {self.ctx.rank} stopped: {describe_failure(exc)}"
+                                                 + (f". {kept[0].upper()}{kept[1:]}" if kept else ""))
+        self.logger.error(str(exc) if str(exc).startswith("rank") else describe_failure(exc))
+        self.logger.close(exit_code=1)
+        release_group(self.model)     # DDP
+        distributed.teardown(abort=True)   # DDP: the other ranks' collectives fail now, not at a timeout
+
+
+def describe_failure(exc: BaseException) -> str:
+    """``KeyboardInterrupt (Stop pressed, or Ctrl-C)`` or ``DataError: /data/...`` (first line only)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "KeyboardInterrupt (Stop pressed in the notebook, or Ctrl-C)"
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def release_group(model) -> None:
+    """Make a DDP model let go of its process group, so that tearing the group down closes its
+    connections now. Otherwise the model (still referenced by the notebook and by the traceback of
+    the error) keeps them open, and the other ranks wait in their next collective until it times out."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    while model is not None:
+        if isinstance(model, DDP):
+            for name in ("reducer", "logger", "process_group", "_comm_hooks"):
+                model.__dict__.pop(name, None)
+            break
+        model = getattr(model, "_orig_mod", None)   # torch.compile's wrapper
+    gc.collect()
 
 
 def prepare(settings, resume: str | None = None, evaluate: bool = False, log=print) -> Job:
@@ -65,10 +104,12 @@ def prepare(settings, resume: str | None = None, evaluate: bool = False, log=pri
     try:
         set_threads(settings, ctx, log)       # ranks sharing a machine share its cores
         data = build_data(settings, ctx.rank, ctx.world_size, ctx.device)
+        # DDP: reading the data can take minutes on one node (a cold disk): wait for it explicitly
+        distributed.wait_for_all("reading the data", ctx, settings.init_timeout, log)
         distributed.agree(data.fingerprint(), ctx, what="data")   # DDP: same data on every node
         # DDP: loading is a collective (rank 0 reads its file and sends it), so all resume or none.
         distributed.agree({"resume": bool(resume)}, ctx, what="whether to resume")
-        state = checkpoint.load_state(resume, ctx) if resume else None
+        state = checkpoint.load_state(resume, ctx, settings.init_timeout) if resume else None
         if state is not None:
             checkpoint.check_matches(state, settings, resume)   # not an 8 KB key dump from load_state_dict
         torch.manual_seed(settings.seed)      # reproducible initial weights; DDP then copies rank 0's to all
@@ -76,15 +117,27 @@ def prepare(settings, resume: str | None = None, evaluate: bool = False, log=pri
         continuing = state is not None and not evaluate
         # On a resume, TensorBoard drops what the interrupted run logged after its checkpoint.
         logger = make_logger(settings, ctx.rank, resume=continuing, resume_step=state["step"] if continuing else None)
-        try:
-            table = logger.model_summary(model, (3, data.image_size, data.image_size))
-        except BaseException:
-            logger.close(exit_code=1)
-            raise
-    except BaseException:   # also KeyboardInterrupt: never leave a half-made process group
-        distributed.teardown()
+        job = Job(settings, ctx, data, model, logger, state, resume)
+    except BaseException as exc:   # also KeyboardInterrupt: never leave a half-made process group
+        if not isinstance(exc, distributed.PeerLost):   # this rank's own failure: tell the others
+            distributed.report_failure(ctx, f"rank {ctx.rank} stopped while preparing the run: {describe_failure(exc)}")
+        distributed.teardown(abort=True)
         raise
-    return Job(settings, ctx, data, model, logger, state, resume, table)
+    with _failing(job):
+        job.model_table = logger.model_summary(model, (3, data.image_size, data.image_size))
+        # DDP: rank 0 may take a while to start W&B; the others wait here, not in the first all-reduce
+        distributed.wait_for_all("starting the run", ctx, settings.init_timeout, log)
+    return job
+
+
+@contextlib.contextmanager
+def _failing(job: Job):
+    """Run a block; on any error let ``job.fail`` tell the others and leave the group."""
+    try:
+        yield
+    except BaseException as exc:
+        job.fail(exc)
+        raise
 
 
 def run_job(settings, resume: str | None = None, evaluate: bool = False, log=print) -> dict:
@@ -92,5 +145,9 @@ def run_job(settings, resume: str | None = None, evaluate: bool = False, log=pri
     try:
         with prepare(settings, resume=resume, evaluate=evaluate, log=log) as job:
             return evaluate_only(job) if evaluate else fit(job)
+    except BaseException:
+        if settings.distributed and settings.rank == 0:
+            time.sleep(2.0)   # rank 0 hosts the store: let the others read why before this process exits
+        raise
     finally:
         distributed.teardown()

@@ -99,8 +99,10 @@ class Settings:
     local_rank: int = _f(0, "GPU index on this node (torchrun sets LOCAL_RANK)")
     backend: str = _f("auto", "auto (nccl when this rank has a GPU, else gloo), gloo or nccl",
                       choices=BACKENDS)
-    init_timeout: float = _f(300.0, "seconds to wait for the other ranks before failing (also the "
-                                    "timeout of every collective)")
+    init_timeout: float = _f(300.0, "seconds to wait for the other ranks at start-up (joining, reading "
+                                    "the data, rank 0 starting W&B or writing a checkpoint) before failing")
+    collective_timeout: float = _f(60.0, "seconds a collective may wait during training before this rank "
+                                         "stops and names the rank that went silent")
     socket_ifname: str = _f("", "network interface for NCCL/Gloo traffic; empty = the one that routes "
                                 "to master_addr (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win if set)")
     init_method: str = _f("tcp", "tcp (tcp://master_addr:master_port) or env (under torchrun, whose "
@@ -131,7 +133,8 @@ class Settings:
                        f"0..{self.world_size - 1} (0 on the master node)")
         if not 1 <= self.master_port <= 65535:
             out.append(f"master_port={self.master_port}: must be a TCP port, 1..65535 (e.g. 29500)")
-        for name in ("epochs", "batch_size", "lr_reference_batch", "init_timeout", "log_every"):
+        for name in ("epochs", "batch_size", "lr_reference_batch", "init_timeout", "collective_timeout",
+                     "log_every"):
             if getattr(self, name) <= 0:
                 out.append(f"{name}={getattr(self, name)}: must be positive")
         for name in ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr",

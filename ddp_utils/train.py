@@ -36,6 +36,8 @@ class Diverged(RuntimeError):
         super().__init__(message or f"training diverged at step {step}: {what} with lr {lr:.4g}.")
 
     def explain(self, rank: int, kept: str) -> str:
+        kept = (f"{kept}, the last one with finite numbers" if "holds epoch" in kept
+                else kept or "rank 0's last.pt, if there is one, holds the last epoch with finite numbers")
         return (f"rank {rank}: training diverged at step {self.step}: {self.what} with lr {self.lr:.4g}. "
                 f"Nothing of this epoch was saved; {kept}. Try a smaller lr (a tenth), a longer warm-up "
                 f"(--warmup-epochs / WARMUP_EPOCHS), or amp=bf16 / off if fp16 overflowed; then start again "
@@ -144,11 +146,14 @@ def fit(job) -> dict:
     except DataError as exc:   # an unreadable image met in a worker process: the paragraph, not a traceback
         raise exc.plain() from None
     except Diverged as exc:   # the same paragraph on every rank, naming what rank 0 kept
-        kept = _kept_checkpoint(job.logger.run_dir, job.ctx)
+        kept = kept_checkpoint(job.logger.run_dir, job.ctx)
         raise Diverged(exc.what, exc.step, exc.lr, exc.explain(job.ctx.rank, kept)) from None
+    except distributed.PeerLost:
+        raise
     except RuntimeError as exc:
-        if job.ctx.distributed and distributed.lost_a_peer(exc):
-            raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, job.logger.run_dir, exc)) from exc
+        if job.ctx.distributed and (distributed.peer_failure(job.ctx) or distributed.lost_a_peer(exc)):
+            kept = kept_checkpoint(job.logger.run_dir, job.ctx)
+            raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, kept, exc)) from None
         raise
 
 
@@ -192,6 +197,8 @@ def _fit(settings, ctx, data, model, logger, state, resume) -> dict:
         paths = [last_path, best_path] if is_best else [last_path]
         checkpoint.save_state([p for p in paths if p], model, optimizer, scheduler, scaler, epoch, step,
                               best_acc1, history, settings, ctx)
+        # DDP: rank 0 may write for a while; the others wait for it here, not in a collective that times out
+        distributed.wait_for_all(f"saving epoch {epoch + 1}", ctx, settings.init_timeout, logger.info)
         logger.info(f"epoch {epoch + 1}/{settings.epochs}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | "
                     f"val loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | "
                     f"{train['images_per_s']:.0f} img/s global, {train['images_per_s_rank']:.0f} per rank, "
@@ -212,10 +219,10 @@ def _weights_finite(model, ctx) -> bool:
     return distributed.all_reduce_sum(flag, ctx).item() == 0
 
 
-def _kept_checkpoint(run_dir, ctx) -> str:
-    """What the run folder holds now, said only if it exists (rank 0's view; others point at it)."""
+def kept_checkpoint(run_dir, ctx) -> str:
+    """What rank 0's run folder holds now, said only if it exists; "" on other ranks (they cannot see it)."""
     if not ctx.is_main:
-        return "rank 0's last.pt (if any) holds the last finite epoch"
+        return ""
     last = checkpoint.checkpoint_paths(run_dir)[0] if run_dir else None
     if last is None or not last.exists():
         return "no checkpoint was written yet"
@@ -223,7 +230,7 @@ def _kept_checkpoint(run_dir, ctx) -> str:
         epoch = checkpoint.load_checkpoint(last)["epoch"] + 1
     except Exception:   # noqa: BLE001 - only for the message
         return f"{last} is kept as it was"
-    return f"{last} holds epoch {epoch}, the last one with finite numbers"
+    return f"{last} holds epoch {epoch}"
 
 
 def evaluate_only(job) -> dict:

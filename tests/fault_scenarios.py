@@ -1,0 +1,59 @@
+"""Runs one rank of a fault scenario, as a notebook kernel would: ``python -m tests.fault_scenarios NAME RANK PORT DIR``.
+
+The rank prepares and trains on fake data (2 ranks, gloo, loopback). What the scenario does differently:
+- ``interrupt``: rank 0 gets SIGINT (the notebook's Stop button) during its 2nd epoch, then stays alive
+  (the kernel survives an interrupt) for 20 s, holding its job, model and traceback.
+- ``slow_start``: rank 0 takes 8 s to start W&B (longer than the collective timeout of 4 s).
+- ``plain``: nothing.
+Prints ``CHECK name=value`` lines the tests read.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+from ddp_utils.job import prepare
+from ddp_utils.runlog import RunLogger
+from ddp_utils.settings import Settings
+from ddp_utils.train import fit
+
+
+def main(name: str, rank: int, port: int, folder: str) -> None:
+    settings = Settings(dataset="fake", image_size=32, workers=0, wandb="disabled", backend="gloo", world_size=2,
+                        rank=rank, master_port=port, init_timeout=60, collective_timeout=4, epochs=30,
+                        batch_size=16, max_steps_per_epoch=40, progress="off", run_dir=f"{folder}/run{rank}")
+    if name == "slow_start" and rank == 0:
+        real = RunLogger._start_wandb
+        RunLogger._start_wandb = lambda self, *a: (time.sleep(8), real(self, *a))[1]
+    try:
+        job = prepare(settings)
+        if name == "interrupt" and rank == 0:
+            last = os.path.join(settings.run_dir, "last.pt")
+
+            def stop_in_epoch_2():
+                while not os.path.exists(last):
+                    time.sleep(0.05)
+                time.sleep(0.5)
+                print(f"CHECK interrupted_at={time.time()}", flush=True)
+                os.kill(os.getpid(), signal.SIGINT)
+            threading.Thread(target=stop_in_epoch_2, daemon=True).start()
+        if name == "slow_start":
+            settings = settings.replace(epochs=1)
+            job.settings = settings
+        with job:
+            fit(job)
+        print("CHECK finished=true", flush=True)
+    except KeyboardInterrupt:
+        print("CHECK rank0_caught_interrupt=true", flush=True)
+        time.sleep(20)   # the kernel stays alive, with everything still referenced
+    except Exception as e:   # noqa: BLE001 - the test reads the message
+        print(f"CHECK stopped_at={time.time()}", flush=True)
+        print(f"ERROR {type(e).__name__}: {e}", flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

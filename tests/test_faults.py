@@ -1,0 +1,63 @@
+"""Faults after the ranks have started: every rank stops within seconds with the true cause, nothing is lost.
+
+Each test starts two ranks on loopback (gloo), makes one of them fail the way users meet it, and checks
+on every rank: how fast it stopped, what it said, and what is on disk. Every run is time-bounded and its
+processes are killed on failure (tests/procs.py).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ddp_utils import checkpoint
+from tests.procs import base_env, describe, free_port, python, run_all
+
+
+def scenario(name, rank, port, folder):
+    return python("-m", "tests.fault_scenarios", name, str(rank), str(port), str(folder))
+
+
+def checks(result) -> dict[str, str]:
+    return dict(re.findall(r"^CHECK (\w+)=(.*)$", result.output, re.M))
+
+
+def test_stop_pressed_in_rank_0s_notebook_stops_rank_1_within_seconds_with_the_cause(tmp_path):
+    """Rank 0's kernel survives the interrupt and keeps its model: rank 1 used to wait 5 minutes."""
+    port = free_port()
+    rank0, rank1 = run_all([scenario("interrupt", 0, port, tmp_path), scenario("interrupt", 1, port, tmp_path)],
+                           timeout=120, env=base_env())
+    assert checks(rank0).get("rank0_caught_interrupt") == "true", describe([rank0, rank1])
+    assert rank1.returncode == 2, describe([rank0, rank1])
+    waited = float(checks(rank1)["stopped_at"]) - float(checks(rank0)["interrupted_at"])
+    assert waited < 10, f"rank 1 stopped {waited:.1f} s after rank 0's interrupt"
+    assert "rank 1: training stopped because rank 0 stopped: KeyboardInterrupt" in rank1.output
+    assert "last.pt holds epoch 1" in rank1.output and "--resume" in rank1.output
+    run = tmp_path / "run0"
+    assert checkpoint.load_checkpoint(run / "last.pt")["epoch"] == 0   # epoch 1, intact
+    assert "error: KeyboardInterrupt" in (run / "log.txt").read_text()
+    assert not list(run.glob(".*.tmp"))
+
+
+def test_an_error_on_one_rank_reaches_the_other_with_its_true_cause(tmp_path):
+    """Rank 1's data folder is missing: rank 0 must not say 'stopped answering', but what happened."""
+    port = free_port()
+    common = ["--dataset", "demo", "--workers", "0", "--wandb", "disabled", "--backend", "gloo",
+              "--world-size", "2", "--master-port", str(port), "--init-timeout", "60"]
+    rank0 = python("-m", "ddp_utils", "train", *common, "--rank", "0", "--data-dir", str(tmp_path / "demo"),
+                   "--run-dir", str(tmp_path / "run"))
+    rank1 = python("-m", "ddp_utils", "train", *common, "--rank", "1", "--data-dir", str(tmp_path / "missing.txt"))
+    (tmp_path / "missing.txt").write_text("not a folder")
+    results = run_all([rank0, rank1], timeout=90, env=base_env())
+    assert [r.returncode for r in results] == [2, 2], describe(results)
+    cause = results[1].output.split("error: ", 1)[1][:80]   # rank 1's own paragraph
+    assert "rank 0: stopped because rank 1 stopped while preparing the run: DataError" in results[0].output
+    assert cause in results[0].output and "Traceback" not in results[0].output, describe(results)
+
+
+def test_rank_0s_slow_start_does_not_trip_the_other_ranks_collective_timeout(tmp_path):
+    """W&B (or a slow disk) keeps rank 0 busy longer than a collective may wait: the others wait explicitly."""
+    port = free_port()
+    results = run_all([scenario("slow_start", r, port, tmp_path) for r in range(2)], timeout=120, env=base_env())
+    for r in results:
+        assert checks(r).get("finished") == "true", describe(results)
