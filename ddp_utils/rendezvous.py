@@ -10,6 +10,7 @@ only join an open one. Students need not read this to follow the DDP lesson.
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from datetime import timedelta
 
@@ -27,9 +28,10 @@ def open_store(settings, log) -> dist.PrefixStore:
     while True:
         left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
         try:
+            listen = {"master_listen_fd": _listen_on(settings)} if settings.rank == 0 else {}
             store = dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size,
                                   is_master=settings.rank == 0, timeout=left,
-                                  wait_for_workers=False, multi_tenant=True)
+                                  wait_for_workers=False, multi_tenant=True, **listen)
             if settings.rank == 0:
                 generation = store.add(GENERATION, 1)  # counts up, also across reused stores
                 return dist.PrefixStore(f"ddp_utils/{generation}", store)
@@ -55,6 +57,21 @@ def open_store(settings, log) -> dist.PrefixStore:
             log(f"rank {settings.rank}: the master {why}; retrying until init_timeout")
             said = why
         time.sleep(0.5)
+
+
+def _listen_on(settings) -> int | None:
+    """A socket listening on master_addr only (PyTorch's own store would listen on every interface),
+    handed to the store by its file descriptor; None when this process's store already holds the
+    port (a re-run setup: multi_tenant reuses it)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # like PyTorch: TIME_WAIT is fine
+    try:
+        sock.bind((settings.master_addr, settings.master_port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        return None
+    return sock.detach()   # the store owns it now
 
 
 def wait_for_all_ranks(keys: dist.PrefixStore, settings, log=print) -> None:

@@ -249,3 +249,17 @@ def test_a_world_size_larger_than_the_ranks_started_stops_every_started_rank_wit
         assert r.returncode == 2, describe(results)
         assert "rank(s) 2 of world_size 3 did not arrive" in r.output, describe(results)
         assert "Traceback" not in r.output and "Failed to recv" not in r.output, describe(results)
+
+
+def test_rank_0s_store_listens_on_master_addr_only_not_on_every_interface():
+    import psutil
+    port = free_port()
+    settings = Settings(world_size=2, rank=0, master_addr="127.0.0.1", master_port=port, init_timeout=5, workers=0)
+    keys = rendezvous.open_store(settings, log=lambda *_: None)
+    try:
+        listening = {c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}, listening   # PyTorch's own would be 0.0.0.0 or ::
+        rendezvous.open_store(settings, log=lambda *_: None)   # a re-run setup reuses the same store
+    finally:
+        del keys
