@@ -14,6 +14,7 @@ and the collectives below do nothing, so the same training code runs on one proc
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -171,6 +172,9 @@ def _init_process_group(settings, backend: str, report: dict, log) -> None:
         # checkpoint) are explicit store waits (wait_for_all), bounded by init_timeout.
         set_timeout = getattr(dist.distributed_c10d, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
         set_timeout(timedelta(seconds=settings.collective_timeout))
+        # The store now only carries short messages (failures, explicit waits): a lost link must not
+        # block a rank's look at it for minutes.
+        _store.set_timeout(timedelta(seconds=10))
     except Exception as e:
         raise DistSetupError(_init_failure(settings, backend, report, e)) from e
     finally:
@@ -286,7 +290,7 @@ def wait_for_all(what: str, ctx: DistContext, timeout: float, log=print) -> None
     global _waits
     _waits += 1   # every rank makes the same waits in the same order: the n-th wait has one key
     key = f"wait/{_waits}"
-    count = _store.add(key, 1)   # arrivals, counted by the store itself
+    count = _ask_store(ctx, what, _store.add, key, 1)   # arrivals, counted by the store itself
     start = time.monotonic()
     next_note = start + 30.0
     while count < ctx.world_size:
@@ -303,7 +307,35 @@ def wait_for_all(what: str, ctx: DistContext, timeout: float, log=print) -> None
                 f"({now - start:.0f} s)")
             next_note += 30.0
         time.sleep(0.1)
-        count = int(_store.add(key, 0))
+        count = int(_ask_store(ctx, what, _store.add, key, 0))
+
+
+STORE_PATIENCE = 15.0   # seconds a store call may take before rank 0's node counts as unreachable
+
+
+def _ask_store(ctx: DistContext, what: str, call, *args):
+    """``call(*args)`` on the store, given up after STORE_PATIENCE s: a store call over a link that went
+    down blocks far longer than any timeout set on the store, so it runs in a thread of its own."""
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(_try(call, *args)), daemon=True)
+    thread.start()
+    thread.join(STORE_PATIENCE)
+    if not box:
+        raise PeerLost(f"rank {ctx.rank}: training stopped because another rank stopped answering (rank 0's "
+                       f"store gave no answer for {STORE_PATIENCE:g} s while this rank waited for {what}). Its "
+                       f"node may have crashed, been stopped or lost the network. Restart every rank with "
+                       f"--resume pointing at rank 0's last.pt, if there is one.")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _try(call, *args):
+    try:
+        return True, call(*args)
+    except Exception as e:   # noqa: BLE001 - handed to the caller's thread
+        return False, e
 
 
 def report_failure(ctx: DistContext, text: str) -> None:
@@ -317,13 +349,15 @@ def peer_failure(ctx: DistContext) -> str | None:
     """The first reason another rank left in the store, or None (also when the store is gone)."""
     if not ctx.distributed or _store is None:
         return None
-    try:
+    def look():
         for r in range(ctx.world_size):
             if r != ctx.rank and _store.check([f"failed/{r}"]):
                 return _store.get(f"failed/{r}").decode()
-    except Exception:   # noqa: BLE001 - rank 0's store went away with rank 0
         return None
-    return None
+    try:
+        return _ask_store(ctx, "the other ranks' news", look)
+    except Exception:   # noqa: BLE001 - rank 0's store went away with rank 0, or the link is down
+        return None
 
 
 def broadcast_object(obj, ctx: DistContext, src: int = 0):

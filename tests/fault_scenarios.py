@@ -1,4 +1,4 @@
-"""Runs one rank of a fault scenario, as a notebook kernel would: ``python -m tests.fault_scenarios NAME RANK PORT DIR``.
+"""Runs one rank of a fault scenario, as a notebook kernel would: ``python -m tests.fault_scenarios NAME RANK PORT DIR [ADDR]``.
 
 The rank prepares and trains on fake data (2 ranks, gloo, loopback). What the scenario does differently:
 - ``interrupt``: rank 0 gets SIGINT (the notebook's Stop button) during its 2nd epoch, then stays alive
@@ -21,9 +21,9 @@ from ddp_utils.settings import Settings
 from ddp_utils.train import fit
 
 
-def main(name: str, rank: int, port: int, folder: str) -> None:
+def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") -> None:
     settings = Settings(dataset="fake", image_size=32, workers=0, wandb="disabled", backend="gloo", world_size=2,
-                        rank=rank, master_port=port, init_timeout=60, collective_timeout=4, epochs=30,
+                        rank=rank, master_addr=addr, master_port=port, init_timeout=60, collective_timeout=4, epochs=30,
                         batch_size=16, max_steps_per_epoch=40, progress="off", run_dir=f"{folder}/run{rank}")
     if name == "slow_start" and rank == 0:
         real = RunLogger._start_wandb
@@ -56,4 +56,4 @@ def main(name: str, rank: int, port: int, folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6])

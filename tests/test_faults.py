@@ -61,3 +61,40 @@ def test_rank_0s_slow_start_does_not_trip_the_other_ranks_collective_timeout(tmp
     results = run_all([scenario("slow_start", r, port, tmp_path) for r in range(2)], timeout=120, env=base_env())
     for r in results:
         assert checks(r).get("finished") == "true", describe(results)
+
+
+@pytest.fixture
+def two_hosts():
+    from tests import netns
+    try:
+        with netns.two_hosts("10.213.5") as hosts:
+            yield hosts
+    except netns.NetnsUnavailable as e:
+        pytest.skip(str(e))
+
+
+def test_a_node_that_drops_off_the_network_stops_both_ranks_within_the_collective_timeout(two_hosts, tmp_path):
+    """Rank 1's link goes down mid-run: both ranks stop within about collective_timeout (4 s here), not 5 min."""
+    import subprocess
+    import threading
+    import time as _time
+    hosts, port = two_hosts, free_port()
+    cmds = [[*hosts.exec_prefix(r), *python("-m", "tests.fault_scenarios", "plain", str(r), str(port), str(tmp_path),
+                                            hosts.addrs[0])] for r in range(2)]
+    cut = {}
+
+    def cut_the_link_after_epoch_1():
+        deadline = _time.monotonic() + 90
+        while not (tmp_path / "run0" / "last.pt").exists() and _time.monotonic() < deadline:
+            _time.sleep(0.1)
+        cut["at"] = _time.time()
+        subprocess.run(["ip", "-n", hosts.names[1], "link", "set", hosts.veths[1], "down"], check=True)
+    threading.Thread(target=cut_the_link_after_epoch_1, daemon=True).start()
+    results = run_all(cmds, timeout=150, env=base_env())
+    assert "at" in cut, describe(results)
+    for rank, r in enumerate(results):
+        assert r.returncode == 2, describe(results)
+        waited = float(checks(r)["stopped_at"]) - cut["at"]
+        assert waited < 40, f"rank {rank} stopped {waited:.0f} s after the link went down"
+        assert f"rank {rank}: training stopped because another rank stopped answering" in r.output, describe(results)
+    assert checkpoint.load_checkpoint(tmp_path / "run0" / "last.pt")["epoch"] >= 0
