@@ -9,14 +9,16 @@ from __future__ import annotations
 import socket
 import time
 
+from . import datasets
 from .datasets import DataError, check_data
+from .progress import interactive
 from .distributed import DistSetupError
 from .preflight import preflight
 
 HELLO = b"ddp_utils-check rank="
 
 
-def run_check(settings, log=print) -> bool:
+def run_check(settings, log=print, verify_images: bool = False) -> bool:
     ok = True
     log(f"== rank {settings.rank} of {settings.world_size}, master {settings.master_addr}:{settings.master_port}")
     try:
@@ -36,6 +38,14 @@ def run_check(settings, log=print) -> bool:
         splits = ", ".join(f"{name} {s['images']} images / {s['classes']} classes"
                            for name, s in summary["splits"].items())
         log(f"data {settings.dataset} at {settings.data_dir}: {splits}")
+        if verify_images:
+            checked, bad = datasets.verify_images(settings, progress=interactive())
+            if bad:
+                shown = "; ".join(f"{path} ({why[:80]})" for path, why in bad[:5])
+                raise DataError(f"{len(bad)} of {checked} images cannot be decoded: {shown}"
+                                f"{' ...' if len(bad) > 5 else ''}. Delete them or replace them with good copies "
+                                f"(every node needs its own good copy).")
+            log(f"verified {checked} images: every one decodes")
     except DataError as exc:
         log(f"NOT READY (data): {exc}")
         ok = False

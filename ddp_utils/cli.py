@@ -12,6 +12,7 @@ One node with several GPUs: ``torchrun --nproc-per-node 4 -m ddp_utils train --d
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import traceback
 
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="pre-flight only: network, port, GPUs, data, /dev/shm; exit 0 when ready")
     settings_module.add_arguments(check)
+    check.add_argument("--verify-images", action="store_true",
+                       help="decode every image of the train and validation splits (all cores, with a progress "
+                            "bar); without it a split of more than 20,000 images has one image per class checked")
 
     demo = sub.add_parser("demo", help="2 ranks on localhost vs 1 process on the bundled demo set, "
                                        "then a comparison table (CPU, a few minutes)")
@@ -58,15 +62,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, `kill`, the container stopping): stop like an interrupt, telling the others."""
+
+
+def _terminate(signum, frame):
+    raise Terminated("SIGTERM")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)   # without it SIGTERM ends the process with no word to the others
     try:
         if args.command == "train":
             from .job import run_job
             run_job(settings_module.from_args(args), resume=args.resume, evaluate=args.evaluate)
         elif args.command == "check":
             from .check import run_check
-            return 0 if run_check(settings_module.from_args(args)) else 1
+            return 0 if run_check(settings_module.from_args(args), verify_images=args.verify_images) else 1
         elif args.command == "demo":
             from .demo import run_demo
             run_demo(epochs=args.epochs, world_size=args.world_size, run_dir=args.run_dir, port=args.master_port)
@@ -77,10 +90,12 @@ def main(argv=None) -> int:
             for path in write_report(args.run_dirs, out, baseline=args.baseline, kit_images=args.kit_images):
                 print(f"wrote {path}")
         return 0
-    except KeyboardInterrupt:
-        print("\ninterrupted: the process group was torn down; the last completed epoch's checkpoint "
-              "(last.pt in the run folder) is intact. Continue with --resume RUN_DIR/last.pt.", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        print(f"\n{what}: the process group was torn down and the other ranks were told; the last completed "
+              f"epoch's checkpoint (last.pt in the run folder) is intact. Continue with --resume RUN_DIR/last.pt.",
+              file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
     except CLEAR_ERRORS as exc:
         if not isinstance(exc, (ValueError, FileExistsError, FileNotFoundError)) and not _is_ours(exc):
             traceback.print_exc()

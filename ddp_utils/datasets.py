@@ -273,6 +273,39 @@ def _check_same_classes(root: Path, classes_by_split: dict[str, list[str]]) -> N
                         "\nGive every split the same class folders.")
 
 
+def _unreadable(path: str) -> str | None:
+    """Why Pillow cannot decode ``path`` (every byte), or None. Module level: pool workers run it."""
+    try:
+        with Image.open(path) as img:
+            img.draft("RGB", (1, 1))  # JPEG: decode at 1/8 scale, much faster, still reads every byte
+            img.load()
+    except (OSError, ValueError, SyntaxError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def verify_images(settings, processes: int = 0, progress: bool = False) -> tuple[int, list[tuple[str, str]]]:
+    """Decode every image of the train and validation splits, in ``processes`` worker processes (0 = one
+    per core). Returns (images checked, [(path, why), ...] for the unreadable ones). For big data sets,
+    where ``check_data`` decodes one image per class only. Raises DataError for a wrong layout."""
+    import multiprocessing
+
+    from tqdm.auto import tqdm
+    preset = load_preset(settings.dataset, settings.data_dir) if PRESETS[settings.dataset].folders else None
+    if preset is None:
+        return 0, []
+    root = Path(settings.data_dir).expanduser()
+    splits = dict.fromkeys([preset.train_split, settings.val_split or preset.val_split])
+    paths = [path for split in splits for path, _ in _scan_split(root, split, preset)[1]]
+    bad = []
+    with multiprocessing.get_context("fork").Pool(processes or os.cpu_count()) as pool:
+        results = pool.imap(_unreadable, paths, chunksize=64)
+        for path, why in zip(paths, tqdm(results, total=len(paths), desc="verifying images", disable=not progress)):
+            if why:
+                bad.append((path, why))
+    return len(paths), bad
+
+
 def _check_images(folder: Path, samples: list[tuple[str, int]], preset: Preset) -> None:
     """Decode every image of a small split, or the first image of each class of a big one."""
     if len(samples) > VERIFY_ALL_UP_TO:
@@ -283,14 +316,12 @@ def _check_images(folder: Path, samples: list[tuple[str, int]], preset: Preset) 
     else:
         paths = [path for path, _ in samples]
     for path in paths:
-        try:
-            with Image.open(path) as img:
-                size = img.size
-                img.draft("RGB", (1, 1))  # JPEG: decode at 1/8 scale, much faster, still reads every byte
-                img.load()
-        except (OSError, ValueError, SyntaxError) as e:
-            raise DataError(f"{path}: Pillow cannot read this image ({type(e).__name__}: {e}). "
+        why = _unreadable(path)
+        if why:
+            raise DataError(f"{path}: Pillow cannot read this image ({why}). "
                             f"Delete it or replace it with a good copy.") from None
+        with Image.open(path) as img:
+            size = img.size
         if preset.crop == "padded" and size != (preset.image_size, preset.image_size):
             raise DataError(f"{path} is {size[0]}x{size[1]} pixels, but {preset.name} images are "
                             f"{preset.image_size}x{preset.image_size}. {_layout_hint(folder.parent, preset)}")

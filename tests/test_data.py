@@ -519,3 +519,20 @@ def test_loader_workers_do_not_keep_rank_0s_listening_port(demo_dir):
         assert holders == [], f"worker(s) {holders} hold master_port {port}"
     finally:
         del store
+
+
+def test_check_verify_images_finds_every_unreadable_file_that_the_quick_check_skips(imagenet, monkeypatch):
+    """Big splits get one image per class checked; --verify-images decodes all of them, on every core."""
+    from ddp_utils.check import run_check
+    monkeypatch.setattr(data_mod, "VERIFY_ALL_UP_TO", 0)   # as if the split were ImageNet-sized
+    bad = [imagenet / "train" / WNIDS[0] / f"{WNIDS[0]}_1002.JPEG", imagenet / "val" / WNIDS[1] / "broken.JPEG"]
+    bad[0].write_bytes(b"broken")
+    bad[1].write_bytes((imagenet / "val" / WNIDS[2] / "ILSVRC2012_val_00000006.JPEG").read_bytes()[:300])
+    lines = []
+    assert run_check(settings(imagenet, "imagenet"), log=lines.append) is True   # the quick check passes
+    lines.clear()
+    assert run_check(settings(imagenet, "imagenet"), log=lines.append, verify_images=True) is False
+    text = "\n".join(lines)
+    assert "2 of " in text and "images cannot be decoded" in text and "NOT READY" in text
+    for path in bad:
+        assert str(path) in text

@@ -98,3 +98,35 @@ def test_a_node_that_drops_off_the_network_stops_both_ranks_within_the_collectiv
         assert waited < 40, f"rank {rank} stopped {waited:.0f} s after the link went down"
         assert f"rank {rank}: training stopped because another rank stopped answering" in r.output, describe(results)
     assert checkpoint.load_checkpoint(tmp_path / "run0" / "last.pt")["epoch"] >= 0
+
+
+def test_sigterm_on_one_rank_reaches_the_other_with_that_cause(tmp_path):
+    """A scheduler or `kill` stops rank 1: rank 0 says so within seconds instead of waiting for a timeout."""
+    import os
+    import signal
+    import subprocess
+    import time as _time
+    port = free_port()
+    common = ["--dataset", "fake", "--image-size", "32", "--workers", "0", "--wandb", "disabled", "--backend", "gloo",
+              "--world-size", "2", "--master-port", str(port), "--epochs", "30", "--max-steps-per-epoch", "40",
+              "--batch-size", "16", "--progress", "off", "--collective-timeout", "30"]
+    procs = [subprocess.Popen(python("-m", "ddp_utils", "train", *common, "--rank", str(r),
+                                     "--run-dir", str(tmp_path / f"run{r}")),
+                              env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    try:
+        deadline = _time.monotonic() + 90
+        while not (tmp_path / "run0" / "last.pt").exists() and _time.monotonic() < deadline:
+            _time.sleep(0.1)
+        sent = _time.monotonic()
+        os.kill(procs[1].pid, signal.SIGTERM)
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+        stopped = _time.monotonic() - sent
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[1].returncode == 143 and "terminated (SIGTERM)" in outs[1], outs[1][-1500:]
+    assert procs[0].returncode == 2 and stopped < 15, (stopped, outs[0][-1500:])
+    assert "training stopped because rank 1 stopped: SIGTERM" in outs[0], outs[0][-1500:]
