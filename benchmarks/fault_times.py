@@ -4,7 +4,7 @@
 
 Each case starts two ranks (gloo) as the fault suite does (tests/fault_scenarios.py, tests/test_faults.py),
 makes one fail, and prints the seconds from the fault to each rank's exit, with each rank's last line.
-The scenarios use collective_timeout=4 s; at the default (60 s) the lost-link case takes up to a minute.
+The lost-link case uses collective_timeout=8 s (the others 4 s); at the default (60 s) it takes about a minute.
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def lost_a_peer(exc: BaseException) -> bool:
     return any(sign in text for sign in _PEER_SIGNS)
 
 
-def peer_lost_text(ctx, kept: str, exc: BaseException) -> str:
+def peer_lost_text(ctx, kept: str, exc: BaseException, silent: str = "") -> str:
     """The paragraph a surviving rank prints: what happened (the other rank's own reason when it left
     one in the store), what is saved (``kept``, only what exists), how to continue."""
     reason = peer_failure(ctx)
@@ -74,8 +74,8 @@ def peer_lost_text(ctx, kept: str, exc: BaseException) -> str:
         what = f"training stopped because {reason}"
     else:
         first_line = (str(exc).strip().splitlines() or ["?"])[0][:200]
-        what = (f"training stopped because another rank stopped answering ({first_line}). Its node may have "
-                f"crashed, been stopped or lost the network")
+        what = (f"training stopped because another rank stopped answering ({first_line}"
+                f"{'; ' + silent if silent else ''}). Its node may have crashed, been stopped or lost the network")
     kept = f" {kept[0].upper()}{kept[1:]}." if kept else ""
     return (f"rank {ctx.rank}: {what}.{kept} Restart every rank with --resume pointing at rank 0's last.pt, if "
             f"there is one (in the notebooks: RESUME); rank 0 sends it to the others, so the nodes need no "

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from . import checkpoint, distributed
 from .datasets import DataError
+from .heartbeat import Heartbeat
 from .metrics import Meter
 from .model import unwrap
 from .optim import amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, to_device
@@ -50,7 +51,7 @@ def _check_finite(value: float, what: str, step: int, lr: float) -> None:
 
 
 def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, settings, ctx, logger,
-                    start_step: int = 0) -> dict:
+                    start_step: int = 0, heartbeat=None) -> dict:
     """Train one pass over this rank's shard. Returns global metrics and timing for the epoch.
 
     Timing: ``data_s`` is time spent waiting for the next batch, ``compute_s`` the rest of the step.
@@ -89,6 +90,8 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
                                 "lr": lr}, step)
                 progress.log_point(step - start_step, stats["loss"], stats["acc1"], lr)
             progress.update()
+            if heartbeat is not None:
+                heartbeat.step()
             t_end = time.perf_counter()
             compute_s += t_end - t_data
     finally:
@@ -141,8 +144,10 @@ def fit(job) -> dict:
     percent), the same on every rank. When another rank stops answering, raises
     ``distributed.PeerLost`` with a paragraph that says what was saved and how to resume.
     """
+    heartbeat = Heartbeat(job.ctx, log=print)
     try:
-        return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume)
+        with heartbeat:
+            return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat)
     except DataError as exc:   # an unreadable image met in a worker process: the paragraph, not a traceback
         raise exc.plain() from None
     except Diverged as exc:   # the same paragraph on every rank, naming what rank 0 kept
@@ -153,11 +158,11 @@ def fit(job) -> dict:
     except RuntimeError as exc:
         if job.ctx.distributed and (distributed.peer_failure(job.ctx) or distributed.lost_a_peer(exc)):
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)
-            raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, kept, exc)) from None
+            raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, kept, exc, heartbeat.describe())) from None
         raise
 
 
-def _fit(settings, ctx, data, model, logger, state, resume) -> dict:
+def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None) -> dict:
     optimizer = build_optimizer(model, settings)
     scheduler = build_scheduler(optimizer, settings, len(data.train))
     dtype = amp_dtype(settings, ctx.device)
@@ -179,7 +184,7 @@ def _fit(settings, ctx, data, model, logger, state, resume) -> dict:
     val, trained_now = None, 0
     t0 = time.perf_counter()
     for epoch in range(start_epoch, settings.epochs):
-        train = train_one_epoch(model, data, optimizer, scheduler, scaler, epoch, settings, ctx, logger, step)
+        train = train_one_epoch(model, data, optimizer, scheduler, scaler, epoch, settings, ctx, logger, step, heartbeat)
         step = train["step"]
         val = evaluate(model, data.val, settings, ctx)
         lr = scheduler.get_last_lr()[0]

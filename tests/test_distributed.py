@@ -263,3 +263,19 @@ def test_rank_0s_store_listens_on_master_addr_only_not_on_every_interface():
         rendezvous.open_store(settings, log=lambda *_: None)   # a re-run setup reuses the same store
     finally:
         del keys
+
+
+def test_a_rank_that_makes_no_step_says_so_and_names_the_silent_peer(monkeypatch):
+    """During training a wait inside a collective is never mute: every ~30 s (here 0.5 s) a line says so."""
+    import time as _time
+
+    from ddp_utils.heartbeat import Heartbeat
+    monkeypatch.setattr(distributed, "_store", dist.HashStore())
+    ctx = distributed.DistContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    lines = []
+    with Heartbeat(ctx, log=lines.append, every=0.1, note_after=0.5) as beat:
+        _time.sleep(1.5)   # rank 1 never beats, and this rank makes no step
+        assert beat.silent(older_than=1.0)[0][0] == 1
+    assert any(line.startswith("rank 0: no training step for ") and "rank 1's last sign of life" in line
+               for line in lines), lines
+    assert distributed._store.get("alive/0")   # this rank's own sign of life is in the store
