@@ -3,6 +3,7 @@
 The rank prepares and trains on fake data (2 ranks, gloo, loopback). What the scenario does differently:
 - ``interrupt``: rank 0 gets SIGINT (the notebook's Stop button) during its 2nd epoch, then stays alive
   (the kernel survives an interrupt) for 20 s, holding its job, model and traceback.
+- ``rerun``: as ``interrupt``, then both processes run prepare + fit again with a resume (Run All).
 - ``slow_start``: rank 0 takes 8 s to start W&B (longer than the collective timeout of 4 s).
 - ``plain``: nothing (collective timeout 8 s, the others 4 s).
 Prints ``CHECK name=value`` lines the tests read.
@@ -29,6 +30,8 @@ def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") 
     if name == "slow_start" and rank == 0:
         real = RunLogger._start_wandb
         RunLogger._start_wandb = lambda self, *a: (time.sleep(8), real(self, *a))[1]
+    if name == "rerun":
+        return rerun(settings)
     try:
         job = prepare(settings)
         if name == "interrupt" and rank == 0:
@@ -54,6 +57,31 @@ def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") 
         print(f"CHECK stopped_at={time.time()}", flush=True)
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
         sys.exit(2)
+
+
+def rerun(settings) -> None:
+    """Stop pressed in rank 0's notebook, then "Run All" again in the same two processes (kernels),
+    resuming from last.pt: the port, the group and the loaders must all be usable again."""
+    from ddp_utils.distributed import PeerLost
+    settings = settings.replace(epochs=3, max_steps_per_epoch=20)
+    last = os.path.join(f"{os.path.dirname(settings.run_dir)}/run0", "last.pt")
+    if settings.rank == 0:
+        def stop_in_epoch_2():
+            while not os.path.exists(last):
+                time.sleep(0.05)
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=stop_in_epoch_2, daemon=True).start()
+    try:
+        job = prepare(settings)
+        with job:
+            fit(job)
+    except (KeyboardInterrupt, PeerLost) as e:
+        print(f"CHECK first_run_stopped={type(e).__name__}", flush=True)
+    job = prepare(settings, resume=last)          # Run All again: the same cells, RESUME set
+    with job:
+        results = fit(job)
+    print(f"CHECK resumed_epochs_run={results['epochs_run']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -132,3 +132,16 @@ def test_sigterm_on_one_rank_reaches_the_other_with_that_cause(tmp_path):
     assert procs[1].returncode == 143 and "terminated (SIGTERM)" in outs[1], outs[1][-1500:]
     assert procs[0].returncode == 2 and stopped < 15, (stopped, outs[0][-1500:])
     assert "training stopped because rank 1 stopped: SIGTERM" in outs[0], outs[0][-1500:]
+
+
+def test_run_all_again_in_the_same_kernels_after_an_interrupt_resumes_the_run(tmp_path):
+    """No restart needed: after Stop on rank 0 both kernels run the cells again (RESUME set) and finish."""
+    port = free_port()
+    results = run_all([scenario("rerun", r, port, tmp_path) for r in range(2)], timeout=180, env=base_env())
+    assert all(r.returncode == 0 for r in results), describe(results)
+    assert checks(results[0])["first_run_stopped"] == "KeyboardInterrupt"
+    assert checks(results[1])["first_run_stopped"] == "PeerLost"
+    for r in results:
+        assert 1 <= int(checks(r)["resumed_epochs_run"]) <= 2, describe(results)
+    state = checkpoint.load_checkpoint(tmp_path / "run0" / "last.pt")
+    assert state["epoch"] == 2 and [h["epoch"] for h in state["history"]] == [1, 2, 3]
