@@ -94,3 +94,14 @@ def _kill_inside(name: str) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def two_hosts_or_skip(subnet: str):
+    """``two_hosts`` for a pytest fixture: skipped, with the reason printed, where namespaces cannot be made."""
+    import pytest
+    try:
+        with two_hosts(subnet) as hosts:
+            yield hosts
+    except NetnsUnavailable as e:
+        pytest.skip(str(e))

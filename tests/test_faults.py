@@ -11,6 +11,7 @@ import re
 import pytest
 
 from ddp_utils import checkpoint
+from tests import netns
 from tests.procs import base_env, describe, free_port, python, run_all
 
 
@@ -65,12 +66,8 @@ def test_rank_0s_slow_start_does_not_trip_the_other_ranks_collective_timeout(tmp
 
 @pytest.fixture
 def two_hosts():
-    from tests import netns
-    try:
-        with netns.two_hosts("10.213.5") as hosts:
-            yield hosts
-    except netns.NetnsUnavailable as e:
-        pytest.skip(str(e))
+    with netns.two_hosts_or_skip("10.213.5") as hosts:
+        yield hosts
 
 
 def test_a_node_that_drops_off_the_network_stops_both_ranks_within_the_collective_timeout(two_hosts, tmp_path):

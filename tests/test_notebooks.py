@@ -261,11 +261,8 @@ def test_single_runs_one_process_and_evaluates_the_same_validation_images(on_loo
 # -- execution across two hosts: network namespaces -------------------------------------------
 @pytest.fixture
 def two_hosts():
-    try:
-        with netns.two_hosts("10.213.1") as hosts:
-            yield hosts
-    except netns.NetnsUnavailable as e:
-        pytest.skip(str(e))
+    with netns.two_hosts_or_skip("10.213.1") as hosts:
+        yield hosts
 
 
 def test_main_and_worker_train_across_two_hosts_given_only_master_addr(two_hosts, tmp_path):
