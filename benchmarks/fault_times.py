@@ -8,6 +8,7 @@ The lost-link case uses collective_timeout=8 s (the others 4 s); at the default 
 """
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def stopped_after(result, since: float) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
