@@ -43,11 +43,10 @@ class Job:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
+        if exc_type is None:
+            self.logger.close()       # flush TensorBoard, finish the W&B run; the process group stays
+        else:
             self.fail(exc)
-
-    def close(self) -> None:
-        self.logger.close()
 
     def fail(self, exc: BaseException) -> None:
         """After an error or an interrupt: tell the other ranks why (DDP), write it to the run folder,

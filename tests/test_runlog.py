@@ -379,3 +379,20 @@ def test_model_summary_unwraps_ddp(tmp_path):
         assert model_summary(ddp, (3, 8, 8)) == model_summary(model, (3, 8, 8))
     finally:
         dist.destroy_process_group()
+
+
+def test_leaving_a_job_closes_its_logger_after_success_and_after_an_error(tmp_path):
+    """The notebooks' `with job:`: TensorBoard flushed and the W&B run finished, whatever happened."""
+    from ddp_utils.job import prepare
+    for name, error in (("ok", None), ("failed", ValueError("boom"))):
+        settings = Settings(dataset="fake", image_size=32, workers=0, wandb="disabled", epochs=1, batch_size=8,
+                            max_steps_per_epoch=1, run_dir=str(tmp_path / name), progress="off")
+        job = prepare(settings, log=lambda *_: None)
+        try:
+            with job:
+                if error:
+                    raise error
+        except ValueError:
+            pass
+        assert job.logger._closed, name
+    assert "error: ValueError: boom" in (tmp_path / "failed" / "log.txt").read_text()
