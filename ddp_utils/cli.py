@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler, `kill`, the container stopping): stop like an interrupt, telling the others."""
+    description = "SIGTERM (the process was told to stop)"   # what the other ranks are told
 
 
 def _terminate(signum, frame):

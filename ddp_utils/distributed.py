@@ -203,9 +203,8 @@ def _init_failure(settings, backend, report: dict, error: BaseException) -> str:
 def teardown(abort: bool = False) -> None:
     """Destroy the process group if there is one. Safe to call any time, any number of times.
 
-    ``abort`` (after an error or an interrupt) first aborts the group, which closes its connections
-    at once: a DDP model or a traceback still holding the group would otherwise keep them open, and
-    the other ranks would wait in their next collective until it times out instead of stopping now.
+    ``abort`` (after an error or an interrupt) first aborts the group's pending work (NCCL; gloo ignores
+    it). What really closes gloo's connections at once is the group being freed: see job.release_group.
     """
     global _active
     _active = None
@@ -294,20 +293,19 @@ def wait_for_all(what: str, ctx: DistContext, timeout: float, log=print) -> None
     start = time.monotonic()
     next_note = start + 30.0
     while count < ctx.world_size:
-        failure = peer_failure(ctx)
+        time.sleep(0.2)
+        count, failure = _ask_store(ctx, what, lambda: (int(_store.add(key, 0)), _failure_in_store(ctx)))
         if failure:
             raise PeerLost(f"rank {ctx.rank}: stopped because {failure}")
         now = time.monotonic()
-        if now - start > timeout:
+        if count < ctx.world_size and now - start > timeout:
             raise PeerLost(f"rank {ctx.rank}: waited {timeout:g} s for the other ranks to finish {what} and "
                            f"{ctx.world_size - count} did not. Look at the other nodes' output; restart every "
                            f"rank (with --resume RUN/last.pt if a checkpoint exists).")
-        if now >= next_note:
+        if now >= next_note and count < ctx.world_size:
             log(f"rank {ctx.rank}: waiting for {ctx.world_size - count} other rank(s) to finish {what} "
                 f"({now - start:.0f} s)")
             next_note += 30.0
-        time.sleep(0.1)
-        count = int(_ask_store(ctx, what, _store.add, key, 0))
 
 
 STORE_PATIENCE = 15.0   # seconds a store call may take before rank 0's node counts as unreachable
@@ -349,15 +347,17 @@ def peer_failure(ctx: DistContext) -> str | None:
     """The first reason another rank left in the store, or None (also when the store is gone)."""
     if not ctx.distributed or _store is None:
         return None
-    def look():
-        for r in range(ctx.world_size):
-            if r != ctx.rank and _store.check([f"failed/{r}"]):
-                return _store.get(f"failed/{r}").decode()
-        return None
     try:
-        return _ask_store(ctx, "the other ranks' news", look)
+        return _ask_store(ctx, "the other ranks' news", _failure_in_store, ctx)
     except Exception:   # noqa: BLE001 - rank 0's store went away with rank 0, or the link is down
         return None
+
+
+def _failure_in_store(ctx: DistContext) -> str | None:
+    for r in range(ctx.world_size):
+        if r != ctx.rank and _store.check([f"failed/{r}"]):
+            return _store.get(f"failed/{r}").decode()
+    return None
 
 
 def broadcast_object(obj, ctx: DistContext, src: int = 0):

@@ -64,8 +64,8 @@ class Job:
 
 def describe_failure(exc: BaseException) -> str:
     """``KeyboardInterrupt (Stop pressed, or Ctrl-C)`` or ``DataError: /data/...`` (first line only)."""
-    if type(exc).__name__ == "Terminated":
-        return "SIGTERM (the process was told to stop)"
+    if getattr(exc, "description", None):   # cli.Terminated says what it is itself
+        return exc.description
     if isinstance(exc, KeyboardInterrupt):
         return "KeyboardInterrupt (Stop pressed in the notebook, or Ctrl-C)"
     first = (str(exc).strip().splitlines() or [""])[0][:300]
