@@ -360,6 +360,15 @@ def _failure_in_store(ctx: DistContext) -> str | None:
     return None
 
 
+def gather_objects(obj, ctx: DistContext) -> list:
+    """Every rank's ``obj`` (any picklable object), as a list by rank, on every rank."""
+    if not ctx.distributed:
+        return [obj]
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj, ctx: DistContext, src: int = 0):
     """Rank ``src``'s ``obj`` (any picklable object), returned on every rank."""
     if not ctx.distributed:

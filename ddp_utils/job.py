@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checkpoint, distributed
+from . import checkpoint, distributed, linkprobe
 from .data import build_data
 from .datasets import Data
-from .model import build_model, prepare_model
-from .runlog import NullLogger, RunLogger, make_logger
+from .commtime import CommTimer
+from .model import build_model, describe_parallel, parallel_mode, prepare_model
+from .runlog import NullLogger, RunLogger, default_run_dir, make_logger
 from .threads import set_threads
 from .train import evaluate_only, fit, kept_checkpoint
 
@@ -38,6 +39,9 @@ class Job:
     state: dict | None = None         # the checkpoint to continue from (or to evaluate), on every rank
     resume: str | None = None         # its path on rank 0
     model_table: str = ""             # the layer table (rank 0), also in model_summary.txt
+    comm: object = None               # commtime.CommTimer on the DDP model (None with one rank)
+    probe: dict | None = None         # linkprobe.probe's figures: link bandwidth, predicted speed-up
+    parallel: str = "none"            # what runs: ddp, dp or none (model.parallel_mode)
 
     def __enter__(self) -> "Job":
         return self
@@ -114,11 +118,16 @@ def prepare(settings, resume: str | None = None, evaluate: bool = False, log=pri
         if state is not None:
             checkpoint.check_matches(state, settings, resume)   # not an 8 KB key dump from load_state_dict
         torch.manual_seed(settings.seed)      # reproducible initial weights; DDP then copies rank 0's to all
-        model = prepare_model(build_model(settings.arch, data.num_classes), settings, ctx)   # DDP: wrap
+        comm = CommTimer(ctx.device) if ctx.distributed else None   # DDP: times the gradient all-reduce
+        model = prepare_model(build_model(settings.arch, data.num_classes), settings, ctx, comm)   # DDP: wrap
+        if ctx.is_main:
+            log(describe_parallel(settings, ctx))
+        probe = linkprobe.probe(model, settings, ctx, data.num_classes, data.image_size, log)   # DDP: the link
         continuing = state is not None and not evaluate
         # On a resume, TensorBoard drops what the interrupted run logged after its checkpoint.
         logger = make_logger(settings, ctx.rank, resume=continuing, resume_step=state["step"] if continuing else None)
-        job = Job(settings, ctx, data, model, logger, state, resume)
+        job = Job(settings, ctx, data, model, logger, state, resume, comm=comm, probe=probe,
+                  parallel=parallel_mode(settings, ctx))
     except BaseException as exc:   # also KeyboardInterrupt: never leave a half-made process group
         if not isinstance(exc, distributed.PeerLost):   # this rank's own failure: tell the others
             distributed.report_failure(ctx, f"rank {ctx.rank} stopped while preparing the run: {describe_failure(exc)}")
@@ -139,6 +148,23 @@ def _failing(job: Job):
     except BaseException as exc:
         job.fail(exc)
         raise
+
+
+def seed_settings(settings, seeds) -> list:
+    """One Settings per seed, each with its own run folder ``RUN_DIR-seed<N>`` (siblings)."""
+    base = settings.run_dir.rstrip("/") or str(default_run_dir(settings))
+    return [settings.replace(seed=seed, run_dir=f"{base}-seed{seed}") for seed in seeds]
+
+
+def run_seeds(settings, seeds, log=print) -> list[dict]:
+    """``run_job`` once per seed, one after the other (every rank must pass the same seeds); the
+    results of each. ``python -m ddp_utils report RUN_DIR-seed*`` gives their mean +- std."""
+    out = []
+    for i, one in enumerate(seed_settings(settings, seeds)):
+        if settings.rank == 0:
+            log(f"=== seed {one.seed} ({i + 1} of {len(seeds)}): {one.run_dir} ===")
+        out.append(run_job(one, log=log))
+    return out
 
 
 def run_job(settings, resume: str | None = None, evaluate: bool = False, log=print) -> dict:

@@ -50,8 +50,35 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
                          f"classifier such as resnet18, resnet50 (torchvision.models.list_models()).") from None
 
 
-def prepare_model(model: nn.Module, settings, ctx) -> nn.Module:
-    """Move to the device, apply the speed settings and, with several ranks, wrap in DDP.
+def parallel_mode(settings, ctx) -> str:
+    """What really runs: ``ddp`` with several ranks, ``dp`` when DataParallel was asked for and this
+    node has several GPUs, else ``none`` (one process, one device)."""
+    if ctx.distributed:
+        return "ddp"
+    if settings.parallel == "dp" and ctx.device.type == "cuda" and torch.cuda.device_count() > 1:
+        return "dp"
+    return "none"
+
+
+def describe_parallel(settings, ctx) -> str:
+    mode = parallel_mode(settings, ctx)
+    if mode == "dp":
+        n = torch.cuda.device_count()
+        return (f"parallel: DataParallel over {n} GPUs in one process; each step splits the batch of "
+                f"{settings.batch_size} into {n} parts and gathers the outputs on cuda:0")
+    if settings.parallel == "dp":
+        gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
+        return (f"parallel: dp asked for, but this node has {gpus} GPU(s) to use: DataParallel needs at "
+                f"least 2, so this is plain one-process training on {ctx.device} (recorded as parallel=none)")
+    if mode == "ddp":
+        return f"parallel: DDP, {ctx.world_size} processes, gradients all-reduced in buckets during backward"
+    return f"parallel: none, one process on {ctx.device}"
+
+
+def prepare_model(model: nn.Module, settings, ctx, comm=None) -> nn.Module:
+    """Move to the device, apply the speed settings and, with several ranks, wrap in DDP (with
+    ``comm``, a ``commtime.CommTimer``, timing its gradient all-reduce); DataParallel for parallel=dp
+    on a node with several GPUs.
 
     Returns the module to train with; ``unwrap(result)`` gives back the plain model.
     """
@@ -68,6 +95,10 @@ def prepare_model(model: nn.Module, settings, ctx) -> nn.Module:
         # gradient_as_bucket_view lets gradients live inside the communication buffers (no copy).
         model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
+        if comm is not None:
+            comm.attach(model)   # the same all-reduce as DDP's default, timed
+    elif parallel_mode(settings, ctx) == "dp":
+        model = nn.DataParallel(model)   # every visible GPU; outputs gathered on cuda:0
     if settings.compile:
         model = torch.compile(model)
     return model

@@ -284,23 +284,33 @@ def cpu_name() -> str:
         return platform.processor() or "unknown CPU"
 
 
-def summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=None) -> dict:
-    """What results.json holds: final evaluation, speed over every trained epoch, and the hardware."""
+TIME_PARTS = ("data_s", "compute_s", "comm_s", "idle_s")   # per rank, they add up to the train time
+
+
+def summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=None, extra=None) -> dict:
+    """What results.json holds: final evaluation, speed and its time split over every trained
+    epoch, and the hardware. ``extra`` (probe, GPU use, early stop, mode) is added as it is."""
     trained = [h["train"] for h in history]
     images = sum(t["count"] for t in trained)
     train_s = sum(t["wall_s"] for t in trained)
+    steps = sum(t.get("steps", 0) for t in trained)
+    split = {key: sum(t.get(key, 0.0) for t in trained) for key in (*TIME_PARTS, "comm_total_s")}
+    per_rank = [{"rank": r, **{key: sum(t["per_rank"][r][key] for t in trained) for key in TIME_PARTS}}
+                for r in range(settings.world_size)] if all("per_rank" in t for t in trained) else []
     return {
         "acc1": val["acc1"], "acc5": val["acc5"], "loss": val["loss"], "best_acc1": best_acc1,
         "val_images": val["count"], "epochs": settings.epochs,
         "epochs_run": len(history) if epochs_run is None else epochs_run,
         "world_size": settings.world_size, "global_batch_size": settings.global_batch_size,
-        "lr": settings.effective_lr, "wall_time_s": wall, "train_time_s": train_s,
+        "lr": settings.effective_lr, "seed": settings.seed, "wall_time_s": wall, "train_time_s": train_s,
         "images_per_s": images / max(train_s, 1e-9) if trained else 0.0,
-        "data_wait_fraction": sum(t["data_s"] for t in trained) / max(train_s, 1e-9) if trained else 0.0,
+        "data_wait_fraction": split["data_s"] / max(train_s, 1e-9) if trained else 0.0,
+        **split, "steps": steps, "measured_step_s": train_s / steps if steps else None, "per_rank": per_rank,
         "dataset": settings.dataset, "arch": settings.arch, "device": str(ctx.device),
         "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
         "backend": ctx.backend or "none", "host": socket.gethostname(), "cpus": os.cpu_count(),
         "cpu_name": cpu_name(), "threads": torch.get_num_threads(),
+        **(extra or {}),
         "history": history,
     }
 

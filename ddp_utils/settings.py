@@ -25,6 +25,7 @@ AMP_MODES = ("auto", "bf16", "fp16", "off")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 LOADERS = ("workers", "memory")
 PROGRESS_MODES = ("auto", "steps", "bar", "off")
+PARALLEL_MODES = ("ddp", "dp", "none")
 
 # Fields that every rank must share, or the ranks would silently train different things.
 # The fields a preset's recipe fills in when they are left out (None).
@@ -32,7 +33,7 @@ RECIPE_FIELDS = ("arch", "batch_size", "epochs", "lr", "warmup_epochs")
 
 MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_reference_batch",
               "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
-              "max_steps_per_epoch", "world_size", "master_port")
+              "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe")
 
 
 def _f(default, help: str, **kw):
@@ -73,6 +74,8 @@ class Settings:
     momentum: float = _f(0.9, "SGD momentum")
     weight_decay: float = _f(1e-4, "SGD weight decay (not applied to norm layers and biases)")
     max_steps_per_epoch: int = _f(0, "stop each epoch after this many steps; 0 = the whole split")
+    patience: int = _f(0, "early stopping: stop after this many epochs without a better validation Acc@1 "
+                          "(best.pt keeps the best epoch); 0 = train every epoch")
     # -- speed --------------------------------------------------------------------------------
     amp: str = _f("auto", "mixed precision: auto (bf16 on GPUs that have it, fp16 + grad scaler on "
                           "others, off on CPU), bf16, fp16 or off", choices=AMP_MODES)
@@ -91,6 +94,12 @@ class Settings:
                                "output is piped; steps: also a line every log_every steps; bar; off",
                        choices=PROGRESS_MODES)
     # -- distributed --------------------------------------------------------------------------
+    parallel: str = _f("ddp", "ddp: one process per GPU, gradients all-reduced (DistributedDataParallel, the "
+                              "course's way); dp: DataParallel, one process driving every GPU of this node "
+                              "(with one GPU or none this is plain one-process training); none: one process, "
+                              "one device, no wrapper", choices=PARALLEL_MODES)
+    link_probe: bool = _f(True, "before training, time a few all-reduces of the gradients' size and one "
+                                "step's compute: link bandwidth and predicted speed-up (a few seconds)")
     master_addr: str = _f("127.0.0.1", "IP of the rank-0 node: its private IP on a cloud network")
     master_port: int = _f(29500, "TCP port rank 0 listens on; open it (and the ports NCCL/Gloo add) "
                                  "between the nodes")
@@ -138,9 +147,12 @@ class Settings:
             if getattr(self, name) <= 0:
                 out.append(f"{name}={getattr(self, name)}: must be positive")
         for name in ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr",
-                     "weight_decay", "momentum", "local_rank", "threads"):
+                     "weight_decay", "momentum", "local_rank", "threads", "patience"):
             if getattr(self, name) < 0:
                 out.append(f"{name}={getattr(self, name)}: must not be negative")
+        if self.parallel != "ddp" and self.world_size > 1:
+            out.append(f"parallel={self.parallel} runs one process, but world_size={self.world_size}: use "
+                       f"parallel=ddp for several processes, or world_size=1")
         if not str(self.master_addr).strip():
             out.append("master_addr is empty: set it to the master node's IP address")
         return out

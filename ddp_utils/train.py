@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from . import checkpoint, distributed
 from .datasets import DataError
+from .gpu_monitor import GpuMonitor, reduce_summaries
+from .gpu_monitor import describe as describe_gpu
 from .heartbeat import Heartbeat
 from .metrics import Meter
 from .model import unwrap
@@ -51,16 +53,25 @@ def _check_finite(value: float, what: str, step: int, lr: float) -> None:
 
 
 def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, settings, ctx, logger,
-                    start_step: int = 0, heartbeat=None) -> dict:
+                    start_step: int = 0, heartbeat=None, comm=None) -> dict:
     """Train one pass over this rank's shard. Returns global metrics and timing for the epoch.
 
-    Timing: ``data_s`` is time spent waiting for the next batch, ``compute_s`` the rest of the step.
+    Time split (seconds, each rank's own in ``per_rank``, their mean at the top level); they add up
+    to the epoch's wall time:
+
+    - ``data_s``: waiting for the next batch;
+    - ``compute_s``: forward, backward, optimizer step, including gradient communication that
+      overlapped the backward pass (on a GPU also the work still queued at a log point);
+    - ``comm_s``: gradient communication the step waited for after the backward pass (``comm``, a
+      ``CommTimer`` on the DDP model; ``comm_total_s`` is all of it, overlapped or not);
+    - ``idle_s``: the rest: log-point reductions (which wait for the slowest rank), logging, progress.
+
     Loss and hits stay on the device between log points so the GPU is never forced to sync per step.
     """
     model.train()
     dtype = amp_dtype(settings, ctx.device)
     epoch_meter, window = Meter(ctx.device), Meter(ctx.device)
-    data_s = compute_s = 0.0
+    data_s = step_s = 0.0
     step = start_step
     progress = Progress(settings.progress, len(data.train), f"epoch {epoch + 1}/{settings.epochs}",
                         show=ctx.is_main, print_line=logger.info)
@@ -70,6 +81,7 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
             t_data = time.perf_counter()
             data_s += t_data - t_end
             images, labels = to_device(images, labels, settings, ctx.device)
+            lr = scheduler.get_last_lr()[0]   # the lr this step uses
             with autocast(dtype, ctx.device):
                 logits = model(images)
                 loss = F.cross_entropy(logits, labels)
@@ -78,35 +90,64 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
-            step += 1
+            if comm is not None:
+                comm.step_done()
             window.update(loss.detach() * labels.shape[0], logits, labels)
+            step_s += time.perf_counter() - t_data
+            logger.scalars({"lr": lr}, step)   # every step (rank 0 only, cheap): the schedule's exact shape
+            step += 1
             if step % settings.log_every == 0:
+                step_s += _finish_queued_work(ctx)
                 stats = window.reduced(ctx)   # DDP: a collective, reached by every rank at the same step
                 epoch_meter.add(window)
                 window.reset()
-                lr = scheduler.get_last_lr()[0]
                 _check_finite(stats["loss"], "the training loss", step, lr)   # global: every rank stops alike
-                logger.scalars({"Loss/train": stats["loss"], "acc1/train": stats["acc1"], "acc5/train": stats["acc5"],
-                                "lr": lr}, step)
+                logger.scalars({"Loss/train": stats["loss"], "acc1/train": stats["acc1"], "acc5/train": stats["acc5"]},
+                               step)
                 progress.log_point(step - start_step, stats["loss"], stats["acc1"], lr)
             progress.update()
             if heartbeat is not None:
                 heartbeat.step()
             t_end = time.perf_counter()
-            compute_s += t_end - t_data
     finally:
         progress.close()   # also when a step fails: no half-drawn bar left behind
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)    # so the epoch's wall time includes queued GPU work
+    step_s += _finish_queued_work(ctx)   # so the epoch's wall time includes queued GPU work
     wall = time.perf_counter() - t_epoch
+    comm_s, comm_total_s = comm.take() if comm is not None else (0.0, 0.0)
+    mine = {"data_s": data_s, "compute_s": max(0.0, step_s - comm_s), "comm_s": comm_s,
+            "comm_total_s": comm_total_s, "idle_s": max(0.0, wall - data_s - step_s), "wall_s": wall}
+    per_rank = _gather_times(mine, ctx)   # DDP: a small collective; every rank gets every rank's split
     epoch_meter.add(window)           # the steps since the last log point
     stats = epoch_meter.reduced(ctx)
     _check_finite(stats["loss"], "the training loss of the epoch", step, scheduler.get_last_lr()[0])
     # DDP: every rank saw the same number of steps (drop_last), so images/s adds up across ranks.
     rank_ips = stats["count"] / ctx.world_size / max(wall, 1e-9)
-    stats.update(epoch=epoch, step=step, wall_s=wall, data_s=data_s, compute_s=compute_s,
-                 images_per_s_rank=rank_ips, images_per_s=stats["count"] / max(wall, 1e-9))
+    stats.update(epoch=epoch, step=step, steps=step - start_step, wall_s=wall, lr=scheduler.get_last_lr()[0],
+                 images_per_s_rank=rank_ips, images_per_s=stats["count"] / max(wall, 1e-9),
+                 **{key: sum(r[key] for r in per_rank) / len(per_rank) for key in mine if key != "wall_s"},
+                 per_rank=per_rank)
     return stats
+
+
+TIME_KEYS = ("data_s", "compute_s", "comm_s", "comm_total_s", "idle_s", "wall_s")
+
+
+def _gather_times(mine: dict, ctx) -> list[dict]:
+    """Every rank's time split, on every rank: one row per rank, summed over the ranks."""
+    table = torch.zeros(ctx.world_size, len(TIME_KEYS), dtype=torch.float64)
+    table[ctx.rank] = torch.tensor([mine[key] for key in TIME_KEYS], dtype=torch.float64)
+    distributed.all_reduce_sum(table, ctx)
+    return [{"rank": r, **dict(zip(TIME_KEYS, map(float, row)))} for r, row in enumerate(table)]
+
+
+def _finish_queued_work(ctx) -> float:
+    """On a GPU, wait for the queued steps and return how long that took (it is their compute:
+    the CPU runs ahead of the GPU, and would otherwise count it where it next waits)."""
+    if ctx.device.type != "cuda":
+        return 0.0
+    start = time.perf_counter()
+    torch.cuda.synchronize(ctx.device)
+    return time.perf_counter() - start
 
 
 @torch.no_grad()
@@ -146,8 +187,9 @@ def fit(job) -> dict:
     """
     heartbeat = Heartbeat(job.ctx, log=print)
     try:
-        with heartbeat:
-            return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat)
+        with heartbeat, GpuMonitor(job.ctx.device) as gpu:
+            return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,
+                        job.comm, job.probe, gpu, job.parallel)
     except DataError as exc:   # an unreadable image met in a worker process: the paragraph, not a traceback
         raise exc.plain() from None
     except Diverged as exc:   # the same paragraph on every rank, naming what rank 0 kept
@@ -162,7 +204,8 @@ def fit(job) -> dict:
         raise
 
 
-def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None) -> dict:
+def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm=None, probe=None,
+         gpu=None, parallel="none") -> dict:
     optimizer = build_optimizer(model, settings)
     scheduler = build_scheduler(optimizer, settings, len(data.train))
     dtype = amp_dtype(settings, ctx.device)
@@ -181,11 +224,16 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None) -> d
     logger.info(f"{describe_batch(settings)}; precision {dtype or 'fp32'}; device {ctx.device}")
 
     last_path, best_path = (checkpoint.checkpoint_paths(logger.run_dir) if logger.run_dir else (None, None))
-    val, trained_now = None, 0
+    val, trained_now, stopped_early, stop_reason = None, 0, None, None
     t0 = time.perf_counter()
     for epoch in range(start_epoch, settings.epochs):
-        train = train_one_epoch(model, data, optimizer, scheduler, scaler, epoch, settings, ctx, logger, step, heartbeat)
+        if gpu is not None:
+            gpu.phase("train")
+        train = train_one_epoch(model, data, optimizer, scheduler, scaler, epoch, settings, ctx, logger, step,
+                                heartbeat, comm)
         step = train["step"]
+        if gpu is not None:
+            gpu.phase("val")
         val = evaluate(model, data.val, settings, ctx)
         lr = scheduler.get_last_lr()[0]
         _check_finite(val["loss"], "the validation loss", step, lr)
@@ -194,7 +242,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None) -> d
         logger.scalars({"Loss/val": val["loss"], "acc1/val": val["acc1"], "acc5/val": val["acc5"],
                         "throughput/images_per_s": train["images_per_s"],
                         "throughput/images_per_s_rank": train["images_per_s_rank"],
-                        "time/data_s": train["data_s"], "time/compute_s": train["compute_s"]}, step)
+                        **{f"time/{key}": train[key] for key in ("data_s", "compute_s", "comm_s", "idle_s")}}, step)
         is_best = val["acc1"] > best_acc1 or epoch == 0   # epoch 0 always gives a first best.pt
         best_acc1 = max(best_acc1, val["acc1"])
         history.append({"epoch": epoch + 1, "train": train, "val": val})
@@ -204,16 +252,74 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None) -> d
                               best_acc1, history, settings, ctx)
         # DDP: rank 0 may write for a while; the others wait for it here, not in a collective that times out
         distributed.wait_for_all(f"saving epoch {epoch + 1}", ctx, settings.init_timeout, logger.info)
-        logger.info(f"epoch {epoch + 1}/{settings.epochs}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | "
-                    f"val loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | "
-                    f"{train['images_per_s']:.0f} img/s global, {train['images_per_s_rank']:.0f} per rank, "
-                    f"data wait {100 * train['data_s'] / max(train['wall_s'], 1e-9):.0f}% | {train['wall_s']:.1f}s")
+        logger.info(epoch_line(settings, train, val, epoch))
+        stop_reason = early_stop(history, settings.patience, ctx)
+        if stop_reason and epoch + 1 < settings.epochs:
+            stopped_early = epoch + 1
+            logger.info(f"early stop after epoch {stopped_early} of {settings.epochs}: {stop_reason}")
+            break
+        stop_reason = None
     wall = time.perf_counter() - t0
     if val is None:                    # nothing left to train (resumed after the last epoch)
         val = evaluate(model, data.val, settings, ctx)
-    results = summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=trained_now)
+    extra = {"parallel": parallel, "stopped_early": stopped_early, "stop_reason": stop_reason,
+             "link_gbit_s": probe["link_gbit_s"] if probe else None,
+             "predicted_speedup": probe["predicted_speedup"] if probe else None, "probe": probe,
+             **(_gpu_results(gpu, ctx, logger, step) if gpu is not None else {})}
+    results = summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=trained_now, extra=extra)
+    if probe and results["measured_step_s"]:
+        logger.info(predicted_vs_measured(probe, results))
     logger.results(results)
     return results
+
+
+def _gpu_results(gpu, ctx, logger, step: int) -> dict:
+    """Every rank's GPU use, gathered and reduced: the same dict on every rank ("no GPU" on CPUs)."""
+    gpu.stop()
+    summary = reduce_summaries(distributed.gather_objects(gpu.summary(), ctx))   # DDP: every rank's sampler
+    logger.info(describe_gpu(summary))
+    if isinstance(summary.get("gpu_util"), (int, float)):
+        logger.scalars({"gpu/util_mean": summary["gpu_util"], "gpu/mem_peak_mb": summary["gpu_mem_peak_mb"] or 0},
+                       step)
+    return summary
+
+
+def epoch_line(settings, train: dict, val: dict, epoch: int) -> str:
+    """The console line at each epoch end, with where the epoch's time went."""
+    shares = " ".join(f"{name} {100 * train[key] / max(train['wall_s'], 1e-9):.0f}%" for name, key in
+                      (("data", "data_s"), ("compute", "compute_s"), ("comm", "comm_s"), ("idle", "idle_s")))
+    return (f"epoch {epoch + 1}/{settings.epochs}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | "
+            f"val loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | "
+            f"{train['images_per_s']:.0f} img/s global, {train['images_per_s_rank']:.0f} per rank | "
+            f"time: {shares} | {train['wall_s']:.1f}s")
+
+
+def predicted_vs_measured(probe: dict, results: dict) -> str:
+    """The link probe's prediction next to what the run measured, per step."""
+    steps = results["steps"]
+    return (f"per step: predicted {1e3 * probe['predicted_step_s']:.0f} ms (compute {1e3 * probe['compute_s']:.0f} + "
+            f"all-reduce {1e3 * probe['allreduce_s']:.0f}); measured {1e3 * results['measured_step_s']:.0f} ms "
+            f"(data {1e3 * results['data_s'] / steps:.0f}, compute {1e3 * results['compute_s'] / steps:.0f}, "
+            f"comm waited for {1e3 * results['comm_s'] / steps:.0f} of {1e3 * results['comm_total_s'] / steps:.0f} "
+            f"in flight, idle {1e3 * results['idle_s'] / steps:.0f}); predicted speed-up over one rank "
+            f"{probe['predicted_speedup']:.2f}x (compare with a 1-rank run in the report)")
+
+
+def early_stop(history: list[dict], patience: int, ctx) -> str | None:
+    """Why to stop now, or None: ``patience`` epochs in a row without a better validation Acc@1.
+
+    Validation numbers are all-reduced, hence the same on every rank; the decision is still taken
+    by rank 0 and sent to all, so that no rank can stop alone and leave the others waiting.
+    """
+    if patience <= 0 or not history:
+        return None
+    accs = [h["val"]["acc1"] for h in history]
+    best = max(range(len(accs)), key=lambda i: (accs[i], -i))   # the first epoch with the best Acc@1
+    reason = None
+    if len(accs) - 1 - best >= patience:
+        reason = (f"no better validation Acc@1 for {patience} epoch(s) (best {accs[best]:.2f} % at epoch "
+                  f"{history[best]['epoch']}, kept in best.pt)")
+    return distributed.broadcast_object(reason, ctx)   # DDP: rank 0 decides for all
 
 
 def _weights_finite(model, ctx) -> bool:

@@ -1,0 +1,115 @@
+"""Before training: how fast is the link, and what speed-up can DDP give on it?
+
+Right after the model is built, every rank times
+
+- a few all-reduces of a tensor as large as the model's gradients (what DDP sends every step), and
+- a few forward + backward passes of a copy of the model on a random batch of the run's size (the
+  compute of one step, without communication; the real model, its statistics and the random
+  number generators are left untouched).
+
+From these: the link's bus bandwidth (nccl-tests' definition: a ring all-reduce of S bytes over n
+ranks moves 2 (n-1)/n S bytes through every rank's link), and a **predicted speed-up** over one
+rank with the same per-rank batch::
+
+    predicted step     = compute + all-reduce           (no overlap: a pessimistic bound)
+    predicted speed-up = n x compute / predicted step
+
+The probe takes a few seconds at most (``--no-link-probe`` skips it). Both numbers go into
+``results.json``; after training the measured step is printed next to the predicted one.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .model import unwrap
+from .optim import amp_dtype, autocast
+
+BUDGET_S = 3.0   # time the all-reduce timing may take, after one warm-up round
+
+
+def probe(model, settings, ctx, num_classes: int, image_size: int, log=print) -> dict | None:
+    """Time the link and one step's compute on every rank; the same dict on every rank, or None
+    with one rank (nothing to communicate) or when ``settings.link_probe`` is off."""
+    if not ctx.distributed or not settings.link_probe:
+        return None
+    params = [p for p in unwrap(model).parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    grads = torch.zeros(numel, dtype=torch.float32, device=ctx.device)
+    allreduce_s = _time_allreduce(grads, ctx)
+    compute_s = _slowest(_time_compute(model, settings, ctx, num_classes, image_size), ctx)
+    n = ctx.world_size
+    moved = 2 * (n - 1) / n * grads.numel() * grads.element_size()
+    result = {"allreduce_s": allreduce_s, "compute_s": compute_s, "grad_mb": grads.numel() * 4 / 1e6,
+              "link_gbit_s": moved * 8 / allreduce_s / 1e9,
+              "predicted_step_s": compute_s + allreduce_s,
+              "predicted_speedup": n * compute_s / (compute_s + allreduce_s)}
+    if ctx.is_main:
+        log(describe(result, n))
+    return result
+
+
+def describe(result: dict, world_size: int) -> str:
+    share = result["allreduce_s"] / result["predicted_step_s"]
+    return (f"link probe: all-reduce of the {result['grad_mb']:.1f} MB of gradients takes "
+            f"{1e3 * result['allreduce_s']:.0f} ms (link {result['link_gbit_s']:.2f} Gbit/s); one step's compute "
+            f"{1e3 * result['compute_s']:.0f} ms; so communication is up to {100 * share:.0f} % of a step and "
+            f"{world_size} ranks should be about {result['predicted_speedup']:.2f}x one rank "
+            f"(ideal {world_size}x; DDP's overlap with the backward pass can do better)")
+
+
+def _time_allreduce(grads: torch.Tensor, ctx) -> float:
+    """Seconds per all-reduce of ``grads``: the slowest rank's mean over a few rounds.
+
+    Every rank must make the same number of rounds, so the count comes from the slowest rank's
+    warm-up round.
+    """
+    _sync(ctx)
+    start = time.perf_counter()
+    dist.all_reduce(grads)
+    _sync(ctx)
+    rounds = max(1, min(5, int(BUDGET_S / max(_slowest(time.perf_counter() - start, ctx), 1e-6))))
+    start = time.perf_counter()
+    for _ in range(rounds):
+        dist.all_reduce(grads)
+    _sync(ctx)
+    return _slowest((time.perf_counter() - start) / rounds, ctx)
+
+
+def _time_compute(model, settings, ctx, num_classes: int, image_size: int, rounds: int = 2) -> float:
+    """Seconds per forward + backward on a copy of the model (no DDP: nothing is communicated)."""
+    net = copy.deepcopy(unwrap(model)).train()
+    dtype = amp_dtype(settings, ctx.device)
+    devices = [ctx.device] if ctx.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):   # the run's random numbers stay as they were
+        images = torch.randn(settings.batch_size, 3, image_size, image_size, device=ctx.device)
+        if settings.channels_last and ctx.device.type == "cuda":
+            images = images.contiguous(memory_format=torch.channels_last)
+        labels = torch.randint(0, num_classes, (settings.batch_size,), device=ctx.device)
+        times = []
+        for _ in range(rounds + 1):   # the first round warms up (allocations, cuDNN choices)
+            _sync(ctx)
+            start = time.perf_counter()
+            with autocast(dtype, ctx.device):
+                loss = F.cross_entropy(net(images), labels)
+            loss.backward()
+            net.zero_grad(set_to_none=True)
+            _sync(ctx)
+            times.append(time.perf_counter() - start)
+    return sum(times[1:]) / rounds
+
+
+def _slowest(seconds: float, ctx) -> float:
+    """The largest of every rank's ``seconds``: the slowest rank sets the pace of a DDP step."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _sync(ctx) -> None:
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)

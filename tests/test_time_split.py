@@ -1,0 +1,163 @@
+"""Where a run's time went (data / compute / communication / idle), the link probe, the parallel
+mode and early stopping: the figures the homework is answered from."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddp_utils import checkpoint, commtime
+from ddp_utils.runlog import read_scalars
+from ddp_utils.settings import Settings
+from tests.procs import base_env, describe, free_port, python, run_all
+from tests.test_training import FAST, run_ranks, weights
+
+
+# -- the split of one step's communication -----------------------------------------------------
+def test_waited_for_communication_starts_when_the_last_bucket_is_ready():
+    # bucket A ready at 1 s, done at 3 s; bucket B (the last gradients) ready at 2 s, done at 4 s:
+    # from 2 s on the backward pass had nothing left to compute, so 2 s were waited for; the
+    # all-reduce was in flight from 1 s to 4 s
+    assert commtime.split([(1.0, 3.0), (2.0, 4.0)]) == (2.0, 3.0)
+
+
+def test_in_flight_time_counts_overlapping_buckets_once_and_gaps_not_at_all():
+    waited, in_flight = commtime.split([(0.0, 1.0), (0.5, 1.5), (3.0, 3.5)])
+    assert in_flight == pytest.approx(1.5 + 0.5)
+    assert waited == pytest.approx(0.5)
+
+
+def test_an_all_reduce_finished_before_the_backward_pass_ended_was_not_waited_for():
+    assert commtime.split([(0.0, 0.2), (1.0, 1.0)]) == (0.0, 0.2)
+
+
+# -- a real two-rank run -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("split")
+    run_ranks(tmp, "run", 2, "--epochs", "2", "--max-steps-per-epoch", "5", "--batch-size", "8")
+    return tmp / "run"
+
+
+def test_the_time_split_adds_up_to_the_train_time_on_every_rank(two_ranks):
+    results = json.loads((two_ranks / "results.json").read_text())
+    assert len(results["per_rank"]) == 2
+    for epoch in results["history"]:
+        train = epoch["train"]
+        for row in train["per_rank"]:
+            parts = row["data_s"] + row["compute_s"] + row["comm_s"] + row["idle_s"]
+            assert parts == pytest.approx(row["wall_s"], rel=1e-6), row   # each rank's own wall time
+        assert 0 < train["comm_s"] <= train["comm_total_s"]   # measured by the hook, not a subtraction
+    # top level: the sums over the epochs, as the issue names them
+    for key in ("data_s", "compute_s", "comm_s", "comm_total_s", "idle_s"):
+        assert results[key] == pytest.approx(sum(h["train"][key] for h in results["history"])), key
+    assert results["steps"] == 10
+    assert results["measured_step_s"] == pytest.approx(results["train_time_s"] / 10)
+    assert results["parallel"] == "ddp"
+    assert results["gpu_util"] == "no GPU" and results["gpu_mem_peak_mb"] is None
+
+
+def test_the_link_probe_reports_bandwidth_and_a_predicted_speed_up(two_ranks):
+    results = json.loads((two_ranks / "results.json").read_text())
+    assert results["link_gbit_s"] > 0
+    assert 0 < results["predicted_speedup"] <= 2
+    probe = results["probe"]
+    assert probe["predicted_step_s"] == pytest.approx(probe["compute_s"] + probe["allreduce_s"])
+    log = (two_ranks / "log.txt").read_text()
+    assert "per step: predicted" in log and "measured" in log   # side by side after training
+
+
+def test_lr_is_logged_at_every_step_from_its_first_value(two_ranks):
+    lr = read_scalars(two_ranks)["lr"]
+    assert [step for step, _ in lr] == list(range(10))
+    settings = Settings(**json.loads((two_ranks / "settings.json").read_text()))
+    # the preset's warm-up is 0 epochs for fake data: the first step uses the full (scaled) lr
+    assert lr[0][1] == pytest.approx(settings.effective_lr)
+    for tag in ("time/data_s", "time/compute_s", "time/comm_s", "time/idle_s"):
+        assert len(read_scalars(two_ranks)[tag]) == 2, tag   # once per epoch
+
+
+def test_the_epoch_line_says_where_the_time_went(two_ranks):
+    log = (two_ranks / "log.txt").read_text()
+    line = next(line for line in log.splitlines() if line.startswith("epoch 2/2"))
+    for part in ("data ", "compute ", "comm ", "idle "):
+        assert part in line, line
+
+
+def test_the_probe_changes_nothing_in_the_training(tmp_path):
+    # it runs a copy of the model under its own random state: same weights with and without it
+    steps = ["--epochs", "1", "--max-steps-per-epoch", "3", "--batch-size", "8"]
+    run_ranks(tmp_path, "probe", 2, *steps)
+    run_ranks(tmp_path, "none", 2, *steps, "--no-link-probe")
+    with_probe, without = weights(tmp_path / "probe" / "last.pt"), weights(tmp_path / "none" / "last.pt")
+    for name in without:
+        assert torch.equal(with_probe[name], without[name]), name
+    skipped = json.loads((tmp_path / "none" / "results.json").read_text())
+    assert skipped["link_gbit_s"] is None and skipped["predicted_speedup"] is None
+
+
+def test_a_single_process_has_no_communication_and_no_probe(tmp_path):
+    run_ranks(tmp_path, "one", 1, "--epochs", "1", "--max-steps-per-epoch", "3", "--batch-size", "8")
+    results = json.loads((tmp_path / "one" / "results.json").read_text())
+    assert results["comm_s"] == 0 and results["comm_total_s"] == 0
+    assert results["link_gbit_s"] is None and results["parallel"] == "none"
+
+
+# -- parallel modes ------------------------------------------------------------------------------
+def test_dataparallel_without_several_gpus_is_plain_training_and_says_so(tmp_path):
+    out = run_ranks(tmp_path, "dp", 1, "--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "8",
+                    "--parallel", "dp")[0].output
+    assert "DataParallel needs at least 2" in out and "plain one-process training" in out
+    assert json.loads((tmp_path / "dp" / "results.json").read_text())["parallel"] == "none"
+
+
+def test_a_one_process_mode_with_several_ranks_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="parallel=dp runs one process"):
+        Settings(parallel="dp", world_size=2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DataParallel over several GPUs needs at least 2 CUDA GPUs")
+@pytest.mark.gpu
+def test_dataparallel_over_every_gpu_of_the_node(tmp_path):
+    run_ranks(tmp_path, "dp", 1, "--epochs", "1", "--max-steps-per-epoch", "3", "--batch-size", "32",
+              "--parallel", "dp", "--backend", "nccl")
+    assert json.loads((tmp_path / "dp" / "results.json").read_text())["parallel"] == "dp"
+
+
+# -- early stopping ------------------------------------------------------------------------------
+def test_patience_stops_every_rank_after_epochs_without_a_better_accuracy(tmp_path):
+    # lr 0 and GroupNorm: the weights never change, so validation Acc@1 never improves after epoch 1
+    results = run_ranks(tmp_path, "stop", 2, "--epochs", "6", "--max-steps-per-epoch", "2", "--batch-size", "8",
+                        "--arch", "convnet_gn", "--lr", "0", "--patience", "2")
+    assert "early stop after epoch 3 of 6" in results[0].output, describe(results)   # rank 0 prints; both ended
+    final = json.loads((tmp_path / "stop" / "results.json").read_text())
+    assert final["stopped_early"] == 3 and final["epochs_run"] == 3
+    assert "no better validation Acc@1 for 2 epoch(s)" in final["stop_reason"]
+    assert checkpoint.load_checkpoint(tmp_path / "stop" / "best.pt")["epoch"] == 0   # epoch 1, the best
+    assert checkpoint.load_checkpoint(tmp_path / "stop" / "last.pt")["epoch"] == 2
+
+
+def test_without_patience_every_epoch_runs(tmp_path):
+    run_ranks(tmp_path, "all", 1, "--epochs", "3", "--max-steps-per-epoch", "1", "--batch-size", "8",
+              "--arch", "convnet_gn", "--lr", "0")
+    final = json.loads((tmp_path / "all" / "results.json").read_text())
+    assert final["stopped_early"] is None and final["epochs_run"] == 3
+
+
+# -- seeds -----------------------------------------------------------------------------------------
+def test_seeds_run_the_same_configuration_into_sibling_folders(tmp_path):
+    port = free_port()
+    cmds = [python("-m", "ddp_utils", "train", *FAST, "--run-dir", str(tmp_path / "run"), "--rank", str(r),
+                   "--world-size", "2", "--master-port", str(port), "--epochs", "1", "--max-steps-per-epoch", "2",
+                   "--batch-size", "8", "--seeds", "2,4") for r in range(2)]
+    results = run_all(cmds, timeout=240, env=base_env())
+    assert all(r.returncode == 0 for r in results), describe(results)
+    for seed in (2, 4):
+        folder = tmp_path / f"run-seed{seed}"
+        assert json.loads((folder / "results.json").read_text())["seed"] == seed
+        assert json.loads((folder / "settings.json").read_text())["seed"] == seed
+    assert not (tmp_path / "run").exists()
+    first = weights(tmp_path / "run-seed2" / "last.pt")
+    second = weights(tmp_path / "run-seed4" / "last.pt")
+    assert any(not torch.equal(first[k], second[k]) for k in first)   # really different seeds
