@@ -3,9 +3,9 @@
 Right after the model is built, every rank times
 
 - a few all-reduces of a tensor as large as the model's gradients (what DDP sends every step), and
-- a few forward + backward passes of a copy of the model on a random batch of the run's size (the
-  compute of one step, without communication; the real model, its statistics and the random
-  number generators are left untouched).
+- a few steps (forward, backward, SGD update) of a copy of the model on a random batch of the run's
+  size: the compute of one step, without communication. The real model, its statistics and the
+  random number generators are left untouched.
 
 From these: the link's bus bandwidth (nccl-tests' definition: a ring all-reduce of S bytes over n
 ranks moves 2 (n-1)/n S bytes through every rank's link), and a **predicted speed-up** over one
@@ -81,8 +81,10 @@ def _time_allreduce(grads: torch.Tensor, ctx) -> float:
 
 
 def _time_compute(model, settings, ctx, num_classes: int, image_size: int, rounds: int = 2) -> float:
-    """Seconds per forward + backward on a copy of the model (no DDP: nothing is communicated)."""
+    """Seconds per step (forward, backward, SGD update) of a copy of the model (no DDP: nothing is
+    communicated; the real model and its optimizer are not touched)."""
     net = copy.deepcopy(unwrap(model)).train()
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=settings.momentum)
     dtype = amp_dtype(settings, ctx.device)
     devices = [ctx.device] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):   # the run's random numbers stay as they were
@@ -97,7 +99,8 @@ def _time_compute(model, settings, ctx, num_classes: int, image_size: int, round
             with autocast(dtype, ctx.device):
                 loss = F.cross_entropy(net(images), labels)
             loss.backward()
-            net.zero_grad(set_to_none=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             _sync(ctx)
             times.append(time.perf_counter() - start)
     return sum(times[1:]) / rounds

@@ -126,10 +126,12 @@ def test_wandb_lab_is_offline_by_default():
         assert mode in ("offline", "disabled"), (name, mode)
 
 
-def test_dataparallel_lab_wraps_the_model_itself_only_with_several_gpus():
+def test_dataparallel_lab_asks_for_dataparallel_through_the_parallel_setting_only_with_several_gpus():
     source = code(LAB / "lab4_dataparallel.ipynb")
-    assert "torch.nn.DataParallel(job.model)" in source
+    assert 'parallel="dp"' in source and 'parallel="none"' in source
+    assert "DataParallel(" not in source   # prepare wraps the model, as on the command line (--parallel dp)
     assert "torch.cuda.device_count()" in source and "gpus > 1" in source
+    assert "compare_table(run_dirs)" in source
     assert "DistributedDataParallel" in markdown(LAB / "lab4_dataparallel.ipynb")
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -264,7 +265,7 @@ def test_piped_output_has_one_line_per_epoch_and_no_progress_bar_frames(demo_at_
     tmp, two, one = demo_at_defaults
     assert all(r.returncode == 0 for r in two + one), describe(two + one)
     for output in (two[0].output, one[0].output):
-        assert "\r" not in output and "it/s" not in output
+        assert "\r" not in output and not re.search(r"\dit/s", output)   # tqdm's rate; "Gbit/s" is fine
         assert [line.split(":")[0] for line in output.splitlines() if line.startswith("epoch ")] == [
             f"epoch {e}/8" for e in range(1, 9)]
 
