@@ -1,4 +1,4 @@
-"""Command line: ``python -m ddp_utils {train,check,demo,report} ...``.
+"""Command line: ``python -m ddp_utils {train,check,demo,report,compare} ...``.
 
 Two nodes, one GPU each (the commands differ only in --rank)::
 
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding results.json")
     where = report.add_mutually_exclusive_group()
     where.add_argument("--out", metavar="DIR", default=None,
-                       help="folder for results.md, curves.png, throughput.png (default: a new folder "
+                       help="folder for results.md, curves.png, time.png, throughput.png (default: a new folder "
                             "reports/<YYYYmmdd-HHMMSS>/ under the current directory). Files of those names "
                             "already in DIR are replaced only if an earlier report wrote them (it lists them "
                             "in DIR/.ddp_utils-report.json) and they are unchanged; otherwise nothing is written")
@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "pictures: the one way to regenerate them (a plain --out images/ is refused)")
     report.add_argument("--baseline", metavar="RUN_DIR", default=None,
                         help="run to measure speed-up against (default: the first 1-rank run)")
+
+    compare = sub.add_parser("compare", help="single vs DataParallel vs DDP: one row per parallel mode, "
+                                             "mean +- std over the seeds given (a Markdown table)")
+    compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                         help="run folders holding results.json, e.g. every seed of each mode")
     return parser
 
 
@@ -90,6 +95,9 @@ def main(argv=None) -> int:
             print(results_table(args.run_dirs, baseline=args.baseline))
             for path in write_report(args.run_dirs, out, baseline=args.baseline, kit_images=args.kit_images):
                 print(f"wrote {path}")
+        elif args.command == "compare":
+            from .report import compare_table
+            print(compare_table(args.run_dirs))
         return 0
     except KeyboardInterrupt as exc:
         what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"

@@ -1,12 +1,20 @@
-"""What students hand in: a results table and two labelled figures, made from finished run folders.
+"""What students hand in: a results table and labelled figures, made from finished run folders.
 
     python -m ddp_utils report runs/demo/<stamp>-ddp2 runs/demo/<stamp>-single
+    python -m ddp_utils compare runs/lab4/*       # single vs DataParallel vs DDP, averaged over seeds
 
-writes into a new folder ``reports/<YYYYmmdd-HHMMSS>/`` (or the ``--out`` folder)::
+``report`` writes into a new folder ``reports/<YYYYmmdd-HHMMSS>/`` (or the ``--out`` folder)::
 
-    results.md       the table (time, throughput, accuracy, speed-up, scaling efficiency), the
-                     hardware, and the commands that made the runs
-    curves.png       loss and Acc@1 per epoch, train (solid) and val (dashed), one colour per run
+    results.md       the table (time, throughput, accuracy, speed-up, scaling efficiency); one
+                     sentence per run saying what bound it (data loading, compute, communication
+                     or idle time, GPU use); runs that differ only in their seed averaged (mean
+                     +- std); single vs DataParallel vs DDP when the runs span several modes; the
+                     learning rate and global batch of each run; the hardware; the commands
+    curves.png       loss, Acc@1 and the learning rate against images seen, train (solid) and val
+                     (dashed), one colour per run (per seed group: the mean, min-max shaded); the
+                     lr is the third panel of this picture, not a file of its own
+    time.png         where each epoch's training time went, per rank: data wait, compute,
+                     communication waited for, idle (stacked bars, in % of the train time)
     throughput.png   global images/s per run, and the speed-up next to the ideal linear one
     .ddp_utils-report.json   the files above with their hashes: a later report into the same
                      folder may replace them, and nothing else (any other file of those names,
@@ -15,7 +23,9 @@ writes into a new folder ``reports/<YYYYmmdd-HHMMSS>/`` (or the ``--out`` folder
 The kit's own example pictures in ``images/`` are replaced only with ``--kit-images``; a plain
 ``--out images/`` is refused.
 
-From a notebook: ``print(results_table(dirs))``, ``plot_curves(dirs)``, ``plot_throughput(dirs)``.
+From a notebook: ``print(results_table(dirs))``, ``print(compare_table(dirs))``,
+``plot_curves(dirs)``, ``plot_time_breakdown(dirs)``, ``plot_throughput(dirs)``,
+``bottleneck_sentence(load_run(d))``, ``group_runs([load_run(d) for d in dirs])``.
 
 How the numbers are defined:
 
@@ -28,6 +38,23 @@ How the numbers are defined:
   made training proportionally faster (the ideal, linear speed-up); the course's 2 x T4
   homework reached about 1.92x, i.e. 96 %.
 - *images/s* is global (all ranks together); per rank = global / ranks.
+- *images seen* after a step = step x global batch (all ranks together): runs with different
+  global batches (1 rank vs 2) line up on this axis, where they would not on steps.
+- *time breakdown* (per rank, summed over the epochs; ``fit`` records them): *data wait*,
+  waiting for the next batch; *compute*, the step (forward, backward, optimizer), including
+  the gradient all-reduce that overlapped the backward pass; *communication*, the all-reduce
+  time the step still waited for after the backward pass; *idle*, the rest of the epoch (log
+  points waiting for the other ranks, logging). The four add up to the train time.
+  ``comm_total_s`` is all the time an all-reduce was in flight, hidden or not. Runs from
+  older kits recorded only data wait and compute (communication inside compute).
+- *what bound a run*: the largest of data wait, communication and idle time when it is at
+  least 20 % of the train time, else the run is compute-bound.
+- *seed groups*: runs whose settings.json are equal except for the seed and where or how the
+  run was launched (``GROUP_IGNORED``). Their table gives mean +- sample standard deviation
+  (n - 1); in the pictures and that table the speed-up is measured against the mean train
+  time per epoch of the baseline's group.
+- *parallel mode*: results.json's ``parallel`` (none, dp, ddp); older runs: ddp with more
+  than one rank, else none.
 
 Every figure names the hardware and data that made it (``hardware_caption``): a speed-up means
 nothing without the machine it was measured on.
@@ -38,13 +65,15 @@ import dataclasses
 import datetime
 import hashlib
 import io
+import itertools
 import json
+import math
 import shlex
+import statistics
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
 DPI = 100  # small PNGs that still read well on a slide or in a README
 
@@ -193,7 +222,10 @@ def _table_notes(runs: list[dict], baseline) -> list[str]:
         if base_images and images and abs(images - base_images) > 0.05 * base_images:
             notes.append(f"{run['name']} trained {images:.0f} images per epoch, the baseline "
                          f"{base_images:.0f}: its speed-up compares unequal work.")
-        if run.get("epochs_run", run["epochs"]) < run["epochs"]:
+        if run.get("stopped_early"):
+            notes.append(f"{run['name']} stopped early at epoch {run['stopped_early']} of {run['epochs']}"
+                         + (f": {run['stop_reason']}" if run.get("stop_reason") else "") + ".")
+        elif run.get("epochs_run", run["epochs"]) < run["epochs"]:
             notes.append(f"{run['name']} was resumed: its times cover only the last "
                          f"{run['epochs_run']} of its {run['epochs']} epochs.")
     return notes
@@ -206,6 +238,395 @@ def _images_per_epoch(run: dict) -> float | None:
 
 def _ranks(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+# -- seed groups: runs that differ only in their seed (and where or how they were launched) -----
+# settings.json fields that do not change what a run trains, or change it only by chance (seed).
+GROUP_IGNORED = ("seed", "run_dir", "rank", "local_rank", "master_addr", "master_port", "progress", "wandb",
+                 "wandb_project", "threads", "workers", "log_every", "init_timeout", "collective_timeout",
+                 "socket_ifname", "init_method")
+
+
+def _group_settings(run: dict) -> dict:
+    return {k: v for k, v in (run.get("settings") or {}).items() if k not in GROUP_IGNORED}
+
+
+def group_runs(runs) -> list[list[dict]]:
+    """``runs`` (loaded runs or run folders) in groups whose settings.json are equal except for the
+    ``GROUP_IGNORED`` fields (the seed, the folder, ports, ...): repeats of one experiment. Groups
+    come in the order of their first run, runs in a group in the order given."""
+    runs = [run if isinstance(run, dict) else load_run(run) for run in runs]
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(json.dumps(_group_settings(run), sort_keys=True, default=str), []).append(run)
+    return list(groups.values())
+
+
+def _seed(run: dict):
+    return run.get("seed", (run.get("settings") or {}).get("seed", "?"))
+
+
+def _group_label(group: list[dict]) -> str:
+    """A run's label, or for several: every name, the ranks and the seeds."""
+    if len(group) == 1:
+        return _label(group[0])
+    return (f"{', '.join(run['name'] for run in group)} ({_ranks(group[0]['world_size'])}, "
+            f"{len(group)} runs, seeds {', '.join(str(_seed(run)) for run in group)})")
+
+
+def _differing_settings(runs: list[dict]) -> list[str]:
+    """``key: a / b`` for each settings key (outside GROUP_IGNORED) whose values differ among ``runs``."""
+    settings = [_group_settings(run) for run in runs]
+    keys = sorted({k for s in settings for k in s})
+    return [f"{k}: {' / '.join(dict.fromkeys(str(s.get(k, '-')) for s in settings))}"
+            for k in keys if len({json.dumps(s.get(k), default=str) for s in settings}) > 1]
+
+
+def parallel_mode(run: dict) -> str:
+    """``none``, ``dp`` or ``ddp``: results.json's ``parallel``, else ddp with several ranks, else none.
+    One process with DDP's name is plain one-process training: none."""
+    mode = run.get("parallel") or ("ddp" if run["world_size"] > 1 else "none")
+    return "none" if mode == "ddp" and run["world_size"] == 1 else mode
+
+
+MODE_NAMES = {"none": "single", "dp": "DataParallel", "ddp": "DDP"}
+
+
+def _gpus(run: dict):
+    """GPUs the run trained on: a count results.json gives, else one per rank on a GPU, 0 on CPU;
+    None for a DataParallel run that does not say how many it drove."""
+    for key in ("gpus", "gpu_count", "num_gpus"):
+        for source in (run, run.get("settings") or {}):
+            if isinstance(source.get(key), int):
+                return source[key]
+    if not str(run.get("device", "")).startswith("cuda"):
+        return 0
+    return None if parallel_mode(run) == "dp" else run["world_size"]
+
+
+# -- what one run spent its time on --------------------------------------------------------------
+# (results key, label, bar colour, colour of a label on the bar)
+TIME_PARTS = (("data_s", "data wait", "tab:orange", "black"),
+              ("compute_s", "compute (forward, backward, optimizer)", "tab:blue", "white"),
+              ("comm_s", "communication waited for", "tab:red", "white"),
+              ("idle_s", "idle (log points, other ranks, logging)", "0.78", "black"))
+TIME_KEYS = tuple(key for key, *_ in TIME_PARTS)
+BOUND_SHARE = 0.2   # a part of the train time this large (other than compute) bounds the run
+
+
+def _epochs_trained(run: dict) -> int:
+    return run.get("epochs_run") or len(run.get("history") or []) or 1
+
+
+def _has_times(parts) -> bool:
+    return bool(parts) and all(isinstance(part, dict) and "compute_s" in part for part in parts)
+
+
+def _rank_times(run: dict) -> list[dict]:
+    """Each rank's ``TIME_KEYS`` seconds over the run: results' ``per_rank`` when it holds them,
+    else the sums of the history's per-epoch ``per_rank``; [] when neither has them."""
+    if _has_times(run.get("per_rank")):
+        return run["per_rank"]
+    trained = [h["train"] for h in run.get("history") or []]
+    if not trained or not all(_has_times(t.get("per_rank")) for t in trained):
+        return []
+    return [{"rank": trained[0]["per_rank"][i].get("rank", i), "host": trained[0]["per_rank"][i].get("host"),
+             **{key: sum(t["per_rank"][i].get(key) or 0.0 for t in trained) for key in TIME_KEYS}}
+            for i in range(min(len(t["per_rank"]) for t in trained))]
+
+
+def _rank_gpu(run: dict, rank, index: int):
+    """Rank ``rank``'s mean GPU use in % from results' ``per_rank``, or None."""
+    parts = [part for part in run.get("per_rank") or [] if isinstance(part, dict)]
+    part = next((p for p in parts if p.get("rank") == rank), parts[index] if index < len(parts) else {})
+    value = part.get("gpu_util")
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def time_breakdown(run: dict) -> list[dict]:
+    """Seconds per epoch of data wait, compute, communication waited for and idle time: one dict
+    per rank (``rank``, ``host``, the four ``TIME_KEYS``, ``total_s``, ``comm_measured``, ``gpu``:
+    the rank's mean GPU use in % or None).
+
+    Per rank from results.json's ``per_rank`` (or the history's) when there, else its top-level
+    means over the ranks (one dict, rank None), else, for runs from older kits, the history's data
+    and compute time (one dict; the rest of the train time is idle; communication was not
+    measured: it is inside compute).
+    """
+    history = run.get("history") or []
+    per_epoch = 1 / (len(history) or _epochs_trained(run))   # the results sum over the history's epochs
+    ranks = _rank_times(run)
+    if ranks:
+        rows = [{"rank": part.get("rank", i), "host": part.get("host"), "comm_measured": True,
+                 "gpu": _rank_gpu(run, part.get("rank", i), i),
+                 **{key: (part.get(key) or 0.0) * per_epoch for key in TIME_KEYS}}
+                for i, part in enumerate(ranks)]
+    elif "data_s" in run and "compute_s" in run:
+        rows = [{"rank": None, "host": None, "comm_measured": run.get("comm_s") is not None, "gpu": None,
+                 **{key: (run.get(key) or 0.0) * per_epoch for key in TIME_KEYS}}]
+    else:
+        trained = [h["train"] for h in history]
+        data = sum(t.get("data_s", 0.0) for t in trained)
+        compute = sum(t.get("compute_s", 0.0) for t in trained)
+        rest = max(0.0, run.get("train_time_s", 0.0) - data - compute)
+        rows = [{"rank": None, "host": None, "comm_measured": False, "gpu": None, "data_s": data * per_epoch,
+                 "compute_s": compute * per_epoch, "comm_s": 0.0, "idle_s": rest * per_epoch}]
+    for row in rows:
+        row["total_s"] = sum(row[key] for key in TIME_KEYS)
+    return rows
+
+
+def time_shares(run: dict) -> dict[str, float]:
+    """``{data_s, compute_s, comm_s, idle_s: fraction of the train time}``, the mean over ranks
+    (empty when the run trained nothing)."""
+    rows = time_breakdown(run)
+    total = sum(row["total_s"] for row in rows)
+    if total <= 0:
+        return {}
+    return {key: sum(row[key] for row in rows) / total for key in TIME_KEYS}
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.0f} %"
+
+
+def bottleneck_sentence(run: dict, baseline_run: dict | None = None) -> str:
+    """One sentence saying what bound ``run`` (a loaded run): data loading, communication, idle
+    time or compute, with the measured link, the predicted and measured speed-up (against
+    ``baseline_run``, as in the table) and the GPU use where the run recorded them."""
+    name = run["name"]
+    shares = time_shares(run)
+    if not shares:
+        return f"{name}: trained nothing (no train time), so nothing bound it."
+    kind, share = max((("comm_s", shares["comm_s"]), ("data_s", shares["data_s"]), ("idle_s", shares["idle_s"])),
+                      key=lambda item: item[1])
+    speed = []
+    if run.get("link_gbit_s") is not None:
+        speed.append(f"the link measured {run['link_gbit_s']:.3g} Gbit/s")
+    predicted = run.get("predicted_speedup")
+    time, base_time = _seconds_per_epoch(run), _seconds_per_epoch(baseline_run) if baseline_run else None
+    measured = (base_time / time if base_time and time and baseline_run is not run
+                and parallel_mode(run) != "none" else None)   # a 1-process run's is the table's noise
+    if predicted is not None and measured is not None:
+        speed.append(f"predicted speed-up {predicted:.2f}x, measured {measured:.2f}x")
+    elif predicted is not None:
+        speed.append(f"predicted speed-up {predicted:.2f}x")
+    elif measured is not None:
+        speed.append(f"measured speed-up {measured:.2f}x")
+    comm_total = run.get("comm_total_s")
+    if comm_total and run.get("train_time_s") and run["world_size"] > 1:
+        hidden = max(0.0, comm_total - (run.get("comm_s") or 0.0))
+        speed.append(f"all-reduce in flight {_percent(comm_total / run['train_time_s'])} of the step, "
+                     f"{_percent(hidden / comm_total)} of it hidden behind the backward pass")
+    if run["world_size"] > 1 and not any(row["comm_measured"] for row in time_breakdown(run)):
+        speed.append("communication not measured by this kit version: it is inside compute")
+    details = f" ({'; '.join(speed)})" if speed else ""
+    if share >= BOUND_SHARE and kind == "comm_s":
+        text = f"communication {_percent(share)} of the step{details}: the ranks wait for the gradients"
+    elif share >= BOUND_SHARE and kind == "data_s":
+        settings = run.get("settings") or {}
+        if settings.get("loader") == "memory":
+            advice = "the CPU cannot prepare batches fast enough even with --loader memory (more cores per rank help)"
+        else:
+            now = f" (now {settings['workers']})" if "workers" in settings else ""
+            advice = f"raise --workers{now} or use --loader memory"
+        text = f"data loading {_percent(share)} of the step{details}: {advice}"
+    elif share >= BOUND_SHARE:
+        text = (f"idle {_percent(share)} of the step{details}: waiting at log points for a slower rank "
+                f"(see time.png) or for logging; a larger --log-every helps the latter")
+    else:
+        text = f"compute-bound: {_percent(shares['compute_s'])} compute{details}"
+    gpu = run.get("gpu_util")
+    if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
+        peak = run.get("gpu_util_peak")
+        text += f"; GPU use {gpu:.0f} % mean" + (f" (peak {peak:.0f} %)" if isinstance(peak, (int, float)) else "")
+    elif gpu is not None:
+        text += f"; {gpu}"   # "no GPU"
+    return f"{name}: {text}."
+
+
+# -- mean +- std over seeds: the seed table and single vs DataParallel vs DDP ---------------------
+def _step_seconds(run: dict) -> float | None:
+    """Mean seconds per training step: results' ``measured_step_s``, else train time / steps, else
+    global batch / images per second."""
+    if run.get("measured_step_s"):
+        return run["measured_step_s"]
+    if run.get("steps") and run.get("train_time_s"):
+        return run["train_time_s"] / run["steps"]
+    if run.get("images_per_s"):
+        return run["global_batch_size"] / run["images_per_s"]
+    return None
+
+
+def _mean_epoch_seconds(runs: list[dict]) -> float | None:
+    times = [t for t in map(_seconds_per_epoch, runs) if t]
+    return statistics.fmean(times) if times else None
+
+
+def _speedups(runs: list[dict], base_time: float | None) -> list[float]:
+    return [base_time / t for t in map(_seconds_per_epoch, runs) if t and base_time]
+
+
+def mean_std(values) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (n - 1) of the numbers in ``values`` (None and strings
+    left out); std is None for fewer than two numbers, both None for none."""
+    numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if not numbers:
+        return None, None
+    return statistics.fmean(numbers), statistics.stdev(numbers) if len(numbers) > 1 else None
+
+
+def _pm(values, fmt=lambda v: f"{v:.2f}", unit: str = "") -> str:
+    mean, std = mean_std(values)
+    if mean is None:
+        return "n/a"
+    return f"{fmt(mean)}{unit}" if std is None else f"{fmt(mean)} ± {fmt(std)}{unit}"
+
+
+def _pm_duration(values) -> str:
+    mean, std = mean_std(values)
+    if mean is None:
+        return "n/a"
+    return format_duration(mean) if std is None else f"{format_duration(mean)} ± {std:.0f} s"
+
+
+def _gpu_cell(runs: list[dict]) -> str:
+    values = [run.get("gpu_util") for run in runs]
+    if any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return _pm(values, lambda v: f"{v:.0f}", " %")
+    return "no GPU" if any(isinstance(v, str) for v in values) else "n/a"
+
+
+def _pm_time(values, std: float | None = None) -> str:
+    """Mean (± std) of times in seconds, both in the mean's unit: ``840 ms``, ``12.3 ± 0.4 s``,
+    ``1788 ± 18 s``. ``std`` given: the std of the values' source (the values are means)."""
+    mean, sample_std = mean_std(values)
+    std = sample_std if std is None else std
+    if mean is None:
+        return "n/a"
+    scale, unit = (1000.0, "ms") if mean < 1 else (1.0, "s")
+    digits = max(0, 2 - int(math.floor(math.log10(mean * scale)))) if mean > 0 else 0
+    text = f"{mean * scale:.{digits}f}"
+    return f"{text} {unit}" if not std else f"{text} ± {std * scale:.{digits}f} {unit}"
+
+
+def _stat_cells(runs: list[dict], base_time: float | None) -> list[str]:
+    """wall time, epoch time, batch time, img/s, GPU util, test loss, Acc@1, Acc@5, speed-up."""
+    return [_pm_duration([run["wall_time_s"] for run in runs]),
+            _pm_time([_seconds_per_epoch(run) for run in runs]),
+            _pm_time([_step_seconds(run) for run in runs]),
+            _pm([run["images_per_s"] for run in runs], lambda v: f"{v:.0f}"),
+            _gpu_cell(runs),
+            _pm([run["loss"] for run in runs], lambda v: f"{v:.3f}"),
+            _pm([run["acc1"] for run in runs]), _pm([run["acc5"] for run in runs]),
+            _pm(_speedups(runs, base_time), unit="x")]
+
+
+STAT_HEADER = "wall time | epoch time | batch time | img/s | GPU util | test loss | Acc@1 | Acc@5 | speed-up"
+STAT_RULE = "---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---:"
+
+
+def seed_table(run_dirs, baseline=None) -> str:
+    """Markdown: one row per seed group (``group_runs``): its runs and seeds, and mean ± std over
+    them. Speed-up against the mean train time per epoch of the baseline run's group."""
+    runs = _load_all(run_dirs)
+    groups = group_runs(runs)
+    base = runs[baseline_index(runs, baseline)]
+    base_time = _mean_epoch_seconds(next(g for g in groups if any(r is base for r in g)))
+    lines = [f"| runs | seeds | ranks | global batch | {STAT_HEADER} |", f"| --- | --- | ---: | ---: | {STAT_RULE} |"]
+    for group in groups:
+        lines.append(f"| {', '.join(run['name'] for run in group)} | {', '.join(str(_seed(r)) for r in group)} "
+                     f"| {group[0]['world_size']} | {group[0]['global_batch_size']} "
+                     f"| {' | '.join(_stat_cells(group, base_time))} |")
+    return "\n".join(lines + ["", f"- Mean ± sample standard deviation (n - 1) over the runs of a group (runs whose "
+                                  f"settings differ only in seed, folder, ports, workers, threads, logging). "
+                                  f"Speed-up: mean train time per epoch of {base['name']}'s group divided by each "
+                                  f"run's, then averaged. Batch time: seconds per optimizer step."])
+
+
+def _mode_rows(runs: list[dict]) -> list[tuple[str, int, int | None, list[dict]]]:
+    """``(mode, ranks, GPUs, runs)``: the runs by parallel mode (none, dp, ddp) and size, in that order."""
+    rows: dict[tuple, list[dict]] = {}
+    for run in runs:
+        rows.setdefault((parallel_mode(run), run["world_size"], _gpus(run)), []).append(run)
+    order = {"none": 0, "dp": 1, "ddp": 2}
+    return [(*key, group) for key, group in sorted(rows.items(), key=lambda kv: (order.get(kv[0][0], 3), kv[0][1]))]
+
+
+def compare_table(run_dirs) -> str:
+    """Markdown: single vs DataParallel vs DDP, one row per parallel mode (and number of ranks),
+    averaged over its runs (seeds) as mean ± sample std; speed-up against the single row's mean
+    train time per epoch (or the first row's when there is no single run). Notes follow."""
+    runs = _load_all(run_dirs)
+    rows = _mode_rows(runs)
+    base_mode, base_ranks, _, base_runs = next((row for row in rows if row[0] == "none"), rows[0])
+    base_time = _mean_epoch_seconds(base_runs)
+    lines = [f"| method | ranks/GPUs | seeds | {STAT_HEADER} |", f"| --- | ---: | --- | {STAT_RULE} |"]
+    notes = [f"Mean ± sample standard deviation (n - 1) over the runs of a row. Speed-up: mean train time per "
+             f"epoch of the {MODE_NAMES.get(base_mode, base_mode)} row ({_ranks(base_ranks)}) divided by each "
+             f"run's, then averaged. Batch time: seconds per optimizer step. Test loss: on the validation split."]
+    for mode, ranks, gpus, members in rows:
+        name = MODE_NAMES.get(mode, mode)
+        devices = "?" if gpus is None else str(gpus)
+        lines.append(f"| {name} | {ranks} / {devices} | {', '.join(str(_seed(r)) for r in members)} "
+                     f"| {' | '.join(_stat_cells(members, base_time))} |")
+        differ = _differing_settings(members)
+        if differ:
+            notes.append(f"The {name} row averages runs whose settings differ in more than the seed "
+                         f"({'; '.join(differ)}): not repeats of one experiment.")
+        if gpus is None:
+            notes.append(f"The {name} row's runs do not record how many GPUs DataParallel drove (\"?\").")
+    batches = dict.fromkeys(f"{MODE_NAMES.get(m, m)} {'/'.join(dict.fromkeys(str(r['global_batch_size']) for r in g))}"
+                            for m, _, _, g in rows)
+    if len({r["global_batch_size"] for r in runs}) > 1:
+        notes.append(f"Global batch per row: {', '.join(batches)}: the rows took different numbers of steps "
+                     f"per epoch and learning rates.")
+    return "\n".join(lines + [""] + [f"- {note}" for note in notes])
+
+
+def lr_notes(runs: list[dict]) -> list[str]:
+    """One line per seed group: its global batch, its learning rate and how it got there, its
+    schedule in images, and its Acc@1: what the global batch did to accuracy."""
+    notes = []
+    for group in group_runs(runs):
+        run, settings = group[0], group[0].get("settings") or {}
+        gb, lr = run["global_batch_size"], run.get("lr")
+        if lr is None:
+            continue
+        per_rank = settings.get("batch_size", gb // max(run["world_size"], 1))
+        how = f"{per_rank} per rank x {_ranks(run['world_size'])}"
+        if settings.get("scale_lr") and settings.get("lr") is not None and settings.get("lr_reference_batch"):
+            scaled = (f"lr {settings['lr']:g} at a batch of {settings['lr_reference_batch']} scaled linearly to "
+                      f"{lr:.4g}")
+        else:
+            scaled = f"lr {lr:.4g} (not scaled with the batch)"
+        images = _images_per_epoch(run)
+        warmup = settings.get("warmup_epochs")
+        if warmup and images:
+            schedule = (f"linear warm-up over {_epochs(warmup)} ({_count(warmup * images)} images), then cosine "
+                        f"decay to 0 at the last step ({_count(run['epochs'] * images)} images)")
+        elif warmup:
+            schedule = f"linear warm-up over {_epochs(warmup)}, then cosine decay to 0 at the last step"
+        else:
+            schedule = "cosine decay to 0 at the last step, no warm-up"
+        notes.append(f"{', '.join(r['name'] for r in group)}: global batch {gb} ({how}), {scaled}; "
+                     f"{schedule}; Acc@1 {_pm([r['acc1'] for r in group])} %.")
+    if len({run["global_batch_size"] for run in runs}) > 1:
+        notes.append("A larger global batch takes fewer, larger steps per epoch; with the lr scaled linearly "
+                     "the curves against images seen (curves.png) should lie on top of each other: where they "
+                     "part, the larger batch cost accuracy.")
+    return notes
+
+
+def _epochs(n: float) -> str:
+    return f"{n:g} epoch" if n == 1 else f"{n:g} epochs"
+
+
+def _count(n: float) -> str:
+    """An image count, short: 1.8 M, 450 k, 320."""
+    if n >= 1e6:
+        return f"{n / 1e6:.3g} M"
+    return f"{n / 1e3:.3g} k" if n >= 1e4 else f"{n:.0f}"
 
 
 # -- labels: no unlabelled pictures --------------------------------------------------------------
@@ -366,89 +787,234 @@ def _tensorboard_curves(run_dir: Path) -> dict[str, tuple[list[float], list[floa
             for tag, _, _ in CURVES if tag in scalars}
 
 
+def _run_scalars(run: dict) -> dict[str, list[tuple[int, float]]]:
+    """The run's TensorBoard scalars, or {} when it has none (a run folder without ``tb/``)."""
+    from .runlog import read_scalars
+
+    run_dir = Path(run["run_dir"])
+    return read_scalars(run_dir) if (run_dir / "tb").is_dir() else {}
+
+
+def _epoch_images(run: dict) -> list[float]:
+    """Images seen (all ranks) at the end of each epoch of the history: the running sum of its counts,
+    else step x global batch, else epoch x the run's mean images per epoch."""
+    history = run.get("history") or []
+    trained = [h["train"] for h in history]
+    if trained and all("count" in t for t in trained):
+        return list(itertools.accumulate(t["count"] for t in trained))
+    if trained and all("step" in t for t in trained):
+        return [t["step"] * run["global_batch_size"] for t in trained]
+    per_epoch = run.get("images_per_s", 0) * run.get("train_time_s", 0) / _epochs_trained(run)
+    return [h["epoch"] * per_epoch for h in history]
+
+
+def image_curves(run: dict, scalars: dict | None = None) -> dict[str, tuple[list[float], list[float]]]:
+    """``{tag: (images seen, values)}`` for the four CURVES tags: the x of ``epoch_curves`` in images
+    seen, all ranks together, so that runs with different global batches line up.
+
+    Training points from TensorBoard at their steps (step x global batch) when the run logged them;
+    else per epoch from the history (end of epoch e: the images of epochs 1..e). Validation from the
+    history when it covers the whole run, else from TensorBoard. ``scalars``: the run's TensorBoard
+    scalars if already read.
+    """
+    scalars = _run_scalars(run) if scalars is None else scalars
+    gb = run["global_batch_size"]
+    history = run.get("history") or []
+    curves = {}
+    if history and history[0]["epoch"] == 1:
+        seen = _epoch_images(run)
+        curves = {tag: (seen, [h[split][key] for h in history]) for tag, split, key in CURVES}
+    for tag, split, _ in CURVES:
+        if scalars.get(tag) and (split == "train" or tag not in curves):
+            curves[tag] = ([step * gb for step, _ in scalars[tag]], [v for _, v in scalars[tag]])
+    if not curves:   # neither a history nor TensorBoard: the epoch-based fallback, placed per epoch
+        per_epoch = run.get("images_per_s", 0) * run.get("train_time_s", 0) / _epochs_trained(run)
+        curves = {tag: ([x * per_epoch for x in xs], ys) for tag, (xs, ys) in epoch_curves(run).items()}
+    return {tag: curves[tag] for tag, _, _ in CURVES if tag in curves}
+
+
+def lr_curve(run: dict, scalars: dict | None = None) -> tuple[list[float], list[float]]:
+    """``(images seen, lr)``: TensorBoard's ``lr`` at its steps (every step in this kit, every
+    log_every steps in older ones), else the history's lr at the end of each epoch, else empty."""
+    scalars = _run_scalars(run) if scalars is None else scalars
+    if scalars.get("lr"):
+        return [step * run["global_batch_size"] for step, _ in scalars["lr"]], [v for _, v in scalars["lr"]]
+    history = run.get("history") or []
+    if history and history[0]["epoch"] == 1 and all("lr" in h["train"] for h in history):
+        return _epoch_images(run), [h["train"]["lr"] for h in history]
+    return [], []
+
+
+def _images_unit(largest: float) -> tuple[float, str]:
+    if largest >= 1e6:
+        return 1e6, "images seen (millions)"
+    if largest >= 1e3:
+        return 1e3, "images seen (thousands)"
+    return 1.0, "images seen"
+
+
+def _group_curve(curves: list[tuple[list[float], list[float]]]):
+    """Mean, min and max of several runs' curves at the points of the one with the fewest
+    (the others interpolated there), as numpy arrays ``(x, mean, low, high)``."""
+    import numpy as np
+
+    curves = [(np.asarray(xs, float), np.asarray(ys, float)) for xs, ys in curves if len(xs)]
+    x = min(curves, key=lambda c: len(c[0]))[0]
+    ys = np.array([np.interp(x, xs, vs) for xs, vs in curves])
+    return x, ys.mean(axis=0), ys.min(axis=0), ys.max(axis=0)
+
+
 def plot_curves(run_dirs) -> Figure:
-    """Loss (left) and Acc@1 (right) per epoch: train solid, val dashed, one colour per run; the
-    runs' names in a legend below the axes."""
+    """Loss (left), Acc@1 (middle) and learning rate (right) against images seen: train solid, val
+    dashed, one colour per run; runs that differ only in their seed (``group_runs``) as their mean
+    with the min-max range shaded. The runs' names in a legend below the axes."""
     from matplotlib.lines import Line2D
 
     runs = _load_all(run_dirs)
-    fig, panel = _new_figure(runs, f"Training curves: loss and Acc@1 per epoch "
+    groups = group_runs(runs)
+    fig, panel = _new_figure(runs, f"Training curves against images seen: loss, Acc@1 and learning rate "
                                    f"({_summary(runs, 'dataset')} data, {_summary(runs, 'arch')})",
-                             (11, 5.2 + 0.15 * len(runs)))   # taller with more runs: the legend grows
-    loss_ax, acc_ax = panel.subplots(1, 2)
-    for i, run in enumerate(runs):
-        color = f"C{i}"
-        for tag, (xs, ys) in epoch_curves(run).items():
+                             (15, 5.2 + 0.15 * len(groups)))   # taller with more runs: the legend grows
+    loss_ax, acc_ax, lr_ax = panel.subplots(1, 3)
+    scalars = {id(run): _run_scalars(run) for run in runs}
+    curves = {id(run): image_curves(run, scalars[id(run)]) for run in runs}
+    lrs = {id(run): lr_curve(run, scalars[id(run)]) for run in runs}
+    largest = max([max(xs, default=0) for c in curves.values() for xs, _ in c.values()]
+                  + [max(xs, default=0) for xs, _ in lrs.values()] + [0])
+    scale, xlabel = _images_unit(largest)
+    for i, group in enumerate(groups):
+        color, label = f"C{i}", _group_label(group)
+        for tag, _, _ in CURVES:
+            members = [curves[id(run)][tag] for run in group if curves[id(run)].get(tag, ([], []))[0]]
+            if not members:
+                continue
             ax = loss_ax if tag.startswith("Loss") else acc_ax
             split = tag.split("/")[1]
-            ax.plot(xs, ys, color=color, linestyle="-" if split == "train" else "--",
-                    marker="o" if split == "train" else "s", markersize=4,
-                    label=f"{_label(run)} {split}")
-    for ax, title, unit in ((loss_ax, "loss (cross-entropy)", "loss"), (acc_ax, "top-1 accuracy", "Acc@1 (%)")):
+            style = dict(color=color, linestyle="-" if split == "train" else "--", label=f"{label} {split}",
+                         marker="o" if split == "train" else "s", markersize=4)
+            if len(members) == 1:
+                xs, ys = members[0]
+            else:
+                xs, ys, low, high = _group_curve(members)
+                ax.fill_between(xs / scale, low, high, color=color, alpha=0.2, linewidth=0)
+            if len(xs) > 60:   # TensorBoard's many training points: a line, no markers
+                style["marker"] = None
+            ax.plot([x / scale for x in xs], ys, **style)
+        members = [lrs[id(run)] for run in group if lrs[id(run)][0]]
+        if members:
+            xs, ys = members[0] if len(members) == 1 else _group_curve(members)[:2]
+            lr_ax.plot([x / scale for x in xs], ys, color=color, label=f"{label} lr",
+                       marker="o" if len(xs) <= 60 else None, markersize=4)
+    if not lr_ax.lines:
+        lr_ax.text(0.5, 0.5, "no learning rate recorded\nin these runs' files", transform=lr_ax.transAxes,
+                   ha="center", va="center", color="0.4")
+        lr_ax.set_xticks([])
+        lr_ax.set_yticks([])
+    for ax, title, unit in ((loss_ax, "loss (cross-entropy)", "loss"), (acc_ax, "top-1 accuracy", "Acc@1 (%)"),
+                            (lr_ax, "learning rate, per step", "lr")):
         ax.set_title(title)
-        ax.set_xlabel("epoch")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(unit)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     # One entry per run (its colour), then one per line style, instead of runs x splits entries.
-    handles = [Line2D([], [], color=f"C{i}", linewidth=3) for i in range(len(runs))]
+    handles = [Line2D([], [], color=f"C{i}", linewidth=3) for i in range(len(groups))]
     handles += [Line2D([], [], color="0.3", linestyle="-", marker="o", markersize=4),
                 Line2D([], [], color="0.3", linestyle="--", marker="s", markersize=4)]
-    _legend_below(fig, panel, handles, [_label(run) for run in runs] + ["train (solid)", "val (dashed)"])
+    labels = [_group_label(group) for group in groups] + ["train (solid)", "val (dashed)"]
+    if any(len(group) > 1 for group in groups):
+        from matplotlib.patches import Patch
+        handles.append(Patch(color="0.3", alpha=0.2))
+        labels.append("seeds: mean line, min-max shaded")
+    _legend_below(fig, panel, handles, labels)
     return _finish(fig)
 
 
 # -- throughput and speed-up ---------------------------------------------------------------------
+def _error_bars(ax, xs, means, stds, horizontal: bool = False) -> None:
+    """Black error bars (sample std) where a seed group has one; nothing for single runs."""
+    points = [(x, m, s) for x, m, s in zip(xs, means, stds) if s]
+    if not points:
+        return
+    x, m, s = zip(*points)
+    if horizontal:
+        ax.errorbar(m, x, xerr=s, fmt="none", ecolor="black", capsize=4, linewidth=1.2)
+    else:
+        ax.errorbar(x, m, yerr=s, fmt="none", ecolor="black", capsize=4, linewidth=1.2)
+
+
 def plot_throughput(run_dirs, baseline=None) -> Figure:
     """Left: global train images/s per run. Right: speed-up against the baseline, with the ideal
     linear speed-up (ranks / baseline ranks) drawn as a dashed outline behind each bar.
 
+    Runs that differ only in their seed (``group_runs``) share one bar: their mean, with the sample
+    standard deviation as an error bar; speed-up then against the baseline group's mean time.
     The bars are numbered (run 1, run 2, ...) and a legend below the axes names the runs, unless
     every run's name fits under its bars."""
     from matplotlib.patches import Patch
 
     runs = _load_all(run_dirs)
-    rows = scaling_rows(runs, baseline)
+    groups = group_runs(runs)
     base = runs[baseline_index(runs, baseline)]
-    fig, panel = _new_figure(runs, f"Throughput and speed-up vs {base['name']} ({_ranks(base['world_size'])})",
-                             (max(11.0, 3.0 + 2.0 * len(rows)), 5.2 + 0.15 * len(rows)))   # room per bar
+    base_group = next(g for g in groups if any(r is base for r in g))
+    base_time = _mean_epoch_seconds(base_group)
+    ips = [mean_std([run["images_per_s"] for run in group]) for group in groups]
+    speed = [mean_std(_speedups(group, base_time)) for group in groups]
+    ranks = [group[0]["world_size"] for group in groups]
+    versus = f"{base['name']} ({_ranks(base['world_size'])})" if len(base_group) == 1 else \
+        f"{base['name']} and its seeds (mean of {len(base_group)} runs, {_ranks(base['world_size'])})"
+    fig, panel = _new_figure(runs, f"Throughput and speed-up vs {versus}",
+                             (max(11.0, 3.0 + 2.0 * len(groups)), 5.2 + 0.15 * len(groups)))   # room per bar
     ips_ax, speed_ax = panel.subplots(1, 2)
-    xs = list(range(len(rows)))
+    xs = list(range(len(groups)))
     colors = [f"C{i}" for i in xs]
 
-    bars = ips_ax.bar(xs, [r.images_per_s for r in rows], color=colors)
-    ips_labels = ips_ax.bar_label(bars, fontsize=LEGEND_FONTSIZE, padding=2, labels=[
-        f"{r.images_per_s:.0f}\n{r.images_per_s_rank:.0f} per rank" for r in rows])
+    ips_ax.bar(xs, [m for m, _ in ips], color=colors)
+    _error_bars(ips_ax, xs, [m for m, _ in ips], [s for _, s in ips])
+    ips_labels = [
+        ips_ax.annotate(f"{m:.0f}" + (f" ± {s:.0f}" if s else "") + f"\n{m / n:.0f} per rank",
+                        xy=(x, m + (s or 0)), xytext=(0, 2), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=LEGEND_FONTSIZE)
+        for x, (m, s), n in zip(xs, ips, ranks)]
     ips_ax.set_title("train images/s, all ranks together")
     ips_ax.set_ylabel("images / s")
 
-    ideal = [r.ranks / base["world_size"] for r in rows]
+    ideal = [n / base["world_size"] for n in ranks]
     speed_ax.bar(xs, ideal, fill=False, linestyle="--", edgecolor="0.4", label="ideal (linear) speed-up")
-    speed_ax.bar(xs, [r.speedup or 0 for r in rows], color=colors, width=0.6,
-                 label="measured speed-up")
-    # One label per run above the taller of its two bars: on white, so it reads whatever the bar's
-    # height, and never on top of another label when the measured speed-up equals the ideal one.
+    speed_ax.bar(xs, [m or 0 for m, _ in speed], color=colors, width=0.6, label="measured speed-up")
+    _error_bars(speed_ax, xs, [m or 0 for m, _ in speed], [s for _, s in speed])
+
+    def speed_text(m, s, x_ideal):
+        if m is None:
+            return f"n/a\nideal {x_ideal:g}x"
+        return f"{m:.2f}x" + (f" ± {s:.2f}" if s else "") + f"\n{100 * m / x_ideal:.0f} % of {x_ideal:g}x"
+    # One label per run above the taller of its two bars (and its error bar): on white, so it reads
+    # whatever the bar's height, and never on top of another label when measured equals ideal.
     speed_labels = [
-        speed_ax.annotate(f"{r.speedup:.2f}x\n{100 * r.efficiency:.0f} % of {x_ideal:g}x" if r.speedup is not None
-                          else f"n/a\nideal {x_ideal:g}x",
-                          xy=(x, max(x_ideal, r.speedup or 0)), xytext=(0, 2), textcoords="offset points",
-                          ha="center", va="bottom", fontsize=LEGEND_FONTSIZE)
-        for x, r, x_ideal in zip(xs, rows, ideal)]
+        speed_ax.annotate(speed_text(m, s, x_ideal), xy=(x, max(x_ideal, (m or 0) + (s or 0))), xytext=(0, 2),
+                          textcoords="offset points", ha="center", va="bottom", fontsize=LEGEND_FONTSIZE)
+        for x, (m, s), x_ideal in zip(xs, speed, ideal)]
     speed_ax.set_title("speed-up vs baseline, in train time per epoch")
     speed_ax.set_ylabel("speed-up (x)")
     # Right of the axes, not on the bars.
-    speed_ax.legend(fontsize=LEGEND_FONTSIZE, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
+    handles, labels = speed_ax.get_legend_handles_labels()
+    if any(s for _, s in speed + ips):
+        from matplotlib.lines import Line2D
+        handles.append(Line2D([], [], color="black", marker="_", markersize=8, linewidth=1.2))
+        labels.append("± std over seeds")
+    speed_ax.legend(handles, labels, fontsize=LEGEND_FONTSIZE, loc="upper left", bbox_to_anchor=(1.02, 1),
+                    borderaxespad=0)
 
+    names = ["\n".join(run["name"] for run in group) for group in groups]
     for ax in (ips_ax, speed_ax):
-        ax.set_xticks(xs, [f"{r.name}\n{_ranks(r.ranks)}" for r in rows], fontsize=9)
-        ax.set_xlim(-0.6, len(rows) - 0.4)
+        ax.set_xticks(xs, [f"{name}\n{_ranks(n)}" for name, n in zip(names, ranks)], fontsize=9)
+        ax.set_xlim(-0.6, len(groups) - 0.4)
         ax.set_ylim(bottom=0)
         ax.grid(axis="y", alpha=0.3)
-    if not _ticks_fit(fig, speed_ax, len(rows)):
+    if not _ticks_fit(fig, speed_ax, len(groups)):
         for ax in (ips_ax, speed_ax):
-            ax.set_xticks(xs, [f"run {x + 1}\n{_ranks(r.ranks)}" for x, r in zip(xs, rows)], fontsize=9)
+            ax.set_xticks(xs, [f"run {x + 1}\n{_ranks(n)}" for x, n in zip(xs, ranks)], fontsize=9)
         _legend_below(fig, panel, [Patch(color=c) for c in colors],
-                      [f"run {x + 1}: {_label(run)}" for x, run in zip(xs, runs)])
+                      [f"run {x + 1}: {_group_label(group)}" for x, group in zip(xs, groups)])
     _finish(fig)
     _headroom(fig, ips_ax, ips_labels)
     _headroom(fig, speed_ax, speed_labels)
@@ -462,6 +1028,98 @@ def _ticks_fit(fig: Figure, ax, n: int, gap_px: float = 8) -> bool:
     renderer = fig.canvas.get_renderer()
     widest = max(t.get_window_extent(renderer).width for t in ax.get_xticklabels())
     return widest + gap_px <= fig.bbox.width / 3 / n
+
+
+# -- where the train time went -------------------------------------------------------------------
+def _group_breakdown(group: list[dict]) -> list[dict]:
+    """``time_breakdown`` per rank, averaged over a seed group's runs, with ``total_std`` (sample
+    std of the total over the runs; None for one run)."""
+    tables = [time_breakdown(run) for run in group]
+    rows = []
+    for i in range(min(map(len, tables))):
+        parts = [table[i] for table in tables]
+        row = {**parts[0], **{key: statistics.fmean(p[key] for p in parts) for key in (*TIME_KEYS, "total_s")}}
+        row["total_std"] = mean_std([p["total_s"] for p in parts])[1]
+        row["gpu"] = mean_std([p["gpu"] for p in parts])[0]
+        rows.append(row)
+    return rows
+
+
+def plot_time_breakdown(run_dirs) -> Figure:
+    """Where each epoch's training time went: one stacked horizontal bar per run and rank (the
+    ranks from results.json's ``per_rank``; else one bar, the ranks' mean): data wait, compute,
+    communication waited for, idle, in seconds per epoch, each part labelled with its share of
+    the train time. Seed groups: the mean bar, the std of its total as an error bar. Runs from
+    older kits: data wait and compute from the history (communication counted in compute)."""
+    from matplotlib.patches import Patch
+
+    runs = _load_all(run_dirs)
+    groups = group_runs(runs)
+    bars = []   # (group index, row)
+    for g, group in enumerate(groups):
+        bars += [(g, row) for row in _group_breakdown(group)]
+    measured = all(row["comm_measured"] for _, row in bars)
+    fig, panel = _new_figure(runs, "Where the training time went, per rank: data wait, compute, communication, idle",
+                             (11, 3.2 + 0.42 * len(bars) + 0.15 * len(groups)))
+    ax = panel.subplots(1, 1)
+    ys, y = [], 0.0
+    for i, (g, _) in enumerate(bars):
+        if i and g != bars[i - 1][0]:
+            y += 0.5   # a gap between runs
+        ys.append(y)
+        y += 1
+    left = [0.0] * len(bars)
+    segments = []   # (bar container, text colour)
+    for key, label, color, text_color in TIME_PARTS:
+        widths = [row[key] for _, row in bars]
+        segments.append((ax.barh(ys, widths, left=left, color=color, height=0.7, label=label), text_color))
+        left = [a + b for a, b in zip(left, widths)]
+    _error_bars(ax, ys, left, [row["total_std"] for _, row in bars], horizontal=True)
+    ax.set_ylim(ys[-1] + 0.75, -0.75)   # the first run on top; as thick a bar for one run as for many
+    ax.set_xlim(0, max([row["total_s"] + (row["total_std"] or 0) for _, row in bars] + [1e-9]) * 1.03)
+    ax.set_title("seconds per epoch (training loops only); labels: share of the train time")
+    note = ("communication overlapped with the backward pass counts as compute;\nall of it, overlapped "
+            "or waited for: comm_total_s in results.json and results.md" if measured else
+            "runs from older kits measured no communication:\ntheir all-reduce time is inside compute")
+    ax.set_xlabel(f"seconds per epoch\n{note}")
+    ax.grid(axis="x", alpha=0.3)
+
+    def tick(g, row, short):
+        who = f"run {g + 1}" if short else ", ".join(run["name"] for run in groups[g])
+        if groups[g][0]["world_size"] == 1:
+            rank = ""
+        elif row["rank"] is None:
+            rank = "mean of ranks"
+        else:
+            rank = f"rank {row['rank']}" + (f" ({row['host']})" if row.get("host") and not short else "")
+        gpu = f", GPU {row['gpu']:.0f} %" if row["gpu"] is not None else ""
+        return f"{who}{', ' + rank if rank else ''}\n{_pm_time([row['total_s']], row['total_std'])} per epoch{gpu}"
+
+    ax.set_yticks(ys, [tick(g, row, False) for g, row in bars], fontsize=9)
+    legend_handles = [Patch(color=color) for _, _, color, _ in TIME_PARTS]
+    legend_labels = [label for _, label, _, _ in TIME_PARTS]
+    renderer = fig.canvas.get_renderer()
+    if max(t.get_window_extent(renderer).width for t in ax.get_yticklabels()) > 0.3 * fig.bbox.width:
+        ax.set_yticks(ys, [tick(g, row, True) for g, row in bars], fontsize=9)
+        legend_handles += [Patch(color="none")] * len(groups)
+        legend_labels += [f"run {g + 1}: {_group_label(group)}" for g, group in enumerate(groups)]
+    _legend_below(fig, panel, legend_handles, legend_labels)
+    _finish(fig)
+    # A share on each part wide enough to hold it (after the layout: widths in pixels are known).
+    fig.draw_without_rendering()
+    for container, text_color in segments:
+        for (_, row), patch in zip(bars, container.patches):
+            if row["total_s"] <= 0 or patch.get_width() <= 0:
+                continue
+            text = ax.text(patch.get_x() + patch.get_width() / 2, patch.get_y() + patch.get_height() / 2,
+                           _percent(patch.get_width() / row["total_s"]), ha="center", va="center",
+                           fontsize=LEGEND_FONTSIZE, color=text_color)
+            box, bar = text.get_window_extent(renderer), patch.get_window_extent(renderer)
+            std = row["total_std"] or 0   # the error bar at the bar's end may cross the last parts' labels
+            crossed = std and box.x1 + 3 > ax.transData.transform((row["total_s"] - std, 0))[0]
+            if box.width + 6 > bar.width or crossed:
+                text.remove()
+    return fig
 
 
 # -- everything at once --------------------------------------------------------------------------
@@ -482,7 +1140,7 @@ def train_command(settings: dict) -> str:
 
 
 # -- where the report goes: a new folder, never over files the report did not write -------------
-REPORT_FILES = ("curves.png", "throughput.png", "results.md")
+REPORT_FILES = ("curves.png", "time.png", "throughput.png", "results.md")
 MANIFEST = ".ddp_utils-report.json"   # in each report folder: the files written there, and their hashes
 REPORTS_DIR = Path("reports")          # the default parent, relative to the current directory
 # The kit's own pictures (committed examples made from real runs, described in images/README.md).
@@ -522,10 +1180,10 @@ def report_dir(out_dir=None, kit_images: bool = False) -> Path:
     """The folder a report goes into, checked before anything is written.
 
     - no ``out_dir``: a new folder ``reports/<YYYYmmdd-HHMMSS>/`` under the current directory;
-    - ``out_dir``: that folder. Files in it named like the report's (results.md, curves.png,
-      throughput.png) are replaced only when an earlier report wrote them and they are unchanged
-      since (its ``.ddp_utils-report.json`` lists them with their hashes); otherwise this raises
-      FileExistsError, and nothing is written. The kit's own ``images/`` folder is always refused;
+    - ``out_dir``: that folder. Files in it named like the report's (``REPORT_FILES``: results.md,
+      curves.png, time.png, throughput.png) are replaced only when an earlier report wrote them
+      and they are unchanged since (its ``.ddp_utils-report.json`` lists them with their hashes);
+      otherwise this raises FileExistsError, and nothing is written. The kit's own ``images/`` folder is always refused;
     - ``kit_images=True``: the kit's ``images/`` folder, whose committed pictures are replaced:
       the one way to regenerate them.
     """
@@ -573,9 +1231,35 @@ def report_dir(out_dir=None, kit_images: bool = False) -> Path:
     return out
 
 
+def report_markdown(run_dirs, baseline=None, report_cmd: str | None = None) -> str:
+    """results.md: the table, what bound each run, the seed table (when a group has several runs),
+    single vs DataParallel vs DDP (when the runs span several modes), the learning rate and global
+    batch, the hardware, the commands behind the runs, and the pictures."""
+    runs = _load_all(run_dirs)
+    dirs = [run["run_dir"] for run in runs]
+    base = runs[baseline_index(runs, baseline)]
+    lines = ["# Results", "", results_table(dirs, baseline), "",
+             "## What bound each run", "",
+             *[f"- {bottleneck_sentence(run, base)}" for run in runs], ""]
+    if any(len(group) > 1 for group in group_runs(runs)):
+        lines += ["## Seeds: mean ± std over runs that differ only in their seed", "", seed_table(dirs, baseline), ""]
+    if len({parallel_mode(run) for run in runs}) > 1:
+        lines += ["## Single vs DataParallel vs DDP", "", compare_table(dirs), ""]
+    lines += ["## Learning rate and global batch", "", *[f"- {note}" for note in lr_notes(runs)], "",
+              f"**{hardware_caption(runs)}**", "",
+              "Runs made with (rebuilt from each run's settings.json):", "",
+              *[f"    {train_command(run['settings'])}" for run in runs], ""]
+    if report_cmd:
+        lines += [f"This report: `{report_cmd}`", ""]
+    lines += ["![training curves against images seen: loss, Acc@1, learning rate](curves.png)", "",
+              "![where the training time went, per rank](time.png)", "",
+              "![throughput and speed-up](throughput.png)", ""]
+    return "\n".join(lines)
+
+
 def write_report(run_dirs, out_dir=None, baseline=None, *, kit_images: bool = False) -> list[Path]:
-    """Write ``curves.png``, ``throughput.png`` and ``results.md`` into ``out_dir`` (default: a new
-    folder ``reports/<YYYYmmdd-HHMMSS>/``); return their paths.
+    """Write ``curves.png``, ``time.png``, ``throughput.png`` and ``results.md`` into ``out_dir``
+    (default: a new folder ``reports/<YYYYmmdd-HHMMSS>/``); return their paths.
 
     Nothing is written when a run folder is not a finished run, or when ``out_dir`` holds files
     the report did not write (FileExistsError; see ``report_dir``). The folder's
@@ -590,21 +1274,13 @@ def write_report(run_dirs, out_dir=None, baseline=None, *, kit_images: bool = Fa
     words += ["--kit-images"] if kit_images else ["--out", str(out)]
     words += ["--baseline", str(baseline)] if baseline is not None else []
     report_cmd = " ".join([words[0], *map(shlex.quote, words[1:])])
-    text = "\n".join([
-        "# Results", "",
-        results_table(dirs, baseline), "",
-        f"**{hardware_caption(runs)}**", "",
-        "Runs made with (rebuilt from each run's settings.json):", "",
-        *[f"    {train_command(run['settings'])}" for run in runs], "",
-        f"This report: `{report_cmd}`", "",
-        "![training curves](curves.png)", "",
-        "![throughput and speed-up](throughput.png)", ""])
     contents = {}   # everything made before the first file is written
-    for name, fig in (("curves.png", plot_curves(dirs)), ("throughput.png", plot_throughput(dirs, baseline))):
+    for name, fig in (("curves.png", plot_curves(dirs)), ("time.png", plot_time_breakdown(dirs)),
+                      ("throughput.png", plot_throughput(dirs, baseline))):
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=DPI)
         contents[name] = buffer.getvalue()
-    contents["results.md"] = text.encode("utf-8")
+    contents["results.md"] = report_markdown(dirs, baseline, report_cmd).encode("utf-8")
 
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / name for name in REPORT_FILES]

@@ -17,30 +17,75 @@ from tests.procs import base_env, describe, python, run_all
 
 # -- run folders ---------------------------------------------------------------------------------
 def fake_run(folder, world_size, train_time_s, epochs=2, acc1=50.0, images_per_epoch=900_000,
-             device_name="Tesla T4", host="node0"):
-    """A finished run folder in the format ``fit`` writes, with chosen times (no training)."""
+             device_name="Tesla T4", host="node0", *, batch_size=64, seed=None, shares=None, per_rank=None,
+             link_gbit_s=None, predicted_speedup=None, gpu_util=None, parallel=None, loss=1.5, acc5=90.0,
+             tensorboard=False):
+    """A finished run folder in the format ``fit`` writes, with chosen times (no training).
+
+    Without ``shares`` or ``per_rank`` it is an older kit's run (no time breakdown, no GPU use, no
+    seed or parallel mode in results.json). ``shares``: {"data", "compute", "comm", "idle"} fractions
+    of the train time (the ranks' mean); ``per_rank``: one such dict per rank (the mean is then
+    theirs). ``tensorboard``: also TensorBoard scalars (train loss/acc1 and lr at every step, val
+    per epoch), as the trainer logs them.
+    """
     folder.mkdir(parents=True)
-    settings = Settings(dataset="cinic10", arch="resnet18_cifar", epochs=epochs, batch_size=64,
-                        world_size=world_size, run_dir=str(folder), wandb="disabled")
-    (folder / "settings.json").write_text(settings.to_json() + "\n")
+    settings = Settings(dataset="cinic10", arch="resnet18_cifar", epochs=epochs, batch_size=batch_size,
+                        world_size=world_size, run_dir=str(folder), wandb="disabled", seed=seed or 0)
+    settings_dict = settings.to_dict()
+    if parallel is not None:
+        settings_dict["parallel"] = parallel
+    (folder / "settings.json").write_text(json.dumps(settings_dict, indent=2, sort_keys=True) + "\n")
     per_epoch = train_time_s / epochs
+    gb = settings.global_batch_size
+    steps_per_epoch = images_per_epoch // gb
     history = [{"epoch": e + 1,
                 "train": {"loss": 2.0 - 0.3 * e, "acc1": 30.0 + 10 * e, "acc5": 70.0 + 5 * e,
-                          "count": images_per_epoch, "epoch": e, "step": (e + 1) * 16,
+                          "count": images_per_epoch, "epoch": e, "step": (e + 1) * steps_per_epoch,
                           "wall_s": per_epoch, "data_s": 0.1 * per_epoch, "compute_s": 0.9 * per_epoch,
                           "images_per_s": images_per_epoch / per_epoch,
                           "images_per_s_rank": images_per_epoch / per_epoch / world_size},
                 "val": {"loss": 1.9 - 0.3 * e, "acc1": 35.0 + 10 * e, "acc5": 75.0 + 5 * e, "count": 500}}
                for e in range(epochs)]
-    results = {"acc1": acc1, "acc5": 90.0, "loss": 1.5, "best_acc1": acc1, "val_images": 500,
+    results = {"acc1": acc1, "acc5": acc5, "loss": loss, "best_acc1": acc1, "val_images": 500,
                "epochs": epochs, "epochs_run": epochs, "world_size": world_size,
-               "global_batch_size": settings.global_batch_size, "lr": settings.effective_lr,
+               "global_batch_size": gb, "lr": settings.effective_lr,
                "wall_time_s": train_time_s + 10.0, "train_time_s": train_time_s,
                "images_per_s": images_per_epoch * epochs / train_time_s, "data_wait_fraction": 0.1,
                "dataset": "cinic10", "arch": "resnet18_cifar", "device": "cuda:0", "device_name": device_name,
                "backend": "nccl" if world_size > 1 else "none", "host": host, "cpus": 8,
                "history": history}
+    if per_rank is not None or shares is not None:   # the new results.json keys (schema of issue 8)
+        ranks = per_rank or [shares]
+        results["per_rank"] = [{"rank": r, "host": f"node{r}", **{f"{k}_s": v * train_time_s for k, v in part.items()}}
+                               for r, part in enumerate(ranks)] if per_rank else None
+        mean = {k: sum(part[k] for part in ranks) / len(ranks) for k in ("data", "compute", "comm", "idle")}
+        steps = steps_per_epoch * epochs
+        results.update({f"{k}_s": v * train_time_s for k, v in mean.items()},
+                       comm_total_s=2 * mean["comm"] * train_time_s, steps=steps,
+                       measured_step_s=train_time_s / steps, link_gbit_s=link_gbit_s,
+                       predicted_speedup=predicted_speedup, gpu_util=gpu_util if gpu_util is not None else "no GPU",
+                       gpu_util_peak=None, gpu_mem_peak_mb=None, stopped_early=None, stop_reason=None,
+                       parallel=parallel or ("ddp" if world_size > 1 else "none"), seed=seed or 0)
+        if results["per_rank"] is None:
+            del results["per_rank"]
+        for h in history:
+            h["train"].update(comm_s=mean["comm"] * per_epoch, idle_s=mean["idle"] * per_epoch,
+                              comm_total_s=2 * mean["comm"] * per_epoch, lr=settings.effective_lr / (h["epoch"] + 1))
+    elif seed is not None or parallel is not None or gpu_util is not None:
+        results.update({k: v for k, v in (("seed", seed), ("parallel", parallel), ("gpu_util", gpu_util))
+                        if v is not None})
     (folder / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        with SummaryWriter(str(folder / "tb")) as writer:
+            total = steps_per_epoch * epochs
+            for step in range(1, total + 1):
+                writer.add_scalar("lr", settings.effective_lr * (1 - step / total), step)
+                writer.add_scalar("Loss/train", 2.0 - step / total, step)
+                writer.add_scalar("acc1/train", 30.0 + 20 * step / total, step)
+            for h in history:
+                writer.add_scalar("Loss/val", h["val"]["loss"], h["train"]["step"])
+                writer.add_scalar("acc1/val", h["val"]["acc1"], h["train"]["step"])
     return folder
 
 
@@ -151,7 +196,7 @@ def test_curves_have_train_and_val_lines_per_run_and_name_the_hardware(runs):
     text = report.figure_text(fig)
     assert "Tesla T4" in text and "8 CPU cores" in text and "host node0" in text
     assert "cinic10" in text and "resnet18_cifar" in text and "ranks per run: 2, 1" in text
-    loss_ax, acc_ax = fig.axes
+    loss_ax, acc_ax, lr_ax = fig.axes
     labels = [line.get_label() for line in loss_ax.lines]
     assert labels == ["ddp2 (2 ranks) train", "ddp2 (2 ranks) val", "single (1 rank) train", "single (1 rank) val"]
     assert list(acc_ax.lines[1].get_ydata()) == [35.0, 45.0]   # val acc1 per epoch from the history
@@ -179,10 +224,10 @@ def test_throughput_marks_the_ideal_linear_speedup_and_names_the_hardware(runs):
 
 def test_write_report_writes_valid_pngs_and_the_results_markdown(runs, tmp_path):
     paths = report.write_report(runs, tmp_path / "out")
-    assert [p.name for p in paths] == ["curves.png", "throughput.png", "results.md"]
-    for png in paths[:2]:
+    assert [p.name for p in paths] == ["curves.png", "time.png", "throughput.png", "results.md"]
+    for png in paths[:3]:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    md = paths[2].read_text()
+    md = paths[3].read_text()
     assert "| ddp2 | 2 | 128 |" in md and "Hardware: Tesla T4" in md
     assert "python -m ddp_utils train --dataset cinic10" in md and "--world-size 2 --rank 0" in md
 
@@ -199,7 +244,7 @@ def test_cli_report_writes_the_table_and_figures(runs, tmp_path, capsys):
     assert cli.main(["report", *map(str, runs), "--out", str(tmp_path / "out")]) == 0
     assert "| ddp2 | 2 | 128 |" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        ".ddp_utils-report.json", "curves.png", "results.md", "throughput.png"]   # the list of what it wrote
+        ".ddp_utils-report.json", "curves.png", "results.md", "throughput.png", "time.png"]   # the list of what it wrote
 
 
 def test_cli_report_on_a_non_run_folder_exits_2_naming_the_folder(tmp_path, capsys):
@@ -208,7 +253,7 @@ def test_cli_report_on_a_non_run_folder_exits_2_naming_the_folder(tmp_path, caps
 
 
 # -- where the report goes -----------------------------------------------------------------------
-REPORT_FILES = ["curves.png", "results.md", "throughput.png"]
+REPORT_FILES = ["curves.png", "results.md", "throughput.png", "time.png"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -253,7 +298,7 @@ def test_report_refuses_to_overwrite_files_it_did_not_write_and_writes_nothing(r
 def test_report_refuses_to_overwrite_its_own_file_once_it_was_edited(runs, tmp_path):
     out = tmp_path / "out"
     report.write_report(runs, out)
-    pngs = {name: (out / name).read_bytes() for name in ("curves.png", "throughput.png")}
+    pngs = {name: (out / name).read_bytes() for name in ("curves.png", "time.png", "throughput.png")}
     with open(out / "results.md", "a") as f:
         f.write("\nMy answer to question 1: ...\n")
     with pytest.raises(FileExistsError, match="results.md was changed after the report wrote it"):
@@ -335,10 +380,16 @@ LONG_NAMES = ["20261123-101500-ddp2", "cinic10-resnet18_cifar-ws2-20261123-10150
               "cinic10-resnet18_cifar-ws4-20261123-101500", "cinic10-resnet18_cifar-ws1-20261123-101500"]
 
 
-@pytest.fixture(params=["2 short names", "4 long names", "3 very long names"])
+@pytest.fixture(params=["2 short names", "4 long names", "3 very long names", "seeds and ranks"])
 def named_runs(request, runs, tmp_path):
     if request.param == "2 short names":
         return runs
+    if request.param == "seeds and ranks":   # seed groups (error bars, shaded bands) and per-rank bars
+        ranks = [dict(data=0.1, compute=0.55, comm=0.3, idle=0.05), dict(data=0.2, compute=0.5, comm=0.25, idle=0.05)]
+        return ([fake_run(tmp_path / "seeds" / f"ddp2-seed{s}", 2, 1900.0 + 100 * s, seed=s, per_rank=ranks,
+                          gpu_util=80.0) for s in range(3)]
+                + [fake_run(tmp_path / "seeds" / f"single-seed{s}", 1, 3600.0 + 60 * s, seed=s, gpu_util=95.0,
+                            shares=dict(data=0.02, compute=0.97, comm=0.0, idle=0.01)) for s in range(2)])
     if request.param == "4 long names":
         return [fake_run(tmp_path / "long" / name, world_size=ws, train_time_s=3600.0 / ws * 1.1, epochs=8)
                 for name, ws in zip(LONG_NAMES, (2, 2, 4, 1))]
@@ -348,7 +399,7 @@ def named_runs(request, runs, tmp_path):
             for ws in (1, 2, 4)]
 
 
-PLOTS = {"curves": report.plot_curves, "throughput": report.plot_throughput}
+PLOTS = {"curves": report.plot_curves, "throughput": report.plot_throughput, "time": report.plot_time_breakdown}
 
 
 def shown_texts(fig) -> list:
@@ -434,3 +485,282 @@ def test_the_command_in_results_md_rebuilds_the_runs_settings():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert from_args(parser.parse_args(words[4:]), environ={}) == settings
+
+
+# -- where the time went, what bound each run ----------------------------------------------------
+def bar_widths(ax) -> list[list[float]]:
+    """The stacked bars' parts, one list per bar: [data, compute, comm, idle] seconds."""
+    from matplotlib.container import BarContainer
+    parts = [c for c in ax.containers if isinstance(c, BarContainer)]
+    assert [c.get_label() for c in parts] == [label for _, label, _, _ in report.TIME_PARTS]
+    return [list(bar) for bar in zip(*[[patch.get_width() for patch in c.patches] for c in parts])]
+
+
+def test_time_breakdown_bars_are_each_ranks_shares_of_the_train_time(tmp_path):
+    ranks = [dict(data=0.1, compute=0.5, comm=0.3, idle=0.1), dict(data=0.2, compute=0.5, comm=0.25, idle=0.05)]
+    mean = dict(data=0.02, compute=0.9, comm=0.0, idle=0.08)
+    dirs = [fake_run(tmp_path / "ddp2", 2, 1800.0, per_rank=ranks), fake_run(tmp_path / "single", 1, 3600.0, shares=mean)]
+    fig = report.plot_time_breakdown(dirs)
+    [ax] = fig.axes
+    bars = bar_widths(ax)
+    assert len(bars) == 3   # ddp2's two ranks, single's one bar
+    for bar, shares, seconds in zip(bars, [*ranks, mean], (900.0, 900.0, 1800.0)):
+        assert sum(bar) == pytest.approx(seconds)   # seconds per epoch
+        assert [w / sum(bar) for w in bar] == pytest.approx([shares[k] for k in ("data", "compute", "comm", "idle")])
+    # each part wide enough is labelled with its share; the narrow ones are left bare
+    assert {"10 %", "50 %", "30 %", "20 %", "25 %", "90 %"} <= {t.get_text() for t in ax.texts}
+    text = report.figure_text(fig)
+    assert "seconds per epoch" in text and "overlapped with the backward pass counts as compute" in text
+    assert "comm_total_s" in text and "Tesla T4" in text and "host node0" in text
+    assert [t.get_text() for t in ax.get_yticklabels()][:2] == ["ddp2, rank 0 (node0)\n900 s per epoch",
+                                                                  "ddp2, rank 1 (node1)\n900 s per epoch"]
+
+
+def test_time_breakdown_of_an_older_kits_run_is_one_bar_of_data_and_compute(runs):
+    fig = report.plot_time_breakdown(runs)
+    bars = bar_widths(fig.axes[0])
+    for bar in bars:   # fake_run's history: data 10 %, compute 90 % of each epoch
+        assert [w / sum(bar) for w in bar] == pytest.approx([0.1, 0.9, 0.0, 0.0])
+    assert [sum(bar) for bar in bars] == pytest.approx([900.0, 1800.0])
+    assert "older kits measured no communication" in report.figure_text(fig)
+    assert report.time_breakdown(report.load_run(runs[0]))[0]["comm_measured"] is False
+
+
+def test_time_breakdown_of_seed_groups_is_their_mean_with_an_error_bar(tmp_path):
+    import statistics
+    times = [1800.0, 2000.0, 2300.0]
+    dirs = [fake_run(tmp_path / f"ddp2-s{s}", 2, t, seed=s, shares=dict(data=0.1, compute=0.6, comm=0.2, idle=0.1))
+            for s, t in enumerate(times)]
+    fig = report.plot_time_breakdown(dirs)
+    [ax] = fig.axes
+    [bar] = bar_widths(ax)
+    assert sum(bar) == pytest.approx(statistics.fmean(times) / 2)
+    from matplotlib.container import ErrorbarContainer
+    [errorbar] = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    (segments,) = errorbar.lines[2]
+    (x0, _), (x1, _) = segments.get_segments()[0]
+    assert (x1 - x0) / 2 == pytest.approx(statistics.stdev(t / 2 for t in times))
+
+
+def sentence(tmp_path, name, baseline=None, **kw):
+    kw = {"world_size": 1, "train_time_s": 3600.0, **kw}
+    run = report.load_run(fake_run(tmp_path / name, **kw))
+    return run, report.bottleneck_sentence(run, baseline)
+
+
+def test_bottleneck_sentence_names_communication_for_a_comm_heavy_run_with_link_and_speedups(tmp_path):
+    single, _ = sentence(tmp_path, "single", shares=dict(data=0.05, compute=0.9, comm=0.0, idle=0.05), gpu_util=93.0)
+    ddp2, text = sentence(tmp_path, "ddp2", single, world_size=2, train_time_s=3000.0, link_gbit_s=0.9,
+                          predicted_speedup=1.25, gpu_util=48.4,
+                          shares=dict(data=0.05, compute=0.3, comm=0.61, idle=0.04))
+    measured = table_rows(report.results_table([tmp_path / "single", tmp_path / "ddp2"]))["ddp2"][9]   # "1.20x"
+    assert text.startswith("ddp2: communication 61 % of the step (the link measured 0.9 Gbit/s; "
+                           f"predicted speed-up 1.25x, measured {measured}")
+    assert text.endswith("; GPU use 48 % mean.")
+    assert report.bottleneck_sentence(single, single) == "single: compute-bound: 90 % compute; GPU use 93 % mean."
+
+
+def test_bottleneck_sentence_names_data_loading_for_a_data_heavy_run_and_says_no_gpu(tmp_path):
+    _, text = sentence(tmp_path, "single", shares=dict(data=0.48, compute=0.5, comm=0.0, idle=0.02), gpu_util="no GPU")
+    assert text == "single: data loading 48 % of the step: raise --workers (now 2) or use --loader memory; no GPU."
+
+
+def test_bottleneck_sentence_of_an_older_kits_run_says_communication_was_not_measured(runs):
+    ddp2, single = map(report.load_run, runs)
+    text = report.bottleneck_sentence(ddp2, single)
+    assert text.startswith("ddp2: compute-bound: 90 % compute (measured speed-up 2.00x; communication not measured")
+    assert "GPU" not in text   # older kits did not record GPU use: nothing said rather than a guess
+
+
+# -- seeds ---------------------------------------------------------------------------------------
+def test_runs_that_differ_only_in_seed_and_launch_details_form_a_group(tmp_path):
+    dirs = [fake_run(tmp_path / f"ddp2-s{s}", 2, 1800.0, seed=s) for s in range(3)]
+    dirs.append(fake_run(tmp_path / "single", 1, 3600.0))
+    dirs.append(fake_run(tmp_path / "ddp2-bigger", 2, 1800.0, batch_size=128))
+    settings = json.loads((dirs[1] / "settings.json").read_text())
+    settings.update(master_port=29999, workers=8, threads=3, master_addr="10.0.0.9", wandb="offline")
+    (dirs[1] / "settings.json").write_text(json.dumps(settings))
+    groups = report.group_runs([report.load_run(d) for d in dirs])
+    assert [[run["name"] for run in group] for group in groups] == [["ddp2-s0", "ddp2-s1", "ddp2-s2"], ["single"],
+                                                                     ["ddp2-bigger"]]
+    assert [[run["name"] for run in group] for group in report.group_runs(dirs)] == [[r["name"] for r in g]
+                                                                                      for g in groups]
+
+
+def test_seed_table_gives_mean_and_sample_std_of_each_group(tmp_path):
+    import statistics
+    times, accs, losses, gpus = [1800.0, 1900.0, 2150.0], [50.0, 51.5, 54.0], [1.40, 1.45, 1.60], [80.0, 84.0, 90.0]
+    dirs = [fake_run(tmp_path / f"ddp2-s{s}", 2, t, seed=s, acc1=a, loss=l, gpu_util=g,
+                     shares=dict(data=0.1, compute=0.8, comm=0.05, idle=0.05))
+            for s, (t, a, l, g) in enumerate(zip(times, accs, losses, gpus))]
+    dirs += [fake_run(tmp_path / f"single-s{s}", 1, t, seed=s, gpu_util="no GPU",
+                      shares=dict(data=0.1, compute=0.9, comm=0.0, idle=0.0)) for s, t in enumerate((3500.0, 3700.0))]
+    md = report.write_report(dirs, tmp_path / "out")[-1].read_text()
+    assert "## Seeds: mean ± std" in md
+    table = report.seed_table(dirs)
+    assert table in md
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    rows = {cells[0]: dict(zip(header, cells)) for cells in table_rows(table).values()}
+    ddp, single = rows["ddp2-s0, ddp2-s1, ddp2-s2"], rows["single-s0, single-s1"]
+    assert ddp["seeds"] == "0, 1, 2" and single["seeds"] == "0, 1"
+
+    def pm(values, fmt):
+        return f"{fmt(statistics.fmean(values))} ± {fmt(statistics.stdev(values))}"
+    assert ddp["Acc@1"] == pm(accs, lambda v: f"{v:.2f}")
+    assert ddp["test loss"] == pm(losses, lambda v: f"{v:.3f}")
+    assert ddp["GPU util"] == pm(gpus, lambda v: f"{v:.0f}") + " %" and single["GPU util"] == "no GPU"
+    walls = [t + 10.0 for t in times]
+    assert ddp["wall time"] == f"{report.format_duration(statistics.fmean(walls))} ± {statistics.stdev(walls):.0f} s"
+    epoch = [t / 2 for t in times]   # 2 epochs
+    assert ddp["epoch time"] == pm(epoch, lambda v: f"{v:.0f}") + " s"
+    images = 900_000 * 2
+    assert ddp["img/s"] == pm([images / t for t in times], lambda v: f"{v:.0f}")
+    steps = 2 * (900_000 // 128)
+    assert ddp["batch time"] == pm([1000 * t / steps for t in times], lambda v: f"{v:.0f}") + " ms"   # ~0.14 s
+    base = statistics.fmean([3500.0 / 2, 3700.0 / 2])   # the baseline group's mean time per epoch
+    assert ddp["speed-up"] == pm([base / e for e in epoch], lambda v: f"{v:.2f}") + "x"
+    mean, std = report.mean_std(accs)
+    assert (mean, std) == (pytest.approx(statistics.fmean(accs)), pytest.approx(statistics.stdev(accs)))
+
+
+def test_seed_groups_draw_a_mean_curve_with_a_shaded_band_and_error_bars_on_throughput(tmp_path):
+    import statistics
+    dirs = [fake_run(tmp_path / f"ddp2-s{s}", 2, 1800.0 + 200 * s, seed=s) for s in range(3)]
+    shifts = [0.0, 2.0, 7.0]
+    for d, shift in zip(dirs, shifts):   # the seeds' val accuracy differs
+        results = json.loads((d / "results.json").read_text())
+        for h in results["history"]:
+            h["val"]["acc1"] += shift
+        (d / "results.json").write_text(json.dumps(results))
+    fig = report.plot_curves(dirs)
+    acc_ax = fig.axes[1]
+    val = next(line for line in acc_ax.lines if line.get_label().endswith(" val"))
+    assert list(val.get_ydata()) == pytest.approx([35.0 + statistics.fmean(shifts), 45.0 + statistics.fmean(shifts)])
+    assert "seeds 0, 1, 2" in val.get_label() and len(acc_ax.collections) == 2   # train and val bands
+    band = acc_ax.collections[1].get_paths()[0].vertices[:, 1]
+    assert min(band) == pytest.approx(35.0) and max(band) == pytest.approx(45.0 + 7.0)
+    assert "seeds: mean line, min-max shaded" in [t.get_text() for t in fig.findobj(Legend)[0].get_texts()]
+
+    ips_ax, speed_ax = report.plot_throughput(dirs).axes
+    rates = [1_800_000 / (1800.0 + 200 * s) for s in range(3)]
+    assert ips_ax.containers[0][0].get_height() == pytest.approx(statistics.fmean(rates))
+    errorbar = ips_ax.containers[1]
+    (_, y0), (_, y1) = errorbar.lines[2][0].get_segments()[0]
+    assert (y1 - y0) / 2 == pytest.approx(statistics.stdev(rates))
+
+
+# -- single vs DataParallel vs DDP ---------------------------------------------------------------
+def mode_runs(tmp_path):
+    """Seeds of three modes, given in mixed order: DDP 3 seeds, single 2, DataParallel 1."""
+    shares = dict(data=0.1, compute=0.8, comm=0.05, idle=0.05)
+    return ([fake_run(tmp_path / "ddp2-s0", 2, 1900.0, acc1=60.0, seed=0, shares=shares, gpu_util=85.0)]
+            + [fake_run(tmp_path / f"single-s{s}", 1, t, acc1=a, seed=s, shares=shares, gpu_util=97.0)
+               for s, t, a in ((0, 3500.0, 61.0), (1, 3700.0, 62.0))]
+            + [fake_run(tmp_path / "dp-s0", 1, 2600.0, acc1=59.0, seed=0, parallel="dp", shares=shares, gpu_util=70.0)]
+            + [fake_run(tmp_path / f"ddp2-s{s}", 2, t, acc1=a, seed=s, shares=shares, gpu_util=85.0)
+               for s, t, a in ((1, 2000.0, 61.0), (2, 2100.0, 63.5))])
+
+
+def test_compare_table_has_one_row_per_parallel_mode_averaged_over_seeds(tmp_path):
+    import statistics
+    dirs = mode_runs(tmp_path)
+    table = report.compare_table(dirs)
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    assert header == ["method", "ranks/GPUs", "seeds", "wall time", "epoch time", "batch time", "img/s",
+                      "GPU util", "test loss", "Acc@1", "Acc@5", "speed-up"]
+    rows = {name: dict(zip(header, cells)) for name, cells in table_rows(table).items()}
+    assert list(rows) == ["single", "DataParallel", "DDP"]
+    assert [rows[m]["seeds"] for m in rows] == ["0, 1", "0", "0, 1, 2"]
+    assert rows["DDP"]["ranks/GPUs"] == "2 / 2" and rows["single"]["ranks/GPUs"] == "1 / 1"
+    ddp_acc = [60.0, 61.0, 63.5]
+    assert rows["DDP"]["Acc@1"] == f"{statistics.fmean(ddp_acc):.2f} ± {statistics.stdev(ddp_acc):.2f}"
+    assert rows["DataParallel"]["Acc@1"] == "59.00" and rows["DataParallel"]["GPU util"] == "70 %"
+    base = statistics.fmean([3500.0 / 2, 3700.0 / 2])
+    speedups = [base / (t / 2) for t in (1900.0, 2000.0, 2100.0)]
+    assert rows["DDP"]["speed-up"] == f"{statistics.fmean(speedups):.2f} ± {statistics.stdev(speedups):.2f}x"
+    assert rows["DataParallel"]["speed-up"] == f"{base / 1300.0:.2f}x"
+    assert "single row (1 rank)" in table
+
+
+def test_runs_without_a_parallel_key_are_ddp_with_several_ranks_else_single(runs):
+    assert [report.parallel_mode(report.load_run(d)) for d in runs] == ["ddp", "none"]
+    assert list(table_rows(report.compare_table(runs))) == ["single", "DDP"]
+
+
+def test_compare_command_prints_the_table_and_the_report_includes_it_when_modes_differ(tmp_path, capsys):
+    dirs = mode_runs(tmp_path)
+    assert cli.main(["compare", *map(str, dirs)]) == 0
+    assert capsys.readouterr().out.strip() == report.compare_table(dirs).strip()
+    md = report.write_report(dirs, tmp_path / "out")[-1].read_text()
+    assert "## Single vs DataParallel vs DDP" in md and report.compare_table(dirs) in md
+    ddp_only = report.write_report(dirs[-2:], tmp_path / "out2")[-1].read_text()
+    assert "DataParallel" not in ddp_only
+
+
+def test_compare_on_a_non_run_folder_exits_2_naming_it(tmp_path, capsys):
+    assert cli.main(["compare", str(tmp_path)]) == 2
+    assert f"error: {tmp_path} is not a run folder" in capsys.readouterr().err
+
+
+# -- curves against images seen ------------------------------------------------------------------
+def test_curves_put_a_two_rank_and_a_one_rank_runs_points_at_the_same_images_seen(tmp_path):
+    dirs = [fake_run(tmp_path / "ddp2", 2, 1800.0, images_per_epoch=12_800, tensorboard=True),
+            fake_run(tmp_path / "single", 1, 3600.0, images_per_epoch=12_800, tensorboard=True)]
+    fig = report.plot_curves(dirs)
+    loss_ax, acc_ax, lr_ax = fig.axes
+    assert [ax.get_xlabel() for ax in fig.axes] == ["images seen (thousands)"] * 3
+    ddp_train, ddp_val, single_train, single_val = loss_ax.lines
+    # TensorBoard training points: step x global batch; 2 ranks take half the steps for the same images
+    assert list(ddp_train.get_xdata()) == pytest.approx([s * 128 / 1e3 for s in range(1, 201)])
+    assert list(single_train.get_xdata()) == pytest.approx([s * 64 / 1e3 for s in range(1, 401)])
+    assert set(ddp_train.get_xdata()) <= set(single_train.get_xdata())
+    assert list(ddp_val.get_xdata()) == list(single_val.get_xdata()) == pytest.approx([12.8, 25.6])
+    ddp_lr, single_lr = lr_ax.lines
+    assert len(ddp_lr.get_xdata()) == 200 and len(single_lr.get_xdata()) == 400   # lr at every step
+    assert ddp_lr.get_xdata()[-1] == single_lr.get_xdata()[-1] == pytest.approx(25.6)
+    assert list(ddp_lr.get_ydata()[:1]) == pytest.approx([0.1 * (1 - 1 / 200)])
+    text = report.figure_text(fig)
+    assert "learning rate" in text and "lr" in text and "Acc@1 (%)" in text and "Tesla T4" in text
+
+
+def test_curves_without_tensorboard_place_each_epoch_at_the_images_trained_so_far(runs):
+    fig = report.plot_curves(runs)
+    loss_ax = fig.axes[0]
+    assert [list(line.get_xdata()) for line in loss_ax.lines] == [[0.9, 1.8]] * 4   # millions, both runs
+    assert loss_ax.get_xlabel() == "images seen (millions)"
+    assert "no learning rate recorded" in [t.get_text() for t in fig.axes[2].texts][0]   # older kits: no lr
+
+
+def test_curves_of_a_real_run_use_its_tensorboard_steps_and_lr(real_run):
+    run = report.load_run(real_run)
+    curves = report.image_curves(run)
+    assert curves["Loss/train"][0] == [8, 16, 24, 32]   # every step (log_every 1), batch 8
+    assert curves["Loss/val"][0] == [16, 32]             # end of each epoch: 2 steps of 8 images
+    images, lrs = report.lr_curve(run)
+    assert len(images) == len(lrs) >= 4 and all(lr > 0 for lr in lrs)   # lr at every step (or log point)
+    assert images == sorted(images) and all(x % 8 == 0 for x in images) and 24 <= images[-1] <= 32
+    rows = report.time_breakdown(run)   # the per-rank split, whichever place this kit version keeps it
+    assert len(rows) == 1 and rows[0]["total_s"] == pytest.approx(run["train_time_s"] / 2, rel=0.05)
+
+
+# -- a whole report from older kits' runs, and results.md's new parts -----------------------------
+def test_older_kits_results_still_make_a_full_report(runs, tmp_path):
+    paths = report.write_report(runs, tmp_path / "out")
+    assert [p.name for p in paths] == list(report.REPORT_FILES)
+    md = paths[-1].read_text()
+    assert "## What bound each run" in md and "- single: compute-bound: 90 % compute." in md
+    assert "![where the training time went, per rank](time.png)" in md
+    assert "## Seeds" not in md   # no group with several runs
+    assert "lr 0.2 at a batch of 256 scaled linearly to 0.1" in md   # ddp2: global batch 128
+
+
+def test_results_md_says_what_bound_each_run_under_the_table(tmp_path):
+    dirs = [fake_run(tmp_path / "single", 1, 3600.0, shares=dict(data=0.48, compute=0.5, comm=0.0, idle=0.02)),
+            fake_run(tmp_path / "ddp2", 2, 3000.0, link_gbit_s=0.9, predicted_speedup=1.2,
+                     shares=dict(data=0.05, compute=0.3, comm=0.61, idle=0.04), gpu_util=87.0)]
+    md = report.write_report(dirs, tmp_path / "out")[-1].read_text()
+    table_end, bound = md.index("| ddp2 |"), md.index("## What bound each run")
+    assert table_end < bound
+    assert "- single: data loading 48 % of the step" in md
+    assert "- ddp2: communication 61 % of the step (the link measured 0.9 Gbit/s; predicted speed-up 1.20x, " \
+           "measured 1.20x" in md and "GPU use 87 % mean" in md
