@@ -58,9 +58,12 @@ def row(name: str, results: dict, baseline: dict | None) -> str:
     measured = last["images_per_s"] / baseline["history"][-1]["train"]["images_per_s"] if baseline else None
     link = f"{results['link_gbit_s']:.2f}" if results.get("link_gbit_s") else "-"
     predicted = f"{results['predicted_speedup']:.2f}x" if results.get("predicted_speedup") else "-"
+    steps = last["steps"]
+    probe = f"{1e3 * results['probe']['compute_s']:.0f} / " if results.get("probe") else "- / "
+    compute = f"{probe}{1e3 * last['compute_s'] / steps:.0f}"
     return (f"| {name} | {last['images_per_s']:.0f} | {share['data_s']:.0f} / {share['compute_s']:.0f} / "
             f"{share['comm_s']:.0f} / {share['idle_s']:.0f} | {100 * last['comm_total_s'] / last['wall_s']:.0f} | "
-            f"{link} | {predicted} | {f'{measured:.2f}x' if measured else '1.00x (baseline)'} |")
+            f"{compute} | {link} | {predicted} | {f'{measured:.2f}x' if measured else '1.00x (baseline)'} |")
 
 
 def main() -> None:
@@ -80,9 +83,9 @@ def main() -> None:
         lines.append(row(f"2 ranks, link shaped to {args.rate}", slow, one))
     print(f"{args.arch}, 32 px, batch 64 per rank, 1 thread per process, fake data, last of 2 epochs "
           f"({args.steps} steps each)\n")
-    print("| run | img/s | time: data / compute / comm waited / idle (%) | comm in flight (%) | link (Gbit/s) "
-          "| predicted speed-up | measured speed-up |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    print("| run | img/s | time: data / compute / comm waited / idle (%) | comm in flight (%) "
+          "| compute per step (ms): probe / training | link (Gbit/s) | predicted speed-up | measured speed-up |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     print("\n".join(lines))
 
 

@@ -277,6 +277,7 @@ def _gpu_results(gpu, ctx, logger, step: int) -> dict:
     """Every rank's GPU use, gathered and reduced: the same dict on every rank ("no GPU" on CPUs)."""
     gpu.stop()
     summary = reduce_summaries(distributed.gather_objects(gpu.summary(), ctx))   # DDP: every rank's sampler
+    summary["gpu_per_rank"] = summary.pop("per_rank")   # results' per_rank is the time split
     logger.info(describe_gpu(summary))
     if isinstance(summary.get("gpu_util"), (int, float)):
         logger.scalars({"gpu/util_mean": summary["gpu_util"], "gpu/mem_peak_mb": summary["gpu_mem_peak_mb"] or 0},

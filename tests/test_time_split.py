@@ -52,6 +52,10 @@ def test_the_time_split_adds_up_to_the_train_time_on_every_rank(two_ranks):
     # top level: the sums over the epochs, as the issue names them
     for key in ("data_s", "compute_s", "comm_s", "comm_total_s", "idle_s"):
         assert results[key] == pytest.approx(sum(h["train"][key] for h in results["history"])), key
+    for rank, row in enumerate(results["per_rank"]):   # the whole run's split of each rank
+        assert row["rank"] == rank
+        assert row["comm_s"] == pytest.approx(sum(h["train"]["per_rank"][rank]["comm_s"] for h in results["history"]))
+    assert len(results["gpu_per_rank"]) == 2
     assert results["steps"] == 10
     assert results["measured_step_s"] == pytest.approx(results["train_time_s"] / 10)
     assert results["parallel"] == "ddp"

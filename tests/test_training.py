@@ -358,3 +358,52 @@ def test_resuming_with_another_architecture_names_both_and_writes_nothing(tmp_pa
     assert "is a checkpoint of arch='convnet', but these settings say arch='convnet_gn'" in res.output
     assert "--arch convnet" in res.output and "Traceback" not in res.output and len(res.output) < 3000
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
+
+
+def answer_sources() -> dict[int, list[str]]:
+    """``{question number: ["time.png", "results.json: comm_s, ...", ...]}`` from lab/README.md's step 9."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "lab" / "README.md").read_text()
+    section = text.split("## 9. Questions to answer")[1].split("## 10.")[0]
+    sources, question = {}, None
+    for line in section.splitlines():
+        start = re.match(r"(\d+)\. \*\*", line)
+        if start:
+            question = int(start.group(1))
+        elif "*Answer from:*" in line:
+            sources.setdefault(question, []).extend(re.findall(r"`([^`]+)`", line))
+    return sources
+
+
+def test_every_homework_question_names_figures_that_the_demo_runs_produced(demo_at_defaults, tmp_path):
+    from ddp_utils import report
+    from ddp_utils.runlog import read_scalars
+    tmp, two, one = demo_at_defaults
+    assert all(r.returncode == 0 for r in two + one), describe(two + one)
+    runs = [tmp / "ddp", tmp / "single"]
+    out = tmp_path / "report"
+    report.write_report(runs, out)
+    sources = answer_sources()
+    assert sorted(sources) == list(range(1, 11)), sources   # every question says where its answer is
+    for question, items in sources.items():
+        for item in items:
+            kind, _, names = item.partition(": ")
+            where = f"question {question}: {item}"
+            if not names:                                   # a file of the report
+                assert (out / kind).is_file(), where
+                continue
+            names = [name.strip() for name in names.split(",")]
+            for run in runs:
+                if kind == "results.json":
+                    results = json.loads((run / "results.json").read_text())
+                    assert all(name in results for name in names), where
+                elif kind == "TensorBoard":
+                    scalars = read_scalars(run)
+                    assert all(scalars.get(name) for name in names), where
+                elif kind == "run folder":
+                    assert all((run / name).is_file() for name in names), where
+                elif kind == "log.txt":
+                    assert all(name in (run / "log.txt").read_text() for name in names), where
+                else:
+                    raise AssertionError(f"{where}: unknown kind of source {kind!r}")
