@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (last.pt) on rank 0; "
                                                          "other ranks receive it over the network")
     train.add_argument("--evaluate", action="store_true", help="only evaluate the --resume checkpoint")
+    train.add_argument("--seeds", type=seed_list, metavar="2,4,42",
+                       help="train the same configuration once per seed, one after the other, into sibling "
+                            "run folders RUN_DIR-seed2, RUN_DIR-seed4, ...; `report` then gives mean +- std")
 
     check = sub.add_parser("check", help="pre-flight only: network, port, GPUs, data, /dev/shm; exit 0 when ready")
     settings_module.add_arguments(check)
@@ -67,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def seed_list(text: str) -> list[int]:
+    """``"2,4,42"`` -> ``[2, 4, 42]``; distinct integers, at least one."""
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seeds as integers separated by commas, e.g. 2,4,42") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more different seeds, e.g. 2,4,42")
+    return seeds
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler, `kill`, the container stopping): stop like an interrupt, telling the others."""
     description = "SIGTERM (the process was told to stop)"   # what the other ranks are told
@@ -81,8 +95,14 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _terminate)   # without it SIGTERM ends the process with no word to the others
     try:
         if args.command == "train":
-            from .job import run_job
-            run_job(settings_module.from_args(args), resume=args.resume, evaluate=args.evaluate)
+            from .job import run_job, run_seeds
+            if args.seeds:
+                if args.resume:
+                    raise ValueError("--seeds starts new runs; to continue one seed's run, pass --resume "
+                                     "RUN_DIR-seedN/last.pt with --seed N instead of --seeds")
+                run_seeds(settings_module.from_args(args), args.seeds)
+            else:
+                run_job(settings_module.from_args(args), resume=args.resume, evaluate=args.evaluate)
         elif args.command == "check":
             from .check import run_check
             return 0 if run_check(settings_module.from_args(args), verify_images=args.verify_images) else 1

@@ -262,7 +262,8 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
     wall = time.perf_counter() - t0
     if val is None:                    # nothing left to train (resumed after the last epoch)
         val = evaluate(model, data.val, settings, ctx)
-    extra = {"parallel": parallel, "stopped_early": stopped_early, "stop_reason": stop_reason,
+    gpus = torch.cuda.device_count() if parallel == "dp" else int(ctx.device.type == "cuda")   # per process
+    extra = {"parallel": parallel, "gpus": gpus, "stopped_early": stopped_early, "stop_reason": stop_reason,
              "link_gbit_s": probe["link_gbit_s"] if probe else None,
              "predicted_speedup": probe["predicted_speedup"] if probe else None, "probe": probe,
              **(_gpu_results(gpu, ctx, logger, step) if gpu is not None else {})}

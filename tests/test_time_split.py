@@ -165,3 +165,17 @@ def test_seeds_run_the_same_configuration_into_sibling_folders(tmp_path):
     first = weights(tmp_path / "run-seed2" / "last.pt")
     second = weights(tmp_path / "run-seed4" / "last.pt")
     assert any(not torch.equal(first[k], second[k]) for k in first)   # really different seeds
+
+
+@pytest.mark.parametrize("text", ["2,x", "2,2", ","])
+def test_bad_seed_lists_are_refused_with_an_example(text, capsys):
+    from ddp_utils import cli
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["train", "--seeds", text])
+    assert "e.g. 2,4,42" in capsys.readouterr().err
+
+
+def test_seeds_and_resume_together_are_refused(capsys):
+    from ddp_utils import cli
+    assert cli.main(["train", "--seeds", "2,4", "--resume", "x/last.pt"]) == 2
+    assert "--seed N instead of --seeds" in capsys.readouterr().err
