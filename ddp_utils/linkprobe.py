@@ -7,12 +7,14 @@ Right after the model is built, every rank times
   size: the compute of one step, without communication. The real model, its statistics and the
   random number generators are left untouched.
 
-From these: the link's bus bandwidth (nccl-tests' definition: a ring all-reduce of S bytes over n
-ranks moves 2 (n-1)/n S bytes through every rank's link), and a **predicted speed-up** over one
-rank with the same per-rank batch::
+The compute is timed twice: on every rank at once (the step under DDP) and on rank 0 alone while
+the others wait (the step of a 1-rank baseline; slower together where ranks share a machine's
+cores or memory). From these: the link's bus bandwidth (nccl-tests' definition: a ring all-reduce
+of S bytes over n ranks moves 2 (n-1)/n S bytes through every rank's link), and a **predicted
+speed-up** over one rank with the same per-rank batch::
 
     predicted step     = compute + all-reduce           (no overlap: a pessimistic bound)
-    predicted speed-up = n x compute / predicted step
+    predicted speed-up = n x compute alone / predicted step
 
 The probe takes a few seconds at most (``--no-link-probe`` skips it). Both numbers go into
 ``results.json``; after training the measured step is printed next to the predicted one.
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import distributed
 from .model import unwrap
 from .optim import amp_dtype, autocast
 
@@ -42,12 +45,17 @@ def probe(model, settings, ctx, num_classes: int, image_size: int, log=print) ->
     grads = torch.zeros(numel, dtype=torch.float32, device=ctx.device)
     allreduce_s = _time_allreduce(grads, ctx)
     compute_s = _slowest(_time_compute(model, settings, ctx, num_classes, image_size), ctx)
+    # One rank alone, the others waiting: what the 1-rank baseline computes per step. Where ranks share a
+    # machine (a rehearsal, or several GPUs of a node sharing its CPU) the step is slower together.
+    distributed.barrier(ctx)
+    alone_s = _time_compute(model, settings, ctx, num_classes, image_size) if ctx.is_main else 0.0
+    alone_s = _slowest(alone_s, ctx)
     n = ctx.world_size
     moved = 2 * (n - 1) / n * grads.numel() * grads.element_size()
-    result = {"allreduce_s": allreduce_s, "compute_s": compute_s, "grad_mb": grads.numel() * 4 / 1e6,
-              "link_gbit_s": moved * 8 / allreduce_s / 1e9,
+    result = {"allreduce_s": allreduce_s, "compute_s": compute_s, "compute_alone_s": alone_s,
+              "grad_mb": grads.numel() * 4 / 1e6, "link_gbit_s": moved * 8 / allreduce_s / 1e9,
               "predicted_step_s": compute_s + allreduce_s,
-              "predicted_speedup": n * compute_s / (compute_s + allreduce_s)}
+              "predicted_speedup": n * alone_s / (compute_s + allreduce_s)}
     if ctx.is_main:
         log(describe(result, n))
     return result
@@ -55,9 +63,12 @@ def probe(model, settings, ctx, num_classes: int, image_size: int, log=print) ->
 
 def describe(result: dict, world_size: int) -> str:
     share = result["allreduce_s"] / result["predicted_step_s"]
+    alone = result["compute_alone_s"]
+    shared = (f" ({1e3 * alone:.0f} ms for one rank alone: these ranks share a machine)"
+              if result["compute_s"] > 1.1 * alone else "")
     return (f"link probe: all-reduce of the {result['grad_mb']:.1f} MB of gradients takes "
             f"{1e3 * result['allreduce_s']:.0f} ms (link {result['link_gbit_s']:.2f} Gbit/s); one step's compute "
-            f"{1e3 * result['compute_s']:.0f} ms; so communication is up to {100 * share:.0f} % of a step and "
+            f"{1e3 * result['compute_s']:.0f} ms{shared}; so communication is up to {100 * share:.0f} % of a step and "
             f"{world_size} ranks should be about {result['predicted_speedup']:.2f}x one rank "
             f"(ideal {world_size}x; DDP's overlap with the backward pass can do better)")
 

@@ -68,6 +68,9 @@ def test_the_link_probe_reports_bandwidth_and_a_predicted_speed_up(two_ranks):
     assert 0 < results["predicted_speedup"] <= 2
     probe = results["probe"]
     assert probe["predicted_step_s"] == pytest.approx(probe["compute_s"] + probe["allreduce_s"])
+    # against one rank alone (the baseline), with the step the ranks make together
+    assert results["predicted_speedup"] == pytest.approx(2 * probe["compute_alone_s"] / probe["predicted_step_s"])
+    assert probe["link_gbit_s"] == pytest.approx(probe["grad_mb"] * 1e6 * 8 / probe["allreduce_s"] / 1e9)
     log = (two_ranks / "log.txt").read_text()
     assert "per step: predicted" in log and "measured" in log   # side by side after training
 
