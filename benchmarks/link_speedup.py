@@ -12,12 +12,14 @@ thread per process, no worker processes), one after the other:
 
 For each it prints the time split of the last epoch (the first one warms up), the link probe's
 bandwidth and predicted speed-up, and the speed-up measured against run 1 (images/s of the last
-epoch). Figures are ratios measured side by side in one run: take them on an idle machine.
+epoch), medians over ``--rounds``. Figures are ratios measured side by side in one run: take them
+on an idle machine.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,18 +54,28 @@ def shape(hosts, rate: str) -> None:
                         "burst", "256kbit", "latency", "50ms"], check=True)
 
 
-def row(name: str, results: dict, baseline: dict | None) -> str:
+def figures(results: dict, baseline: dict | None) -> dict:
+    """The last epoch's numbers of one run (the first epoch warms up)."""
     last = results["history"][-1]["train"]
-    share = {key: 100 * last[key] / last["wall_s"] for key in ("data_s", "compute_s", "comm_s", "idle_s")}
-    measured = last["images_per_s"] / baseline["history"][-1]["train"]["images_per_s"] if baseline else None
-    link = f"{results['link_gbit_s']:.2f}" if results.get("link_gbit_s") else "-"
-    predicted = f"{results['predicted_speedup']:.2f}x" if results.get("predicted_speedup") else "-"
-    steps = last["steps"]
-    probe = f"{1e3 * results['probe']['compute_s']:.0f} / " if results.get("probe") else "- / "
-    compute = f"{probe}{1e3 * last['compute_s'] / steps:.0f}"
-    return (f"| {name} | {last['images_per_s']:.0f} | {share['data_s']:.0f} / {share['compute_s']:.0f} / "
-            f"{share['comm_s']:.0f} / {share['idle_s']:.0f} | {100 * last['comm_total_s'] / last['wall_s']:.0f} | "
-            f"{compute} | {link} | {predicted} | {f'{measured:.2f}x' if measured else '1.00x (baseline)'} |")
+    probe = results.get("probe") or {}
+    return {"img_s": last["images_per_s"],
+            **{key: 100 * last[key] / last["wall_s"] for key in ("data_s", "compute_s", "comm_s", "idle_s")},
+            "in_flight": 100 * last["comm_total_s"] / last["wall_s"],
+            "probe_ms": 1e3 * probe["compute_s"] if probe else None,
+            "train_ms": 1e3 * last["compute_s"] / last["steps"],
+            "link": results.get("link_gbit_s"), "predicted": results.get("predicted_speedup"),
+            "measured": last["images_per_s"] / baseline["history"][-1]["train"]["images_per_s"] if baseline else 1.0}
+
+
+def median_row(name: str, rounds: list[dict]) -> str:
+    m = {key: statistics.median(r[key] for r in rounds) if rounds[0][key] is not None else None for key in rounds[0]}
+    probe = f"{m['probe_ms']:.0f}" if m["probe_ms"] is not None else "-"
+    link = f"{m['link']:.2f}" if m["link"] else "-"
+    predicted = f"{m['predicted']:.2f}x" if m["predicted"] else "-"
+    off = f" ({100 * (m['predicted'] / m['measured'] - 1):+.0f} %)" if m["predicted"] else ""
+    return (f"| {name} | {m['img_s']:.0f} | {m['data_s']:.0f} / {m['compute_s']:.0f} / {m['comm_s']:.0f} / "
+            f"{m['idle_s']:.0f} | {m['in_flight']:.0f} | {probe} / {m['train_ms']:.0f} | {link} | {predicted}{off} "
+            f"| {m['measured']:.2f}x |")
 
 
 def main() -> None:
@@ -71,22 +83,24 @@ def main() -> None:
     parser.add_argument("--rate", default="1gbit", help="tc rate of the shaped link (default 1gbit)")
     parser.add_argument("--steps", type=int, default=15, help="steps per epoch (2 epochs per run; default 15)")
     parser.add_argument("--arch", default="resnet18", help="model (default resnet18: 45 MB of gradients)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three runs; medians (default 3)")
     args = parser.parse_args()
-    lines = []
-    with tempfile.TemporaryDirectory() as tmp, netns.two_hosts("10.213.9") as hosts:
-        one = run(hosts, Path(tmp, "one"), 1, args)
-        lines.append(row("1 rank", one, None))
-        two = run(hosts, Path(tmp, "two"), 2, args)
-        lines.append(row("2 ranks, unshaped veth", two, one))
-        shape(hosts, args.rate)
-        slow = run(hosts, Path(tmp, "slow"), 2, args)
-        lines.append(row(f"2 ranks, link shaped to {args.rate}", slow, one))
+    names = ["1 rank", "2 ranks, unshaped veth", f"2 ranks, link shaped to {args.rate}"]
+    rounds: dict[str, list] = {name: [] for name in names}
+    for _ in range(args.rounds):
+        with tempfile.TemporaryDirectory() as tmp, netns.two_hosts("10.213.9") as hosts:
+            one = run(hosts, Path(tmp, "one"), 1, args)
+            rounds[names[0]].append(figures(one, None))
+            rounds[names[1]].append(figures(run(hosts, Path(tmp, "two"), 2, args), one))
+            shape(hosts, args.rate)
+            rounds[names[2]].append(figures(run(hosts, Path(tmp, "slow"), 2, args), one))
     print(f"{args.arch}, 32 px, batch 64 per rank, 1 thread per process, fake data, last of 2 epochs "
-          f"({args.steps} steps each)\n")
+          f"({args.steps} steps each), medians of {args.rounds} rounds\n")
     print("| run | img/s | time: data / compute / comm waited / idle (%) | comm in flight (%) "
-          "| compute per step (ms): probe / training | link (Gbit/s) | predicted speed-up | measured speed-up |")
+          "| compute per step (ms): probe / training | link (Gbit/s) | predicted speed-up (vs measured) "
+          "| measured speed-up |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
-    print("\n".join(lines))
+    print("\n".join(median_row(name, rounds[name]) for name in names))
 
 
 if __name__ == "__main__":
