@@ -233,7 +233,9 @@ def test_rank_0_shows_the_results_table_and_the_curves_from_its_run_folder(on_lo
     for name in ("main", "single"):
         [table] = displayed(outs[name], "text/markdown")
         assert table.startswith("| run | ranks |") and "Acc@1" in table
-        assert len(displayed(outs[name], "image/png")) == 1, "the curves figure is not shown inline"
+        assert len(displayed(outs[name], "image/png")) == 2, "the curves and time-split figures are not shown inline"
+        assert re.search(r"(compute-bound|bound by|communication|data loading).*(no GPU|GPU use)", printed(outs[name])), \
+            "no sentence on what bound the run"
     assert displayed(outs["worker"], "text/markdown") == [] == displayed(outs["worker"], "image/png")
 
 
