@@ -23,7 +23,8 @@ DATASETS = tuple(PRESETS)
 BACKENDS = ("auto", "gloo", "nccl")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
-LOADERS = ("workers", "memory")
+LOADERS = ("workers", "memory", "dali")
+COMM_MODES = ("auto", "none", "fp16", "bf16", "powersgd")
 PROGRESS_MODES = ("auto", "steps", "bar", "off")
 PARALLEL_MODES = ("ddp", "dp", "none")
 
@@ -33,7 +34,8 @@ RECIPE_FIELDS = ("arch", "batch_size", "epochs", "lr", "warmup_epochs")
 
 MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_reference_batch",
               "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
-              "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe")
+              "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
+              "comm", "bucket_mb", "static_graph", "powersgd_rank", "powersgd_warmup_steps", "comm_auto_share")
 
 
 def _f(default, help: str, **kw):
@@ -55,7 +57,8 @@ class Settings:
     loader: str = _f("workers", "workers: DataLoader worker processes decode images each epoch (the classic "
                                 "path); memory: decode the split once into a uint8 tensor kept in memory "
                                 "(on the GPU when there is one), batched augmentation, no worker processes "
-                                "(cinic10 and demo only)", choices=LOADERS)
+                                "(cinic10 and demo only); dali: NVIDIA DALI decodes and augments (on the GPU "
+                                "with a GPU, its CPU pipeline otherwise; imagenet and cinic10)", choices=LOADERS)
     # -- model --------------------------------------------------------------------------------
     arch: str = _f(None, "convnet (small, fast on CPU; convnet_gn with GroupNorm), resnet18_cifar "
                          "(32 px stem) or any torchvision classifier name such as resnet18, resnet50; "
@@ -100,6 +103,20 @@ class Settings:
                               "one device, no wrapper", choices=PARALLEL_MODES)
     link_probe: bool = _f(True, "before training, time a few all-reduces of the gradients' size and one "
                                 "step's compute: link bandwidth and predicted speed-up (a few seconds)")
+    comm: str = _f("none", "gradient communication: none (fp32 all-reduce, DDP's default), fp16 / bf16 (send "
+                           "half-precision gradients: half the bytes), powersgd (low-rank compression with error "
+                           "feedback: far fewer bytes, some compute), or auto (choose from the link probe: "
+                           "compress when communication would take more than comm_auto_share of a step)",
+                   choices=COMM_MODES)
+    bucket_mb: float = _f(25.0, "DDP gradient bucket size in MB (DDP's default 25): smaller buckets start the "
+                                "all-reduce earlier in the backward pass, larger ones make fewer, longer messages")
+    static_graph: bool = _f(False, "tell DDP the model runs the same layers every step (lets it skip per-step "
+                                   "bookkeeping and overlap better); wrong for models with data-dependent branches")
+    powersgd_rank: int = _f(4, "PowerSGD: rank of the low-rank approximation (higher = closer to exact, more bytes)")
+    powersgd_warmup_steps: int = _f(10, "PowerSGD: steps of exact fp32 all-reduce before compressing (lets the "
+                                        "error feedback start from sensible gradients)")
+    comm_auto_share: float = _f(0.2, "comm=auto: compress when the probe predicts communication above this share "
+                                     "of a step")
     master_addr: str = _f("127.0.0.1", "IP of the rank-0 node: its private IP on a cloud network")
     master_port: int = _f(29500, "TCP port rank 0 listens on; open it (and the ports NCCL/Gloo add) "
                                  "between the nodes")
@@ -143,11 +160,12 @@ class Settings:
         if not 1 <= self.master_port <= 65535:
             out.append(f"master_port={self.master_port}: must be a TCP port, 1..65535 (e.g. 29500)")
         for name in ("epochs", "batch_size", "lr_reference_batch", "init_timeout", "collective_timeout",
-                     "log_every"):
+                     "log_every", "bucket_mb", "powersgd_rank"):
             if getattr(self, name) <= 0:
                 out.append(f"{name}={getattr(self, name)}: must be positive")
         for name in ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr",
-                     "weight_decay", "momentum", "local_rank", "threads", "patience"):
+                     "weight_decay", "momentum", "local_rank", "threads", "patience", "powersgd_warmup_steps",
+                     "comm_auto_share"):
             if getattr(self, name) < 0:
                 out.append(f"{name}={getattr(self, name)}: must not be negative")
         if self.parallel != "ddp" and self.world_size > 1:
