@@ -8,9 +8,10 @@
             ...                                           # every validation image exactly once
 
 It checks the folders (``datasets.check_data``), then picks one of two loader pairs with the same
-shards, steps and validation tensors: ``workers`` (DataLoader worker processes decode each epoch, the
-classic path, any preset) or ``memory`` (decode once into a uint8 tensor, ``memdata.py``; cinic10 and
-demo). The pieces live in ``datasets.py``; this module only decides and assembles.
+shards and steps: ``workers`` (DataLoader worker processes decode each epoch, any preset; for ImageNet
+they send uint8 crops that are normalised batched on the device, ``fastjpeg.py``) or ``memory`` (decode
+once into a uint8 tensor, ``memdata.py``; cinic10 and demo). The pieces live in ``datasets.py``,
+``fastjpeg.py`` and ``memdata.py``; this module only decides and assembles.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .datasets import (Data, EpochLoader, EvalShardSampler, ImageFolderDataset, check_batch_fits, check_data,
                        close_inherited_listeners, eval_transform, fake_dataset, load_preset, train_transform)
+from . import fastjpeg
 from .memdata import build_memory_data, check_memory_dataset
 
 __all__ = ["build_data"]
@@ -32,7 +34,8 @@ def build_data(settings, rank: int, world_size: int, device: torch.device | str 
     Train: DistributedSampler (shuffle with ``settings.seed``, drop_last), so each rank gets a
     disjoint 1/world_size of the split each epoch, in full batches of ``settings.batch_size``.
     Val: EvalShardSampler, every image exactly once across ranks, last batch may be short.
-    ``device`` decides ``pin_memory`` (on for CUDA) and, for the memory loader, where the images live.
+    ``device`` decides ``pin_memory`` (on for CUDA), where ImageNet's batches are normalised (its
+    workers send uint8), and for the memory loader where the images live.
     Raises DataError.
     """
     if settings.loader == "memory":
@@ -46,7 +49,14 @@ def build_data(settings, rank: int, world_size: int, device: torch.device | str 
         return build_memory_data(root, preset, size, val_split, found["classes"], settings.batch_size,
                                  settings.seed, settings.max_steps_per_epoch, settings.workers, rank,
                                  world_size, device)
-    if preset.folders:
+    # ImageNet: the workers decode with libjpeg-turbo and send uint8 crops, normalised here per batch.
+    uint8 = preset.crop == "resized"
+    if uint8:
+        train_set = ImageFolderDataset(root / preset.train_split, fastjpeg.train_transform(preset, size),
+                                       loader=fastjpeg.decode_rgb)
+        val_set = ImageFolderDataset(root / val_split, fastjpeg.eval_transform(preset, size),
+                                     loader=fastjpeg.decode_rgb)
+    elif preset.folders:
         train_set = ImageFolderDataset(root / preset.train_split, train_transform(preset, size))
         val_set = ImageFolderDataset(root / val_split, eval_transform(preset, size))
     else:
@@ -67,7 +77,13 @@ def build_data(settings, rank: int, world_size: int, device: torch.device | str 
     train = DataLoader(train_set, sampler=sampler, drop_last=True, generator=torch.Generator(), **loader_args)
     val = DataLoader(val_set, sampler=EvalShardSampler(val_set, rank, world_size), drop_last=False,
                      persistent_workers=settings.workers > 0, **loader_args)   # no restart per epoch
-    return Data(train=EpochLoader(train, settings.max_steps_per_epoch, seed=settings.seed, rank=rank), val=val,
+    if uint8:
+        to_device = fastjpeg.DeviceNormalize(preset, device, settings.channels_last)
+        train = fastjpeg.NormalizedEpochLoader(train, to_device, settings.max_steps_per_epoch, settings.seed, rank)
+        val = fastjpeg.NormalizedLoader(val, to_device)
+    else:
+        train = EpochLoader(train, settings.max_steps_per_epoch, seed=settings.seed, rank=rank)
+    return Data(train=train, val=val,
                 num_classes=len(found["classes"]), classes=found["classes"],
                 train_size=len(train_set), val_size=len(val_set), image_size=size, preset=preset,
                 val_split=val_split)

@@ -160,11 +160,12 @@ class ImageFolderDataset(ImageFolder):
     that skips hidden folders and names the file when an image cannot be read.
 
     ``dataset[i]`` -> (transform(image), label): with the preset transforms a float32 tensor
-    (3, S, S) and an int in 0..num_classes-1.
+    (3, S, S) and an int in 0..num_classes-1. ``loader`` opens a file: ``load_rgb`` (a PIL image) or
+    ``fastjpeg.decode_rgb`` (a uint8 tensor); either raises a DataError naming an unreadable file.
     """
 
-    def __init__(self, root: str | Path, transform=None):
-        super().__init__(str(root), transform=transform, loader=load_rgb)
+    def __init__(self, root: str | Path, transform=None, loader=load_rgb):
+        super().__init__(str(root), transform=transform, loader=loader)
 
     def find_classes(self, directory):
         return find_classes(directory)

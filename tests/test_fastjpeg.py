@@ -1,0 +1,204 @@
+"""ddp_utils.fastjpeg: ImageNet's workers path sends uint8 and normalises after, with the classic path's
+shards, steps, crops and validation tensors (within the rounding of two antialiased resizes).
+
+The classic path is the course's: Pillow decodes, ``datasets.train_transform`` / ``eval_transform``
+(RandomResizedCrop or Resize + CenterCrop, ToTensor, Normalize) in the workers, float32 batches out.
+Tolerance: the two paths decode to identical pixels (both are libjpeg-turbo); Pillow's and torchvision's
+antialiased resizes round differently, by at most 2 of 255 levels per pixel (measured: at most 2 on
+ImageNet-size photos, 0.002 levels on average). The photos are cut from the two real photos that
+scikit-learn ships, so every crop and every pixel of rounding shows.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddp_utils import fastjpeg
+from ddp_utils.data import build_data
+from ddp_utils.datasets import (DataError, EpochLoader, EvalShardSampler, ImageFolderDataset, augmentation_seed,
+                                eval_transform, load_preset, train_transform)
+from ddp_utils.memdata import normalize
+from ddp_utils.settings import Settings
+from tests.test_data import WNIDS, make_imagenet
+
+LEVELS = 2   # of 255: the most the two resizes may differ per pixel
+
+
+def make_photo_imagenet(root: Path, train_per_class: int = 4, val_per_class: int = 3, seed: int = 0) -> Path:
+    """ImageNet's layout (train/<wnid>/, val/<wnid>/) of small JPEG photos cut from scikit-learn's two."""
+    from sklearn.datasets import load_sample_images
+    photos = [Image.fromarray(a) for a in load_sample_images().images]   # china.jpg, flower.jpg: 640 x 427
+    rng = random.Random(seed)
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for wnid in WNIDS:
+            (root / split / wnid).mkdir(parents=True)
+            for i in range(count):
+                x, y = rng.randrange(300), rng.randrange(150)
+                image = photos[rng.randrange(2)].crop((x, y, x + 320, y + 260))
+                image = image.resize((rng.randint(70, 150), rng.randint(60, 130)), Image.BICUBIC)
+                image.save(root / split / wnid / f"{wnid}_{i}.JPEG", quality=90)
+    return root
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    return make_photo_imagenet(tmp_path_factory.mktemp("fastjpeg") / "imagenet")
+
+
+@pytest.fixture
+def imagenet(tmp_path):
+    return make_imagenet(tmp_path / "imagenet", train_per_class=5)   # 15 train, 6 val: test_data's folders
+
+
+def settings(path, **kw) -> Settings:
+    return Settings(**{"dataset": "imagenet", "data_dir": str(path), "workers": 0, "batch_size": 2, **kw})
+
+
+def classic(s: Settings, rank: int, world_size: int):
+    """The course's path, as build_data assembled it before fastjpeg: float32 out of the workers."""
+    preset, root = load_preset("imagenet"), Path(s.data_dir)
+    size = s.image_size or preset.image_size
+    train_set = ImageFolderDataset(root / "train", train_transform(preset, size))
+    val_set = ImageFolderDataset(root / "val", eval_transform(preset, size))
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=s.seed,
+                                 drop_last=True)
+    train = DataLoader(train_set, batch_size=s.batch_size, sampler=sampler, drop_last=True,
+                       num_workers=s.workers, generator=torch.Generator())
+    val = DataLoader(val_set, batch_size=s.batch_size, sampler=EvalShardSampler(val_set, rank, world_size))
+    return EpochLoader(train, s.max_steps_per_epoch, seed=s.seed, rank=rank), val
+
+
+def levels(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| of two normalised ImageNet batches, in levels of 255 per pixel."""
+    std = torch.tensor(load_preset("imagenet").std).view(1, 3, 1, 1)
+    return (a - b).abs() * std * 255
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards and steps: the classic path's, exactly
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_each_rank_gets_the_classic_paths_shard_and_steps(imagenet, world_size):
+    shards = []
+    for rank in range(world_size):
+        fast = build_data(settings(imagenet, seed=3, image_size=32), rank, world_size).train
+        old, _ = classic(settings(imagenet, seed=3, image_size=32), rank, world_size)
+        assert isinstance(fast, fastjpeg.NormalizedEpochLoader) and len(fast) == len(old) == 15 // world_size // 2
+        for epoch in (0, 1):
+            fast_labels = [y.tolist() for _, y in fast.epoch(epoch)]
+            assert fast_labels == [y.tolist() for _, y in old.epoch(epoch)]   # same indices, same order
+            assert len(fast_labels) == len(fast)
+            assert list(fast.sampler) == list(old.sampler)                    # set_epoch(epoch) on both
+        shards.append(list(fast.sampler))
+    union = [i for shard in shards for i in shard]
+    assert len(set(union)) == len(union) == world_size * (15 // world_size)   # disjoint
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_same_seed_rank_and_epoch_cut_the_classic_paths_crops(photos, workers):
+    """The v2 transforms draw the classic ones' random numbers: same crop and flip, pixels within 2 levels."""
+    s = settings(photos, workers=workers, batch_size=4, image_size=64, seed=7)
+    fast = build_data(s, 1, 2).train
+    old, _ = classic(s, 1, 2)
+    for epoch in (0, 2):
+        a = torch.cat([x for x, _ in fast.epoch(epoch)])
+        b = torch.cat([x for x, _ in old.epoch(epoch)])
+        assert a.shape == b.shape == (4, 3, 64, 64) and a.dtype == torch.float32
+        assert levels(a, b).max() <= LEVELS + 1e-3
+
+
+def test_augmentation_depends_on_seed_rank_and_epoch_only(photos):
+    def draw(rank, epoch, seed=0):
+        loader = build_data(settings(photos, batch_size=4, image_size=48, seed=seed), rank, 2).train
+        torch.manual_seed(0)   # the training's global RNG, the same on every rank: must not matter
+        return torch.cat([x for x, _ in loader.epoch(epoch)])
+    assert torch.equal(draw(1, 1), draw(1, 1))             # a re-run (or a resume) draws the same crops
+    assert not torch.equal(draw(1, 1), draw(1, 2))         # other epoch, other crops
+    assert not torch.equal(draw(1, 1), draw(1, 1, seed=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact evaluation: the classic path's tensors within 2 levels
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("image_size", [224, 64])
+def test_validation_tensors_match_the_classic_paths_within_2_of_255_levels(photos, image_size):
+    seen = []
+    for rank in range(2):
+        s = settings(photos, batch_size=2, image_size=image_size)
+        fast = build_data(s, rank, 2).val
+        _, old = classic(s, rank, 2)
+        assert list(fast.sampler) == list(old.sampler) == list(range(rank, 9, 2)) and len(fast) == len(old)
+        a, a_labels = map(torch.cat, zip(*fast))
+        b, b_labels = map(torch.cat, zip(*old))
+        assert torch.equal(a_labels, b_labels) and a.shape == b.shape == (len(old.sampler), 3, image_size, image_size)
+        diff = levels(a, b)
+        assert diff.max() <= LEVELS + 1e-3 and diff.mean() < 0.1
+        seen += list(fast.sampler)
+    assert sorted(seen) == list(range(9))                  # every validation image once across the ranks
+
+
+# ---------------------------------------------------------------------------------------------
+# uint8 through the queues, normalisation after
+# ---------------------------------------------------------------------------------------------
+def test_uint8_goes_through_the_worker_queue_and_is_normalised_after(photos):
+    data = build_data(settings(photos, workers=1, batch_size=4, image_size=32), 0, 1)
+    queued = [x for x, _ in data.train.loader]                              # what the worker process sent
+    assert queued and all(x.dtype == torch.uint8 and x.shape == (4, 3, 32, 32) for x in queued)
+    out = [x for x, _ in data.train.epoch(0)]
+    norm = data.train.to_device
+    assert all(x.dtype == torch.float32 for x in out)
+    data.train.loader.generator.manual_seed(augmentation_seed(0, 0, 0))   # what epoch(0) seeded the workers with
+    again = [x for x, _ in data.train.loader]                               # so: the same uint8 crops
+    assert len(again) == len(out) == 3
+    assert all(torch.equal(normalize(u, norm.mean, norm.std), f) for u, f in zip(again, out))
+    val_queued = next(iter(data.val.loader))[0]
+    assert val_queued.dtype == torch.uint8
+    assert torch.equal(next(iter(data.val))[0], normalize(val_queued, norm.mean, norm.std))
+
+
+def test_device_normalize_keeps_cpu_batches_contiguous_and_moves_labels():
+    preset = load_preset("imagenet")
+    to_device = fastjpeg.DeviceNormalize(preset, "cpu", channels_last=True)   # channels_last is for GPUs
+    images = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    (x, y), = to_device([(images, torch.tensor([1, 2]))])
+    assert x.is_contiguous() and x.dtype == torch.float32 and y.tolist() == [1, 2]
+    expected = (images.float() / 255 - torch.tensor(preset.mean).view(3, 1, 1)) / torch.tensor(preset.std).view(3, 1, 1)
+    assert torch.allclose(x, expected, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding: libjpeg-turbo, Pillow for the rest, the kit's paragraph for a broken file
+# ---------------------------------------------------------------------------------------------
+def pillow(path) -> torch.Tensor:
+    return torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
+
+
+def test_decode_rgb_gives_pillows_pixels_for_jpeg_png_cmyk_and_grey(photos, tmp_path):
+    jpeg = next((photos / "train" / WNIDS[0]).iterdir())
+    image = Image.open(jpeg).convert("RGB")
+    image.save(tmp_path / "png.JPEG", format="PNG")              # ImageNet has a PNG named .JPEG
+    image.convert("CMYK").save(tmp_path / "cmyk.JPEG")           # and CMYK JPEGs
+    image.convert("L").save(tmp_path / "grey.JPEG")
+    for path in (jpeg, tmp_path / "png.JPEG", tmp_path / "cmyk.JPEG", tmp_path / "grey.JPEG"):
+        out = fastjpeg.decode_rgb(str(path))
+        assert out.dtype == torch.uint8 and out.shape[0] == 3 and torch.equal(out, pillow(path)), path.name
+
+
+def test_decode_rgb_without_torchvisions_decoder_uses_pillow(photos, monkeypatch):
+    jpeg = next((photos / "val" / WNIDS[1]).iterdir())
+    monkeypatch.setattr(fastjpeg, "decode_jpeg", None)   # a torchvision whose decoders are gone
+    assert torch.equal(fastjpeg.decode_rgb(str(jpeg)), pillow(jpeg))
+
+
+def test_an_unreadable_file_is_the_kits_paragraph_naming_it(imagenet):
+    bad = imagenet / "train" / WNIDS[2] / "broken.JPEG"
+    bad.write_bytes((imagenet / "val" / WNIDS[2] / "ILSVRC2012_val_00000006.JPEG").read_bytes()[:300])
+    with pytest.raises(DataError, match="Pillow cannot read") as e:
+        fastjpeg.decode_rgb(str(bad))
+    assert str(bad) in str(e.value)
