@@ -2,8 +2,9 @@
 
 DDP calls a communication hook once per gradient bucket, as soon as the bucket's gradients are
 ready during the backward pass; the hook starts the all-reduce and returns a future. ``CommTimer``
-wraps PyTorch's default hook (average the bucket over the ranks), notes when each bucket was
-handed over and when its all-reduce finished, and splits the step's communication in two:
+wraps the hook in use (PyTorch's default, average the bucket over the ranks, or a compression hook
+of ``comm.py``), notes when each bucket was handed over and when its all-reduce finished, and
+splits the step's communication in two:
 
 - ``comm_s``, *waited for*: from the moment the last bucket was ready (the backward pass had
   computed every gradient) until the last all-reduce finished. The step could do nothing else
@@ -36,8 +37,12 @@ class CommTimer:
         self._pending: list = []        # CUDA: finished steps whose events are not resolved yet
         self.waited_s = self.in_flight_s = 0.0
         self.steps = 0
+        self.blocking = False
 
-    def attach(self, ddp_model) -> None:
+    def attach(self, ddp_model, hook=allreduce_hook, state=None) -> None:
+        """Time ``hook`` (DDP's default all-reduce, or a compression hook from ``comm.py``) on ``ddp_model``."""
+        self._inner, self._state = hook, state
+        self.blocking = getattr(hook, "blocking", False)   # a hook that waits blocks the backward pass
         ddp_model.register_comm_hook(state=None, hook=self._hook)
 
     def _now(self):
@@ -49,7 +54,7 @@ class CommTimer:
 
     def _hook(self, state, bucket):
         ready = self._now()
-        future = allreduce_hook(None, bucket)   # DDP's default: all-reduce the bucket, divide by world size
+        future = self._inner(self._state, bucket)   # e.g. DDP's default: all-reduce the bucket, average
 
         def done(fut):
             with self._lock:
@@ -89,7 +94,7 @@ class CommTimer:
 
     def _add(self, buckets: list[tuple[float, float]]) -> None:
         waited, in_flight = split(buckets)
-        self.waited_s += waited
+        self.waited_s += in_flight if self.blocking else waited
         self.in_flight_s += in_flight
 
 

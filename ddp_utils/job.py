@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checkpoint, distributed, linkprobe
+from . import checkpoint, comm, distributed, linkprobe
 from .data import build_data
 from .datasets import Data
 from .commtime import CommTimer
-from .model import build_model, describe_parallel, parallel_mode, prepare_model
+from .model import build_model, ddp_of, describe_parallel, parallel_mode, prepare_model
 from .runlog import NullLogger, RunLogger, default_run_dir, make_logger
 from .threads import set_threads
 from .train import evaluate_only, fit, kept_checkpoint
@@ -42,6 +42,8 @@ class Job:
     comm: object = None               # commtime.CommTimer on the DDP model (None with one rank)
     probe: dict | None = None         # linkprobe.probe's figures: link bandwidth, predicted speed-up
     parallel: str = "none"            # what runs: ddp, dp or none (model.parallel_mode)
+    comm_choice: str = "none"         # the gradient communication used: none, fp16, bf16, powersgd (comm.py)
+    comm_reason: str = ""             # why (comm=auto says what the probe predicted)
 
     def __enter__(self) -> "Job":
         return self
@@ -118,16 +120,22 @@ def prepare(settings, resume: str | None = None, evaluate: bool = False, log=pri
         if state is not None:
             checkpoint.check_matches(state, settings, resume)   # not an 8 KB key dump from load_state_dict
         torch.manual_seed(settings.seed)      # reproducible initial weights; DDP then copies rank 0's to all
-        comm = CommTimer(ctx.device) if ctx.distributed else None   # DDP: times the gradient all-reduce
-        model = prepare_model(build_model(settings.arch, data.num_classes), settings, ctx, comm)   # DDP: wrap
+        model = prepare_model(build_model(settings.arch, data.num_classes), settings, ctx)   # DDP: wrap
         if ctx.is_main:
             log(describe_parallel(settings, ctx))
         probe = linkprobe.probe(model, settings, ctx, data.num_classes, data.image_size, log)   # DDP: the link
+        choice, why = comm.choose(settings, probe) if ctx.distributed else ("none", "one process: nothing to send")
+        timer = None
+        if ctx.distributed:   # DDP: the gradient all-reduce (or its compressed form), timed
+            timer = CommTimer(ctx.device)
+            timer.attach(ddp_of(model), *comm.hook_for(choice, settings, ctx.backend))
+            if ctx.is_main:
+                log(f"gradient communication: {choice} ({why}); buckets of {settings.bucket_mb:g} MB")
         continuing = state is not None and not evaluate
         # On a resume, TensorBoard drops what the interrupted run logged after its checkpoint.
         logger = make_logger(settings, ctx.rank, resume=continuing, resume_step=state["step"] if continuing else None)
-        job = Job(settings, ctx, data, model, logger, state, resume, comm=comm, probe=probe,
-                  parallel=parallel_mode(settings, ctx))
+        job = Job(settings, ctx, data, model, logger, state, resume, comm=timer, probe=probe,
+                  parallel=parallel_mode(settings, ctx), comm_choice=choice, comm_reason=why)
     except BaseException as exc:   # also KeyboardInterrupt: never leave a half-made process group
         if not isinstance(exc, distributed.PeerLost):   # this rank's own failure: tell the others
             distributed.report_failure(ctx, f"rank {ctx.rank} stopped while preparing the run: {describe_failure(exc)}")

@@ -75,10 +75,10 @@ def describe_parallel(settings, ctx) -> str:
     return f"parallel: none, one process on {ctx.device}"
 
 
-def prepare_model(model: nn.Module, settings, ctx, comm=None) -> nn.Module:
-    """Move to the device, apply the speed settings and, with several ranks, wrap in DDP (with
-    ``comm``, a ``commtime.CommTimer``, timing its gradient all-reduce); DataParallel for parallel=dp
-    on a node with several GPUs.
+def prepare_model(model: nn.Module, settings, ctx) -> nn.Module:
+    """Move to the device, apply the speed settings and, with several ranks, wrap in DDP (buckets of
+    ``bucket_mb``; its communication hook is registered by ``job.prepare`` after the link probe);
+    DataParallel for parallel=dp on a node with several GPUs.
 
     Returns the module to train with; ``unwrap(result)`` gives back the plain model.
     """
@@ -93,14 +93,21 @@ def prepare_model(model: nn.Module, settings, ctx, comm=None) -> nn.Module:
     if ctx.distributed:
         # DDP: one all-reduce of gradients per bucket, overlapped with the backward pass.
         # gradient_as_bucket_view lets gradients live inside the communication buffers (no copy).
+        # static_graph: the same layers run every step, so DDP can skip per-step bookkeeping.
         model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)
-        if comm is not None:
-            comm.attach(model)   # the same all-reduce as DDP's default, timed
+                    gradient_as_bucket_view=True, bucket_cap_mb=settings.bucket_mb,
+                    static_graph=settings.static_graph)
     elif parallel_mode(settings, ctx) == "dp":
         model = nn.DataParallel(model)   # every visible GPU; outputs gathered on cuda:0
     if settings.compile:
         model = torch.compile(model)
+    return model
+
+
+def ddp_of(model: nn.Module) -> DDP | None:
+    """The DDP wrapper of ``model`` (also under torch.compile), or None."""
+    while model is not None and not isinstance(model, DDP):
+        model = getattr(model, "_orig_mod", None)
     return model
 
 

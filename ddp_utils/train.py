@@ -189,7 +189,8 @@ def fit(job) -> dict:
     try:
         with heartbeat, GpuMonitor(job.ctx.device) as gpu:
             return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,
-                        job.comm, job.probe, gpu, job.parallel)
+                        job.comm, job.probe, gpu, {"parallel": job.parallel, "comm": job.comm_choice,
+                                                   "comm_reason": job.comm_reason})
     except DataError as exc:   # an unreadable image met in a worker process: the paragraph, not a traceback
         raise exc.plain() from None
     except Diverged as exc:   # the same paragraph on every rank, naming what rank 0 kept
@@ -205,7 +206,7 @@ def fit(job) -> dict:
 
 
 def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm=None, probe=None,
-         gpu=None, parallel="none") -> dict:
+         gpu=None, meta=None) -> dict:
     optimizer = build_optimizer(model, settings)
     scheduler = build_scheduler(optimizer, settings, len(data.train))
     dtype = amp_dtype(settings, ctx.device)
@@ -262,8 +263,9 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
     wall = time.perf_counter() - t0
     if val is None:                    # nothing left to train (resumed after the last epoch)
         val = evaluate(model, data.val, settings, ctx)
-    gpus = torch.cuda.device_count() if parallel == "dp" else int(ctx.device.type == "cuda")   # per process
-    extra = {"parallel": parallel, "gpus": gpus, "stopped_early": stopped_early, "stop_reason": stop_reason,
+    meta = {"parallel": "none", "comm": "none", "comm_reason": "", **(meta or {})}
+    gpus = torch.cuda.device_count() if meta["parallel"] == "dp" else int(ctx.device.type == "cuda")   # per process
+    extra = {**meta, "gpus": gpus, "stopped_early": stopped_early, "stop_reason": stop_reason,
              "link_gbit_s": probe["link_gbit_s"] if probe else None,
              "predicted_speedup": probe["predicted_speedup"] if probe else None, "probe": probe,
              **(_gpu_results(gpu, ctx, logger, step) if gpu is not None else {})}

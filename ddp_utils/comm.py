@@ -1,0 +1,85 @@
+"""How DDP sends the gradients: plain fp32 all-reduce, half precision, or PowerSGD compression.
+
+On a slow link (1 Gbit/s between cloud nodes, 45 MB of ResNet-18 gradients at every step) the
+all-reduce can take longer than the step's compute. DDP lets a *communication hook* replace its
+all-reduce; PyTorch ships the ones used here:
+
+- ``none``: DDP's default, an fp32 all-reduce of each bucket (exact);
+- ``fp16`` / ``bf16``: cast each bucket to half precision, all-reduce, cast back: half the bytes,
+  a rounding of the averaged gradient (fp16 keeps more digits, bf16 more range);
+- ``powersgd``: send a rank-``powersgd_rank`` approximation of each gradient matrix (Vogels et al.,
+  2019), with error feedback (what the approximation missed is added to the next step's gradient)
+  and warm start; the first ``powersgd_warmup_steps`` steps use the exact all-reduce. Far fewer
+  bytes, some extra compute per step. Its error-feedback memory is not in the checkpoint: a
+  resumed run starts it afresh (with the warm-up), so a resume is not bit-exact with PowerSGD;
+- ``auto``: decided from the link probe (``linkprobe.py``): when communication is predicted to
+  take more than ``comm_auto_share`` of a step, fp16 if that brings it under the share, else
+  PowerSGD. The choice and the reason are printed and kept as ``comm`` in ``results.json``.
+
+Every rank takes the same decision: the probe's figures are the same on every rank.
+"""
+from __future__ import annotations
+
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+CHOICES = ("none", "fp16", "bf16", "powersgd")
+
+
+def choose(settings, probe: dict | None) -> tuple[str, str]:
+    """``(choice, why)``: the hook ``settings.comm`` asks for, ``auto`` resolved from the probe."""
+    if settings.comm != "auto":
+        return settings.comm, f"--comm {settings.comm}"
+    if probe is None:
+        return "none", ("comm=auto without a link probe (one rank, or --no-link-probe): no compression")
+    compute, allreduce, limit = probe["compute_s"], probe["allreduce_s"], settings.comm_auto_share
+    share = allreduce / (compute + allreduce)
+    if share <= limit:
+        return "none", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, under "
+                        f"{100 * limit:.0f} %: no compression")
+    half = (allreduce / 2) / (compute + allreduce / 2)
+    if half <= limit:
+        return "fp16", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step; fp16 halves "
+                        f"the bytes, to about {100 * half:.0f} %")
+    return "powersgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still "
+                        f"{100 * half:.0f} % in fp16: PowerSGD (rank {settings.powersgd_rank}) sends far fewer bytes")
+
+
+def hook_for(choice: str, settings, backend: str | None = None):
+    """``(hook, state)`` to register on a DDP model for ``choice``."""
+    hook, state = _hook_for(choice, settings)
+    if choice == "powersgd" and backend == "gloo":
+        hook = one_bucket_at_a_time(hook)
+    return hook, state
+
+
+def one_bucket_at_a_time(hook):
+    """Wait for each bucket's PowerSGD before the next bucket starts.
+
+    PowerSGD issues its second all-reduce from the first one's completion callback. Gloo completes
+    work on threads of its own, so with several buckets those follow-up all-reduces can be issued in
+    a different order on each rank: a collective mismatch that kills the job ("Received data size
+    doesn't match expected size"). NCCL runs the callbacks in issue order, so it needs no wait.
+    """
+    def serial(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+    serial.blocking = True   # commtime counts all of its time as waited for
+    return serial
+
+
+def _hook_for(choice: str, settings):
+    if choice == "none":
+        return default_hooks.allreduce_hook, None
+    if choice == "fp16":
+        return default_hooks.fp16_compress_hook, None
+    if choice == "bf16":
+        return default_hooks.bf16_compress_hook, None
+    if choice == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=settings.powersgd_rank,
+            # PyTorch needs 2+ exact steps first (DDP rebuilds its buckets after step 1)
+            start_powerSGD_iter=max(2, settings.powersgd_warmup_steps),
+            use_error_feedback=True, warm_start=True, random_seed=settings.seed)
+        return powerSGD_hook.powerSGD_hook, state
+    raise ValueError(f"comm={choice!r} is not one of {', '.join(CHOICES)}")
