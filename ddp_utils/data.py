@@ -7,11 +7,12 @@
         for images, labels in data.val:                   # this rank's share; all ranks together see
             ...                                           # every validation image exactly once
 
-It checks the folders (``datasets.check_data``), then picks one of two loader pairs with the same
+It checks the folders (``datasets.check_data``), then picks one of three loader pairs with the same
 shards and steps: ``workers`` (DataLoader worker processes decode each epoch, any preset; for ImageNet
-they send uint8 crops that are normalised batched on the device, ``fastjpeg.py``) or ``memory`` (decode
-once into a uint8 tensor, ``memdata.py``; cinic10 and demo). The pieces live in ``datasets.py``,
-``fastjpeg.py`` and ``memdata.py``; this module only decides and assembles.
+they send uint8 crops that are normalised batched on the device, ``fastjpeg.py``), ``memory`` (decode
+once into a uint8 tensor, ``memdata.py``; cinic10 and demo) or ``dali`` (NVIDIA DALI decodes and
+augments, fed the kit's own sampler indices, ``dali.py``; imagenet). The pieces live in ``datasets.py``,
+``fastjpeg.py``, ``memdata.py`` and ``dali.py``; this module only decides and assembles.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .datasets import (Data, EpochLoader, EvalShardSampler, ImageFolderDataset, check_batch_fits, check_data,
                        close_inherited_listeners, eval_transform, fake_dataset, load_preset, train_transform)
 from . import fastjpeg
+from .dali import build_dali_data, check_dali_dataset
 from .memdata import build_memory_data, check_memory_dataset
 
 __all__ = ["build_data"]
@@ -35,11 +37,13 @@ def build_data(settings, rank: int, world_size: int, device: torch.device | str 
     disjoint 1/world_size of the split each epoch, in full batches of ``settings.batch_size``.
     Val: EvalShardSampler, every image exactly once across ranks, last batch may be short.
     ``device`` decides ``pin_memory`` (on for CUDA), where ImageNet's batches are normalised (its
-    workers send uint8), and for the memory loader where the images live.
+    workers send uint8), and for the memory loader where the images live; DALI decodes on it.
     Raises DataError.
     """
     if settings.loader == "memory":
         check_memory_dataset(settings.dataset)   # ImageNet: fail before scanning its folders
+    if settings.loader == "dali":
+        check_dali_dataset(settings.dataset)     # and DALI installed: fail before scanning the folders
     found = check_data(settings)
     preset = load_preset(settings.dataset, settings.data_dir)
     size = settings.image_size or preset.image_size
@@ -49,6 +53,10 @@ def build_data(settings, rank: int, world_size: int, device: torch.device | str 
         return build_memory_data(root, preset, size, val_split, found["classes"], settings.batch_size,
                                  settings.seed, settings.max_steps_per_epoch, settings.workers, rank,
                                  world_size, device)
+    if settings.loader == "dali":
+        return build_dali_data(root, preset, size, val_split, found["classes"], settings.batch_size, settings.seed,
+                               settings.max_steps_per_epoch, settings.workers, rank, world_size, device,
+                               settings.channels_last)
     # ImageNet: the workers decode with libjpeg-turbo and send uint8 crops, normalised here per batch.
     uint8 = preset.crop == "resized"
     if uint8:

@@ -1,0 +1,230 @@
+"""loader='dali': NVIDIA DALI decodes and augments ImageNet, fed the kit's own sampler indices.
+
+    settings = Settings(dataset="imagenet", data_dir="/data/imagenet", loader="dali")
+    data = build_data(settings, rank, world_size, device)    # the same Data as the workers path
+
+Why: on a GPU node with few CPU cores the JPEG decode is the wall. With a GPU, DALI's "mixed" decoder runs
+nvJPEG (the hardware JPEG decoder on A100/H100) and the crop, resize, flip and normalisation run as GPU
+kernels: the CPU only reads the files. Without a GPU the same pipeline runs on the CPU (``device_id=None``),
+which is how the CPU test suite checks this path. ``workers`` CPU threads help DALI either way.
+
+What stays the kit's, by construction:
+- shards and ``set_epoch``: the files come in through ``fn.external_source`` in the order of a
+  DistributedSampler over the split (same seed, epoch, rank, world size, drop_last), not through DALI's own
+  file reader and its shard_id/num_shards, so every rank trains on exactly the workers path's indices;
+- exact evaluation: EvalShardSampler's indices (rank r gets images r, r + W, ...), the last batch short;
+- seeding: epoch e's pipeline is built with seed ``augmentation_seed(seed, rank, e)``: the same crops on a
+  re-run and after a resume, other crops for every rank and epoch (DALI's own random stream, so not the
+  workers path's crops);
+- the recipe: random area 8-100 % and aspect 3/4-4/3 (``image_random_crop`` decodes only the crop's
+  region), antialiased resize to S x S, flip, the preset's mean and std; val: short side to S * 256/224,
+  centre S x S. DALI's resize rounds sizes its own way, so its validation tensors are close to the
+  workers path's, not equal to them.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DistributedSampler
+
+from .datasets import (Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, augmentation_seed,
+                       check_batch_fits, load_rgb)
+
+__all__ = ["DALI_DATASETS", "require_dali", "check_dali_dataset", "DaliTrainLoader", "DaliEvalLoader",
+           "build_dali_data"]
+
+DALI_DATASETS = ("imagenet",)   # JPEG presets; CINIC-10's 32 px PNGs: the memory loader decodes them once instead
+
+
+def require_dali() -> None:
+    """DataError with what to install unless NVIDIA DALI imports."""
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError as e:
+        raise DataError(
+            f"loader='dali' needs NVIDIA DALI, which this Python cannot import ({e}). Inside the NVIDIA PyTorch "
+            f"container (nvcr.io/nvidia/pytorch, what docker/run.sh starts) it is already installed. Elsewhere "
+            f"install the build for your CUDA driver: pip install nvidia-dali-cuda120 (CUDA 12; "
+            f"nvidia-dali-cuda130 for CUDA 13), about 420 MB; it does not install or replace torch. Or train "
+            f"with loader='workers' (--loader workers), which needs nothing more.") from None
+
+
+def check_dali_dataset(dataset: str) -> None:
+    """DataError unless ``dataset`` is a preset this loader serves and DALI is installed."""
+    if dataset not in DALI_DATASETS:
+        hint = {"cinic10": "CINIC-10's 32 px PNGs are best decoded once: use loader='memory' (--loader memory)",
+                "demo": "the demo's 32 px PNGs are best decoded once: use loader='memory' (--loader memory)",
+                "fake": "the fake preset makes its images on the fly: use loader='workers'"}.get(dataset, "")
+        raise DataError(f"loader='dali' is for {', '.join(DALI_DATASETS)} (JPEG photos) only"
+                        f"{': ' + hint if hint else ''}.")
+    require_dali()
+
+
+class _FileBatches:
+    """DALI ``external_source`` callback: batch ``info.iteration`` of ``indices`` as (file bytes, labels)."""
+
+    def __init__(self, samples: list[tuple[str, int]], indices: list[int], batch_size: int, steps: int):
+        self.samples, self.indices, self.batch_size, self.steps = samples, indices, batch_size, steps
+        self.fed = 0              # batches handed to DALI so far
+
+    def __call__(self, info):
+        if info.iteration >= self.steps:
+            raise StopIteration   # the end of this pass
+        self.fed = max(self.fed, info.iteration + 1)
+        return ([np.fromfile(path, dtype=np.uint8) for path, _ in self.batch(info.iteration)],
+                [np.array([label], dtype=np.int64) for _, label in self.batch(info.iteration)])
+
+    def batch(self, step: int) -> list[tuple[str, int]]:
+        return [self.samples[i] for i in self.indices[step * self.batch_size:(step + 1) * self.batch_size]]
+
+    def recent_paths(self, batches: int = 4) -> list[str]:
+        """The files of the last ``batches`` batches fed: a decode error is in one of them (DALI prefetches 2)."""
+        return [path for step in range(max(0, self.fed - batches), self.fed) for path, _ in self.batch(step)]
+
+
+def _pipeline(source: _FileBatches, train: bool, preset: Preset, size: int, threads: int, device_id: int | None,
+              seed: int, channels_last: bool):
+    """The DALI pipeline of one pass: file bytes -> normalised float32 crops (on the GPU with a device_id)."""
+    from nvidia.dali import fn, types
+    from nvidia.dali.pipeline import Pipeline
+
+    pipe = Pipeline(batch_size=source.batch_size, num_threads=threads, device_id=device_id, seed=seed,
+                    prefetch_queue_depth=2)
+    decoder = "cpu" if device_id is None else "mixed"   # mixed: nvJPEG on the GPU, bytes in from the CPU
+    with pipe:
+        jpegs, labels = fn.external_source(source=source, num_outputs=2, batch=True, batch_info=True,
+                                           dtype=[types.UINT8, types.INT64])
+        if train:   # RandomResizedCrop + flip, decoding only the crop's region
+            images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
+                                                   random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3],
+                                                   num_attempts=10)
+            images = fn.resize(images, resize_x=size, resize_y=size, antialias=True)
+            crop, mirror = None, fn.random.coin_flip(probability=0.5) if preset.hflip else 0
+        else:       # Resize(S * 256/224) + CenterCrop(S)
+            images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
+            images = fn.resize(images, resize_shorter=round(size * 256 / 224), antialias=True)
+            crop, mirror = (size, size), 0
+        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, crop=crop, mirror=mirror,
+                                          output_layout="HWC" if channels_last else "CHW",
+                                          mean=[255 * m for m in preset.mean], std=[255 * s for s in preset.std])
+        pipe.set_outputs(images, labels)
+    return pipe
+
+
+def _run(pipe, source: _FileBatches, channels_last: bool, where: str) -> Iterator[tuple[Tensor, Tensor]]:
+    """Batches of ``pipe`` as torch tensors: images float32 (B, 3, S, S) on the pipeline's device, labels (B,)."""
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator
+    try:
+        for out in DALIGenericIterator(pipe, ["images", "labels"]):
+            images, labels = out[0]["images"], out[0]["labels"].squeeze(1)
+            if channels_last:   # (B, S, S, 3) memory seen as (B, 3, S, S): channels_last, no copy
+                images = images.permute(0, 3, 1, 2)
+            yield images, labels
+    except RuntimeError as e:
+        for path in source.recent_paths():   # name the file as the workers path does, if Pillow fails too
+            load_rgb(path)
+        lines = [line.strip() for line in str(e).split("encountered:")[-1].splitlines() if line.strip()]
+        raise DataError(f"DALI could not decode a batch of {where} ({lines[0] if lines else type(e).__name__}). "
+                        f"Find the file with python -m ddp_utils check --dataset imagenet --data-dir ... "
+                        f"--verify-images, delete it or replace it with a good copy.") from None
+
+
+def _device_id(device) -> int | None:
+    """The GPU index for DALI's mixed pipeline, or None for its CPU pipeline."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class DaliTrainLoader:
+    """One rank's training batches from DALI; the ``datasets.TrainLoader`` interface.
+
+    ``for images, labels in loader.epoch(epoch)``: images float32 (B, 3, S, S), normalised, on the GPU
+    (channels_last when asked) or the CPU; labels int64 (B,). Every batch is full (drop_last). The order
+    is DistributedSampler's for (seed, epoch, rank, world_size, drop_last=True).
+    """
+
+    def __init__(self, dataset: ImageFolderDataset, preset: Preset, image_size: int, batch_size: int, rank: int,
+                 world_size: int, seed: int = 0, max_steps: int = 0, threads: int = 1, device=None,
+                 channels_last: bool = False):
+        self.dataset, self.preset, self.image_size, self.batch_size = dataset, preset, image_size, batch_size
+        self.sampler = DistributedSampler(range(len(dataset)), num_replicas=world_size, rank=rank, shuffle=True,
+                                          seed=seed, drop_last=True)
+        self.rank, self.seed, self.max_steps, self.threads = rank, seed, max_steps, max(1, threads)
+        self.device_id = _device_id(device)
+        self.channels_last = channels_last and self.device_id is not None
+
+    def __len__(self) -> int:
+        """Steps (batches) per epoch on this rank, the same on every rank."""
+        steps = len(self.sampler) // self.batch_size
+        return min(steps, self.max_steps) if self.max_steps > 0 else steps
+
+    def indices(self, epoch: int) -> list[int]:
+        """This rank's image indices for ``epoch``, in training order."""
+        self.sampler.set_epoch(epoch)   # DDP: seed + epoch -> one shuffle shared by all ranks
+        return list(self.sampler)
+
+    def epoch(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """The batches of epoch ``epoch`` (0, 1, ...): same order and crops on a re-run, new ones each epoch."""
+        source = _FileBatches(self.dataset.samples, self.indices(epoch), self.batch_size, len(self))
+        pipe = _pipeline(source, True, self.preset, self.image_size, self.threads, self.device_id,
+                         augmentation_seed(self.seed, self.rank, epoch), self.channels_last)
+        return _run(pipe, source, self.channels_last, self.dataset.root)
+
+    def __iter__(self):
+        raise TypeError("Iterate over loader.epoch(epoch), not the loader itself: the epoch number "
+                        "sets the shuffle (DistributedSampler.set_epoch).")
+
+
+class DaliEvalLoader:
+    """This rank's validation batches from DALI: rank r gets images r, r + W, r + 2W, ... (EvalShardSampler).
+
+    ``for images, labels in loader``: float32 (B, 3, S, S) normalised, int64 (B,); the last batch may be short.
+    """
+
+    def __init__(self, dataset: ImageFolderDataset, preset: Preset, image_size: int, batch_size: int, rank: int,
+                 world_size: int, threads: int = 1, device=None, channels_last: bool = False):
+        self.dataset, self.preset, self.image_size, self.batch_size = dataset, preset, image_size, batch_size
+        self.sampler = EvalShardSampler(len(dataset), rank, world_size)
+        self.threads, self.device_id = max(1, threads), _device_id(device)
+        self.channels_last = channels_last and self.device_id is not None
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        if len(self) == 0:
+            return iter(())   # more ranks than images: nothing for this one
+        source = _FileBatches(self.dataset.samples, list(self.sampler), self.batch_size, len(self))
+        pipe = _pipeline(source, False, self.preset, self.image_size, self.threads, self.device_id, 0,
+                         self.channels_last)
+        return _run(pipe, source, self.channels_last, self.dataset.root)
+
+
+def build_dali_data(root: Path, preset: Preset, image_size: int, val_split: str, classes: list[str],
+                    batch_size: int, seed: int, max_steps: int, threads: int, rank: int, world_size: int,
+                    device=None, channels_last: bool = False) -> Data:
+    """build_data's ``loader="dali"`` branch: list the splits' files, DALI pipelines built per pass.
+
+    ``threads``: DALI's CPU threads (the ``workers`` setting, at least 1). ``device``: a CUDA device runs
+    the mixed (GPU) pipeline, anything else the CPU pipeline. Returns the same Data as the workers path.
+    """
+    require_dali()
+    train_set = ImageFolderDataset(root / preset.train_split)   # only its file list and labels are used
+    val_set = ImageFolderDataset(root / val_split)
+    for split in (train_set, val_set):
+        if split.classes != list(classes):
+            raise DataError(f"{split.root} has the class folders {split.classes}, expected {list(classes)}.")
+    check_batch_fits(len(train_set), batch_size, world_size, f"in {root}")
+    return Data(train=DaliTrainLoader(train_set, preset, image_size, batch_size, rank, world_size, seed, max_steps,
+                                      threads, device, channels_last),
+                val=DaliEvalLoader(val_set, preset, image_size, batch_size, rank, world_size, threads, device,
+                                   channels_last),
+                num_classes=len(classes), classes=classes, train_size=len(train_set), val_size=len(val_set),
+                image_size=image_size, preset=preset, val_split=val_split)
