@@ -1,0 +1,100 @@
+"""Training throughput on one GPU against the hardware's peak: what "the GPU is the bottleneck" means.
+
+    python benchmarks/gpu_peak.py                         # ResNet-18 and ResNet-50, 224 px, batch 256
+    python benchmarks/gpu_peak.py --archs resnet50 --batch-size 128 --steps 50 --out gpu_peak.md
+
+Synthetic data already on the GPU (no loader: the ceiling a loader can at best reach), the kit's
+own step (``train.train_one_epoch``'s maths: autocast in bf16 where the GPU has it, else fp16 +
+scaler; channels_last; SGD with momentum). FLOPs per step are counted by PyTorch
+(``torch.utils.flop_counter``), so "% of peak" = achieved FLOP/s / the GPU's dense bf16/fp16
+tensor-core peak from the table below (its datasheet figure; unknown GPUs print no percentage).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddp_utils.model import build_model  # noqa: E402
+from ddp_utils.optim import autocast, make_scaler  # noqa: E402
+
+# Dense (no sparsity) bf16 / fp16 tensor-core peaks, TFLOP/s, from NVIDIA's datasheets.
+PEAK_TFLOPS = {"H200": 989, "H100 SXM": 989, "H100 80GB HBM3": 989, "H100 PCIe": 756, "H100 NVL": 835,
+               "A100": 312, "L40S": 362, "L4": 121, "A10G": 70, "A10": 125, "T4": 65, "V100": 125}
+
+
+def peak_for(name: str) -> float | None:
+    for key, value in PEAK_TFLOPS.items():   # most specific names first
+        if key in name:
+            return value
+    return None
+
+
+def measure(arch: str, batch: int, size: int, steps: int, device: torch.device) -> dict:
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    model = build_model(arch, 1000).to(device).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = make_scaler(dtype, device)
+    images = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(0, 1000, (batch,), device=device)
+
+    def step():
+        with autocast(dtype, device):
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter:
+        step()
+    for _ in range(5):   # warm-up: cuDNN picks its algorithms
+        step()
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - start) / steps
+    return {"arch": arch, "dtype": str(dtype).replace("torch.", ""), "batch": batch, "img_s": batch / seconds,
+            "tflops": counter.get_total_flops() / seconds / 1e12,
+            "mem_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--archs", default="resnet18,resnet50", help="models (default resnet18,resnet50)")
+    parser.add_argument("--batch-size", type=int, default=256, help="images per step (default 256)")
+    parser.add_argument("--image-size", type=int, default=224, help="pixels (default 224)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps (default 30)")
+    parser.add_argument("--out", default="", help="also write the table to this Markdown file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu_peak.py needs a CUDA GPU; this machine has none.")
+    device = torch.device("cuda", 0)
+    name = torch.cuda.get_device_name(device)
+    peak = peak_for(name)
+    lines = [f"{name}, torch {torch.__version__}, synthetic data on the GPU, channels_last, {args.image_size} px, "
+             f"{args.steps} timed steps after 5 warm-up steps", "",
+             "| model | precision | batch | images/s | TFLOP/s achieved | % of the dense peak | peak memory (GB) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for arch in args.archs.split(","):
+        torch.cuda.reset_peak_memory_stats(device)
+        m = measure(arch, args.batch_size, args.image_size, args.steps, device)
+        share = f"{100 * m['tflops'] / peak:.0f} % of {peak}" if peak else "unknown peak"
+        lines.append(f"| {arch} | {m['dtype']} | {m['batch']} | {m['img_s']:.0f} | {m['tflops']:.0f} | {share} "
+                     f"| {m['mem_gb']:.1f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

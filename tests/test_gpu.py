@@ -1,0 +1,112 @@
+"""The GPU suite: what only a CUDA GPU can show. ``python -m pytest -m gpu`` runs it (with
+``tests/test_gpu_monitor.py``'s NVML test, the DataParallel test of ``tests/test_time_split.py``
+and DALI's mixed decoding in ``tests/test_dali.py``); ``python benchmarks/gpu_peak.py`` then
+measures throughput against the hardware's peak. On a machine without a GPU every test here is
+skipped, with the reason."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.procs import base_env, describe, free_port, python, run_all
+
+def gpu_only(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+
+FAST = ["--dataset", "fake", "--image-size", "64", "--arch", "resnet18", "--workers", "2", "--wandb", "disabled",
+        "--epochs", "1", "--max-steps-per-epoch", "5", "--batch-size", "32", "--progress", "off"]
+
+
+def train(tmp_path, *extra) -> tuple[str, dict]:
+    result = run_all([python("-m", "ddp_utils", "train", *FAST, "--run-dir", str(tmp_path / "run"), *extra)],
+                     timeout=300, env=base_env())[0]
+    assert result.returncode == 0, describe([result])
+    return result.output, json.loads((tmp_path / "run" / "results.json").read_text())
+
+
+@gpu_only
+def test_nccl_process_group_with_one_rank_all_reduces_and_trains_a_ddp_step():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        t = torch.ones(4, device="cuda")
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0] * 4
+        model = DDP(torch.nn.Linear(8, 2).cuda(), device_ids=[0])
+        model(torch.randn(4, 8, device="cuda")).sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+@gpu_only
+@pytest.mark.parametrize("amp, dtype", [("bf16", "torch.bfloat16"), ("fp16", "torch.float16")])
+def test_mixed_precision_trains_with_finite_numbers(tmp_path, amp, dtype):
+    if amp == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16 (a T4): fp16 + scaler is its AMP")
+    output, results = train(tmp_path, "--amp", amp)
+    assert f"precision {dtype}" in output
+    assert results["loss"] == results["loss"]   # not NaN
+
+
+@gpu_only
+def test_the_fp16_scaler_skips_a_step_whose_gradients_overflowed():
+    from ddp_utils.optim import make_scaler
+    model = torch.nn.Linear(4, 1).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = make_scaler(torch.float16, torch.device("cuda"))
+    before = model.weight.detach().clone()
+    scale = scaler.get_scale()
+    loss = model(torch.ones(2, 4, device="cuda")).sum() * float("inf")   # gradients become inf
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(model.weight, before), "the step was not skipped"
+    assert scaler.get_scale() < scale, "the scale was not lowered"
+
+
+@gpu_only
+def test_channels_last_on_the_gpu(tmp_path):
+    from ddp_utils.model import build_model, prepare_model
+    from ddp_utils.optim import to_device
+    from ddp_utils.settings import Settings
+    from ddp_utils.distributed import DistContext
+    settings = Settings(dataset="fake", arch="resnet18", channels_last=True)
+    ctx = DistContext(0, 1, 0, torch.device("cuda", 0), None)
+    model = prepare_model(build_model("resnet18", 10), settings, ctx)
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    images, _ = to_device(torch.randn(2, 3, 32, 32), torch.zeros(2, dtype=torch.long), settings, ctx.device)
+    assert images.is_contiguous(memory_format=torch.channels_last)
+
+
+@gpu_only
+def test_the_memory_loader_keeps_the_images_on_the_gpu(tmp_path):
+    from ddp_utils.data import build_data
+    from ddp_utils.demo_data import prepare_demo
+    from ddp_utils.settings import Settings
+    prepare_demo(tmp_path / "demo")
+    settings = Settings(dataset="demo", data_dir=str(tmp_path / "demo"), loader="memory", batch_size=32)
+    data = build_data(settings, 0, 1, torch.device("cuda", 0))
+    images, labels = next(iter(data.train.epoch(0)))
+    assert images.is_cuda and labels.is_cuda and images.shape == (32, 3, 32, 32)
+
+
+@gpu_only
+def test_gpu_use_is_sampled_during_a_real_run(tmp_path):
+    _, results = train(tmp_path, "--max-steps-per-epoch", "40")
+    assert isinstance(results["gpu_util"], (int, float)) and results["gpu_mem_peak_mb"] > 0
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756),
+                                        ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A10G", 70), ("NVIDIA L4", 121),
+                                        ("Tesla T4", 65), ("Some Future GPU", None)])
+def test_the_peak_table_matches_the_most_specific_name(name, peak):
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu_peak import peak_for
+    assert peak_for(name) == peak
