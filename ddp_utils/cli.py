@@ -29,8 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train (or evaluate) on this rank; start one per rank")
     settings_module.add_arguments(train)
-    train.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (last.pt) on rank 0; "
-                                                         "other ranks receive it over the network")
+    train.add_argument("--resume", metavar="PATH|auto", help="continue from a checkpoint (last.pt) on rank 0; "
+                                                              "other ranks receive it over the network. auto: "
+                                                              "continue the unfinished run with these settings if "
+                                                              "rank 0 has one (the --run-dir, else the newest "
+                                                              "matching folder next to it), else start a new run")
     train.add_argument("--evaluate", action="store_true", help="only evaluate the --resume checkpoint")
     train.add_argument("--seeds", type=seed_list, metavar="2,4,42",
                        help="train the same configuration once per seed, one after the other, into sibling "
@@ -63,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--baseline", metavar="RUN_DIR", default=None,
                         help="run to measure speed-up against (default: the first 1-rank run)")
 
+    demo.add_argument("--price-per-hour", type=float, default=0.0,
+                      help="what a node costs per hour: the table then shows what each run cost (default: not set)")
     compare = sub.add_parser("compare", help="single vs DataParallel vs DDP: one row per parallel mode, "
                                              "mean +- std over the seeds given (a Markdown table)")
     compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
@@ -108,7 +113,8 @@ def main(argv=None) -> int:
             return 0 if run_check(settings_module.from_args(args), verify_images=args.verify_images) else 1
         elif args.command == "demo":
             from .demo import run_demo
-            run_demo(epochs=args.epochs, world_size=args.world_size, run_dir=args.run_dir, port=args.master_port)
+            run_demo(epochs=args.epochs, world_size=args.world_size, run_dir=args.run_dir, port=args.master_port,
+                     price_per_hour=args.price_per_hour)
         elif args.command == "report":
             from .report import report_dir, results_table, write_report
             out = report_dir(args.out, kit_images=args.kit_images)   # a refusal comes before any output

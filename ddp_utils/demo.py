@@ -27,8 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_cmd(run_dir: Path, epochs: int, rank: int, world_size: int, port: int) -> list[str]:
-    settings = DEMO.replace(epochs=epochs, run_dir=str(run_dir), master_port=port, rank=rank, world_size=world_size)
+def train_cmd(run_dir: Path, epochs: int, rank: int, world_size: int, port: int, price: float = 0.0) -> list[str]:
+    settings = DEMO.replace(epochs=epochs, run_dir=str(run_dir), master_port=port, rank=rank, world_size=world_size,
+                            price_per_hour=price)
     return [sys.executable, "-m", "ddp_utils", "train", *settings.to_argv()]
 
 
@@ -52,7 +53,8 @@ def launch(cmds: list[list[str]], timeout: float, quiet: bool = False) -> None:
         raise RuntimeError(f"demo run failed\n{detail}")
 
 
-def run_demo(epochs: int | None = None, world_size: int = 2, run_dir: str = "runs/demo", port: int = 0) -> str:
+def run_demo(epochs: int | None = None, world_size: int = 2, run_dir: str = "runs/demo", port: int = 0,
+             price_per_hour: float = 0.0) -> str:
     from .demo_data import prepare_demo
     from .report import results_table
 
@@ -62,9 +64,9 @@ def run_demo(epochs: int | None = None, world_size: int = 2, run_dir: str = "run
     ddp_dir, single_dir = Path(run_dir) / f"{stamp}-ddp{world_size}", Path(run_dir) / f"{stamp}-single"
     port = port or free_port()
     print(f"== DDP: {world_size} ranks on localhost:{port} (gloo), run folder {ddp_dir}")
-    launch([train_cmd(ddp_dir, epochs, r, world_size, port) for r in range(world_size)], timeout=900)
+    launch([train_cmd(ddp_dir, epochs, r, world_size, port, price_per_hour) for r in range(world_size)], timeout=900)
     print(f"\n== single process, run folder {single_dir}")
-    launch([train_cmd(single_dir, epochs, 0, 1, port)], timeout=900)
+    launch([train_cmd(single_dir, epochs, 0, 1, port, price_per_hour)], timeout=900)
     table = results_table([ddp_dir, single_dir], baseline=single_dir)
     print("\n" + table)
     print(f"\nTensorBoard: tensorboard --logdir {run_dir}")

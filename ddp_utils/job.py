@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checkpoint, comm, distributed, linkprobe
+from . import autoresume, checkpoint, comm, distributed, linkprobe
 from .data import build_data
 from .datasets import Data
 from .commtime import CommTimer
@@ -98,17 +98,25 @@ def prepare(settings, resume: str | None = None, evaluate: bool = False, log=pri
     """Set up the process group and build the data, model and logger of a run, on this rank.
 
     ``resume``: rank 0's path to a last.pt / best.pt; training continues after its epoch, in its
-    folder (unless ``settings.run_dir`` says otherwise). With ``evaluate`` its weights are only
-    evaluated, into a new run folder. Every rank must call this with the same settings; on an
+    folder (unless ``settings.run_dir`` says otherwise). ``"auto"``: continue the unfinished run of
+    these settings if rank 0 has one (``autoresume.py``), else start a new one; it says which.
+    With ``evaluate`` its weights are only evaluated, into a new run folder. Every rank must call
+    this with the same settings; on an
     error the process group is left, so that calling it again starts cleanly.
     """
-    if evaluate and not resume:
+    if evaluate and (not resume or resume == "auto"):
         raise ValueError("--evaluate needs --resume PATH: the checkpoint whose weights to evaluate")
-    if resume and not evaluate and not settings.run_dir:
+    if resume and resume != "auto" and not evaluate and not settings.run_dir:
         # Continue writing into the folder the checkpoint came from (evaluation gets a new folder).
         settings = settings.replace(run_dir=os.path.dirname(os.path.abspath(resume)))
     ctx = distributed.setup(settings, log)   # DDP: pre-flight, process group, settings agreement
     try:
+        if resume == "auto":   # DDP: rank 0 has the run folders; it decides for every rank
+            resume, run_dir, why = distributed.broadcast_object(autoresume.decide(settings) if ctx.is_main else None,
+                                                                ctx)
+            if ctx.is_main:
+                log(f"resume auto: {why}")
+            settings = settings.replace(run_dir=run_dir)
         set_threads(settings, ctx, log)       # ranks sharing a machine share its cores
         data = build_data(settings, ctx.rank, ctx.world_size, ctx.device)
         # DDP: reading the data can take minutes on one node (a cold disk): wait for it explicitly

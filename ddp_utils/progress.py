@@ -1,5 +1,9 @@
 """Progress of an epoch: a live bar on a terminal or in Jupyter, plain lines when output is piped.
 
+Every rank shows its own bar (labelled with its rank: its own steps, and its own data wait at each
+log point); the lines (log points with ``steps``, and the epoch lines) hold the global, reduced
+numbers, the same on every rank.
+
 A bar redraws itself with ``\\r`` several times a second: right in a terminal or a notebook, hundreds
 of garbage frames per epoch in a log file or CI output. So the ``progress`` setting's ``auto`` shows a
 bar only where one can be drawn, and piped output gets the epoch lines alone; ``steps`` adds one line
@@ -25,22 +29,26 @@ def interactive() -> bool:
 class Progress:
     """One epoch's progress on this rank: ``update()`` per step, ``log_point(...)`` per log point."""
 
-    def __init__(self, mode: str, total: int, desc: str, show: bool, print_line=print):
+    def __init__(self, mode: str, total: int, desc: str, show: bool, print_line=print, rank: int | None = None):
         self.show_bar = show and (mode == "bar" or (mode == "auto" and interactive()))
         self.show_lines = show and mode == "steps"
         self.desc, self.total, self.print_line = desc, total, print_line
         self.bar = None
+        self.data_wait = 0.0
         if self.show_bar:
             from tqdm.auto import tqdm   # a widget in Jupyter, text on a terminal
-            self.bar = tqdm(total=total, desc=desc, leave=True, dynamic_ncols=True)
+            label = desc if rank is None else f"rank {rank} {desc}"   # whose steps these are
+            self.bar = tqdm(total=total, desc=label, leave=True, dynamic_ncols=True)
 
-    def update(self) -> None:
+    def update(self, data_wait: float = 0.0) -> None:
+        """One step done; ``data_wait``: this rank's share of the epoch so far spent waiting for data."""
+        self.data_wait = data_wait
         if self.bar is not None:
             self.bar.update(1)
 
     def log_point(self, step_in_epoch: int, loss: float, acc1: float, lr: float) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{acc1:.1f}")
+            self.bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{acc1:.1f}", data=f"{100 * self.data_wait:.0f}%")
         if self.show_lines:
             self.print_line(f"{self.desc} step {step_in_epoch}/{self.total}: loss {loss:.4f} "
                             f"acc1 {acc1:.2f} lr {lr:.4g}")

@@ -119,10 +119,17 @@ def _read_json(path: Path) -> dict:
         raise ValueError(f"{path} is not valid JSON ({e}); was the run interrupted while writing it?") from None
 
 
+def run_from_results(results: dict, settings) -> dict:
+    """A run as ``load_run`` gives it, from a results dict in memory (what ``fit`` returned): the
+    worker notebook, which has no run folder, shows the same table as the main one."""
+    run_dir = Path(results.get("run_dir") or settings.run_dir)   # rank 0's folder, which fit() names
+    return {**results, "name": run_dir.name, "run_dir": run_dir, "settings": settings.to_dict()}
+
+
 def _load_all(run_dirs) -> list[dict]:
-    if isinstance(run_dirs, (str, Path)):   # one folder given on its own
+    if isinstance(run_dirs, (str, Path, dict)):   # one folder (or loaded run) given on its own
         run_dirs = [run_dirs]
-    runs = [load_run(d) for d in run_dirs]
+    runs = [d if isinstance(d, dict) else load_run(d) for d in run_dirs]
     if not runs:
         raise ValueError("no run folders given: pass at least one, e.g. runs/demo/<stamp>-ddp2")
     return runs
@@ -195,17 +202,30 @@ def results_table(run_dirs, baseline=None) -> str:
     by notes saying what the baseline is and anything that makes a comparison unfair."""
     runs = _load_all(run_dirs)
     rows = scaling_rows(runs, baseline)
+    priced = any(run.get("cost") is not None for run in runs)   # a cost column only when a price was given
     header = ("| run | ranks | global batch | epochs | wall time | train img/s | img/s per rank "
-              "| Acc@1 | Acc@5 | speed-up | efficiency |")
+              "| Acc@1 | Acc@5 | speed-up | efficiency |" + (" cost (per epoch) |" if priced else ""))
     lines = [header,
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if priced else "")]
+    for r, run in zip(rows, runs):
         speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "n/a"
         efficiency = f"{100 * r.efficiency:.0f} %" if r.efficiency is not None else "n/a"
         lines.append(f"| {r.name} | {r.ranks} | {r.global_batch} | {r.epochs} | {format_duration(r.wall_time_s)} "
                      f"| {r.images_per_s:.0f} | {r.images_per_s_rank:.0f} | {r.acc1:.2f} | {r.acc5:.2f} "
-                     f"| {speedup} | {efficiency} |")
-    return "\n".join(lines + [""] + [f"- {note}" for note in _table_notes(runs, baseline)])
+                     f"| {speedup} | {efficiency} |" + (f" {format_cost(run)} |" if priced else ""))
+    notes = _table_notes(runs, baseline)
+    if priced:
+        notes.append("Cost: wall time x nodes x the price per node-hour given (--price-per-hour), for all nodes "
+                     "together; n/a where no price was given.")
+    return "\n".join(lines + [""] + [f"- {note}" for note in notes])
+
+
+def format_cost(run: dict) -> str:
+    """``0.123 (0.015)``: the run's cost and its cost per epoch, or ``n/a`` without a price."""
+    if run.get("cost") is None:
+        return "n/a"
+    per_epoch = f" ({run['cost_per_epoch']:.3f})" if run.get("cost_per_epoch") is not None else ""
+    return f"{run['cost']:.3f}{per_epoch}"
 
 
 def _table_notes(runs: list[dict], baseline) -> list[str]:

@@ -233,7 +233,8 @@ class RunLogger:
 
 
 class NullLogger:
-    """What ranks other than 0 get: the RunLogger methods, doing nothing (info prints nothing)."""
+    """What ranks other than 0 get: the RunLogger methods writing nothing; ``info`` prints, so that
+    every rank shows the same global lines as rank 0 (only rank 0 writes them to log.txt)."""
 
     run_dir = None
 
@@ -241,7 +242,7 @@ class NullLogger:
         pass
 
     def info(self, msg: str) -> None:
-        pass
+        print(msg, flush=True)
 
     def error(self, msg: str) -> None:
         pass

@@ -87,6 +87,9 @@ class Settings:
     threads: int = _f(0, "CPU threads per process; 0 = this machine's cores / the ranks on it, so that "
                          "ranks sharing a machine do not fight over its cores (OMP_NUM_THREADS wins if set)")
     seed: int = _f(0, "seed for weights, shuffling and augmentation; same on every rank")
+    price_per_hour: float = _f(0.0, "what one node costs per hour (any currency, e.g. 0.526 for an AWS g4dn.xlarge "
+                                    "in USD); results then give the cost of the run and of each epoch for all "
+                                    "nodes together; 0 = not set, no cost")
     # -- output -------------------------------------------------------------------------------
     run_dir: str = _f("", "folder for logs, TensorBoard, checkpoints; empty = runs/<dataset>-<arch>-ws<N>-<time>")
     wandb: str = _f("auto", "Weights & Biases: auto (online if a key is set up, else offline), online, "
@@ -165,7 +168,7 @@ class Settings:
                 out.append(f"{name}={getattr(self, name)}: must be positive")
         for name in ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr",
                      "weight_decay", "momentum", "local_rank", "threads", "patience", "powersgd_warmup_steps",
-                     "comm_auto_share"):
+                     "comm_auto_share", "price_per_hour"):
             if getattr(self, name) < 0:
                 out.append(f"{name}={getattr(self, name)}: must not be negative")
         if self.parallel != "ddp" and self.world_size > 1:

@@ -73,8 +73,9 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
     epoch_meter, window = Meter(ctx.device), Meter(ctx.device)
     data_s = step_s = 0.0
     step = start_step
+    # Every rank shows its own bar (its steps, its data wait) and the same global lines; rank 0 also writes them.
     progress = Progress(settings.progress, len(data.train), f"epoch {epoch + 1}/{settings.epochs}",
-                        show=ctx.is_main, print_line=logger.info)
+                        show=True, print_line=logger.info, rank=ctx.rank if ctx.distributed else None)
     t_epoch = t_end = time.perf_counter()
     try:
         for images, labels in data.train.epoch(epoch):   # DDP: set_epoch happens inside .epoch()
@@ -105,7 +106,7 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
                 logger.scalars({"Loss/train": stats["loss"], "acc1/train": stats["acc1"], "acc5/train": stats["acc5"]},
                                step)
                 progress.log_point(step - start_step, stats["loss"], stats["acc1"], lr)
-            progress.update()
+            progress.update(data_s / max(time.perf_counter() - t_epoch, 1e-9))
             if heartbeat is not None:
                 heartbeat.step()
             t_end = time.perf_counter()
@@ -120,12 +121,15 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
     epoch_meter.add(window)           # the steps since the last log point
     stats = epoch_meter.reduced(ctx)
     _check_finite(stats["loss"], "the training loss of the epoch", step, scheduler.get_last_lr()[0])
-    # DDP: every rank saw the same number of steps (drop_last), so images/s adds up across ranks.
+    # DDP: the epoch took as long as its slowest rank; every rank computes the same global figures from the
+    # gathered times, so every rank prints the same line. Same steps on every rank (drop_last): images/s add up.
+    wall = max(r["wall_s"] for r in per_rank)
     rank_ips = stats["count"] / ctx.world_size / max(wall, 1e-9)
-    stats.update(epoch=epoch, step=step, steps=step - start_step, wall_s=wall, lr=scheduler.get_last_lr()[0],
-                 images_per_s_rank=rank_ips, images_per_s=stats["count"] / max(wall, 1e-9),
-                 **{key: sum(r[key] for r in per_rank) / len(per_rank) for key in mine if key != "wall_s"},
+    stats.update(**{key: sum(r[key] for r in per_rank) / len(per_rank) for key in mine},   # the ranks' means
                  per_rank=per_rank)
+    stats.update(epoch=epoch, step=step, steps=step - start_step, wall_mean_s=stats["wall_s"], wall_s=wall,
+                 lr=scheduler.get_last_lr()[0], images_per_s_rank=rank_ips,
+                 images_per_s=stats["count"] / max(wall, 1e-9))
     return stats
 
 
@@ -190,7 +194,8 @@ def fit(job) -> dict:
         with heartbeat, GpuMonitor(job.ctx.device) as gpu:
             return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,
                         job.comm, job.probe, gpu, {"parallel": job.parallel, "comm": job.comm_choice,
-                                                   "comm_reason": job.comm_reason})
+                                                   "comm_reason": job.comm_reason,
+                                                   "resumed_from": job.resume if job.state is not None else None})
     except DataError as exc:   # an unreadable image met in a worker process: the paragraph, not a traceback
         raise exc.plain() from None
     except Diverged as exc:   # the same paragraph on every rank, naming what rank 0 kept
@@ -269,7 +274,13 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
              "link_gbit_s": probe["link_gbit_s"] if probe else None,
              "predicted_speedup": probe["predicted_speedup"] if probe else None, "probe": probe,
              **(_gpu_results(gpu, ctx, logger, step) if gpu is not None else {})}
+    extra.update(run_cost(settings, ctx, wall, trained_now))
+    # DDP: rank 0's run folder, named in every rank's results (the worker notebook's table shows it)
+    extra["run_dir"] = distributed.broadcast_object(str(logger.run_dir) if ctx.is_main else None, ctx)
     results = summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=trained_now, extra=extra)
+    results = distributed.broadcast_object(results, ctx)   # DDP: rank 0's timings on every rank: one table
+    if results["cost"] is not None:
+        logger.info(describe_cost(results))
     if probe and results["measured_step_s"]:
         logger.info(predicted_vs_measured(probe, results))
     logger.results(results)
@@ -288,9 +299,27 @@ def _gpu_results(gpu, ctx, logger, step: int) -> dict:
     return summary
 
 
+def run_cost(settings, ctx, wall_s: float, epochs: int) -> dict:
+    """What this run cost, all nodes together: ``cost`` (None without a price) and its parts."""
+    from .threads import machine_id
+    nodes = len(set(distributed.gather_objects(machine_id(), ctx)))   # DDP: ranks sharing a machine pay once
+    if not settings.price_per_hour:
+        return {"cost": None, "cost_per_epoch": None, "nodes": nodes, "price_per_hour": None}
+    cost = wall_s / 3600 * nodes * settings.price_per_hour
+    return {"cost": cost, "cost_per_epoch": cost / epochs if epochs else None, "nodes": nodes,
+            "price_per_hour": settings.price_per_hour}
+
+
+def describe_cost(results: dict) -> str:
+    per_epoch = f", {results['cost_per_epoch']:.3f} per epoch" if results["cost_per_epoch"] is not None else ""
+    return (f"cost: {results['cost']:.3f} for this run ({results['wall_time_s'] / 3600:.3f} h x {results['nodes']} "
+            f"node(s) x {results['price_per_hour']:g} per node-hour){per_epoch}")
+
+
 def epoch_line(settings, train: dict, val: dict, epoch: int) -> str:
     """The console line at each epoch end, with where the epoch's time went."""
-    shares = " ".join(f"{name} {100 * train[key] / max(train['wall_s'], 1e-9):.0f}%" for name, key in
+    wall = train.get("wall_mean_s", train["wall_s"])   # the parts are the ranks' means: so is this wall time
+    shares = " ".join(f"{name} {100 * train[key] / max(wall, 1e-9):.0f}%" for name, key in
                       (("data", "data_s"), ("compute", "compute_s"), ("comm", "comm_s"), ("idle", "idle_s")))
     return (f"epoch {epoch + 1}/{settings.epochs}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | "
             f"val loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | "
@@ -355,6 +384,7 @@ def evaluate_only(job) -> dict:
     val = evaluate(model, data.val, settings, ctx)
     logger.info(f"evaluated {resume} on {val['count']} images: loss {val['loss']:.4f} "
                 f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}")
-    results = summarize(settings, ctx, val, [], 0.0, val["acc1"])
+    results = summarize(settings, ctx, val, [], 0.0, val["acc1"],
+                        extra={"parallel": job.parallel, "comm": job.comm_choice, "resumed_from": None, "cost": None})
     logger.results(results)
     return results

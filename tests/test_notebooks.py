@@ -236,7 +236,9 @@ def test_rank_0_shows_the_results_table_and_the_curves_from_its_run_folder(on_lo
         assert len(displayed(outs[name], "image/png")) == 2, "the curves and time-split figures are not shown inline"
         assert re.search(r"(compute-bound|bound by|communication|data loading).*(no GPU|GPU use)", printed(outs[name])), \
             "no sentence on what bound the run"
-    assert displayed(outs["worker"], "text/markdown") == [] == displayed(outs["worker"], "image/png")
+    # the worker wrote no run folder, but ends with the same table (the results are global)
+    assert displayed(outs["worker"], "text/markdown") == displayed(outs["main"], "text/markdown")
+    assert displayed(outs["worker"], "image/png") == []
 
 
 def test_only_rank_0_writes_one_run_folder_with_one_tensorboard_event_file(on_loopback):

@@ -268,18 +268,19 @@ def test_disabled_wandb_leaves_no_wandb_folder(tmp_path):
 
 
 # -- other ranks ---------------------------------------------------------------------------------
-def test_null_logger_writes_nothing_and_prints_nothing(tmp_path, monkeypatch, capsys):
+def test_null_logger_writes_nothing_but_shows_the_global_lines(tmp_path, monkeypatch, capsys):
+    # other ranks print what rank 0 prints (the numbers are global), only rank 0 writes files
     monkeypatch.chdir(tmp_path)
     before = tree(tmp_path)
     with NullLogger(Settings(), resume=False) as log:
-        log.info("nobody sees this")
+        log.info("epoch 1/2: the same line on every rank")
         log.scalars({"Loss/train": 1.0}, step=0)
         assert log.model_summary(small_model(), (3, 8, 8)) == ""
         log.results({"acc1": 1.0})
     log.close()
     assert log.run_dir is None
     assert tree(tmp_path) == before
-    assert capsys.readouterr() == ("", "")
+    assert capsys.readouterr() == ("epoch 1/2: the same line on every rank\n", "")
 
 
 def test_make_logger_gives_rank_0_a_run_logger_and_others_a_null_logger(tmp_path, monkeypatch):

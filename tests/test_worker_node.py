@@ -1,0 +1,121 @@
+"""The worker node is not a black box: progress and the global lines on every rank, ``--resume auto``
+after both ranks were killed, and what a run cost."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from ddp_utils import autoresume, report
+from ddp_utils.settings import Settings
+from tests.procs import REPO, base_env, describe, free_port, run_all
+from tests.test_training import run_ranks, train_cmd, weights
+
+
+def epoch_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("epoch ") and ": train loss" in line]
+
+
+# -- progress on every rank ----------------------------------------------------------------------
+def test_rank_1_shows_its_progress_bar_and_the_same_global_lines_as_rank_0(tmp_path):
+    ranks = run_ranks(tmp_path, "bar", 2, "--epochs", "2", "--max-steps-per-epoch", "4", "--batch-size", "8",
+                      "--progress", "bar")
+    assert "rank 1 epoch 1/2" in ranks[1].output and "rank 1 epoch 2/2" in ranks[1].output   # its own bar
+    assert len(epoch_lines(ranks[1].output)) == 2
+    assert epoch_lines(ranks[1].output) == epoch_lines(ranks[0].output)   # global numbers, the same text
+
+
+def test_piped_output_of_rank_1_has_one_line_per_epoch_and_the_log_points_with_steps(tmp_path):
+    ranks = run_ranks(tmp_path, "steps", 2, "--epochs", "2", "--max-steps-per-epoch", "4", "--batch-size", "8",
+                      "--progress", "steps", "--log-every", "2")
+    out = ranks[1].output
+    assert "\r" not in out
+    assert "epoch 1/2 step 2/4: loss" in out and "epoch 2/2 step 4/4: loss" in out
+    assert len(epoch_lines(out)) == 2
+    assert not (tmp_path / "steps" / "rank1").exists()   # printing, not writing: rank 0 alone writes files
+
+
+# -- resume auto ---------------------------------------------------------------------------------
+STEPS = ["--epochs", "4", "--max-steps-per-epoch", "12", "--batch-size", "8", "--arch", "convnet_gn"]
+
+
+def start_and_kill_after_first_checkpoint(run_dir, port) -> None:
+    """Both ranks started, then killed (SIGKILL, no goodbye) as soon as rank 0 saved epoch 1."""
+    procs = [subprocess.Popen(train_cmd(run_dir, r, 2, port, *STEPS), cwd=REPO, env=base_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+             for r in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "last.pt").exists():
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            assert all(p.poll() is None for p in procs), "a rank ended before the first checkpoint"
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    assert not (run_dir / "results.json").exists(), "the run finished before it was killed"
+
+
+def test_running_the_same_commands_again_with_resume_auto_continues_and_ends_as_if_never_stopped(tmp_path):
+    run_ranks(tmp_path, "straight", 2, *STEPS)
+    start_and_kill_after_first_checkpoint(tmp_path / "killed", free_port())
+    again = run_ranks(tmp_path, "killed", 2, *STEPS, "--resume", "auto")
+    assert "resume auto: continuing the unfinished run in" in again[0].output, describe(again)
+    results = json.loads((tmp_path / "killed" / "results.json").read_text())
+    assert results["resumed_from"].endswith("last.pt")
+    straight, resumed = weights(tmp_path / "straight" / "last.pt"), weights(tmp_path / "killed" / "last.pt")
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_resume_auto_after_a_finished_run_starts_a_new_one_beside_it(tmp_path):
+    first = run_ranks(tmp_path, "done", 1, "--epochs", "1", "--max-steps-per-epoch", "2", "--resume", "auto")
+    assert "resume auto: no unfinished run" in first[0].output
+    assert json.loads((tmp_path / "done" / "results.json").read_text())["resumed_from"] is None
+    second = run_ranks(tmp_path, "done", 1, "--epochs", "1", "--max-steps-per-epoch", "2", "--resume", "auto")
+    assert "done: finished; starting a new run, in" in second[0].output, describe(second)
+    siblings = [p for p in tmp_path.iterdir() if p.name.startswith("done-")]
+    assert len(siblings) == 1 and (siblings[0] / "results.json").exists()
+
+
+def test_resume_auto_finds_the_newest_unfinished_run_with_the_same_settings(tmp_path):
+    def folder(name, age, **changes):
+        f = tmp_path / name
+        f.mkdir()
+        (f / "settings.json").write_text(Settings(dataset="fake", **changes).to_json())
+        (f / "last.pt").write_bytes(b"x")
+        os.utime(f / "last.pt", (time.time() - age, time.time() - age))
+        return f
+    folder("old", 100)
+    newest = folder("new", 10)
+    folder("other-lr", 1, lr=0.5)
+    finished = folder("finished", 0)
+    (finished / "results.json").write_text("{}")
+    path, why = autoresume.find_resume(Settings(dataset="fake", run_dir=str(tmp_path / "fresh-20260101")))
+    assert path == str(newest / "last.pt") and "continuing" in why
+
+
+# -- cost ------------------------------------------------------------------------------------------
+def test_a_price_per_node_hour_turns_wall_time_into_the_cost_of_the_run_and_of_each_epoch(tmp_path):
+    run_ranks(tmp_path, "priced", 2, "--epochs", "2", "--max-steps-per-epoch", "2", "--price-per-hour", "3.6")
+    run_ranks(tmp_path, "free", 1, "--epochs", "2", "--max-steps-per-epoch", "2")
+    priced = json.loads((tmp_path / "priced" / "results.json").read_text())
+    assert priced["nodes"] == 1   # two ranks on one machine: one machine to pay for
+    assert priced["cost"] == pytest.approx(priced["wall_time_s"] / 3600 * 1 * 3.6)
+    assert priced["cost_per_epoch"] == pytest.approx(priced["cost"] / 2)
+    assert json.loads((tmp_path / "free" / "results.json").read_text())["cost"] is None   # nothing assumed
+    table = report.results_table([tmp_path / "priced", tmp_path / "free"])
+    assert "cost (per epoch)" in table.splitlines()[0]
+    assert f"{priced['cost']:.3f} ({priced['cost_per_epoch']:.3f})" in table and "| n/a |" in table
+
+
+def test_no_cost_column_without_a_price(tmp_path):
+    run_ranks(tmp_path, "free", 1, "--epochs", "1", "--max-steps-per-epoch", "2")
+    assert "cost" not in report.results_table([tmp_path / "free"]).splitlines()[0]
