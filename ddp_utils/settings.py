@@ -242,6 +242,9 @@ class Settings:
 
         Under torchrun (``TORCHELASTIC_RUN_ID`` set) its agent already listens on MASTER_PORT,
         so the process group joins that store with ``env://`` instead of binding the port again.
+        Under ``srun`` (no ``RANK``, but ``SLURM_PROCID``) rank, world size and local rank come from
+        ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, and the master from ``MASTER_ADDR`` or the
+        first host of ``SLURM_JOB_NODELIST`` (slurm.py); the kit's own tcp store is used.
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -255,6 +258,17 @@ class Settings:
                     raise ValueError(f"Environment variable {var}={env[var]!r} is not a valid {name}") from None
         if env.get("TORCHELASTIC_RUN_ID"):
             values["init_method"] = "env"
+        elif "rank" not in values and env.get("SLURM_PROCID", "") != "":   # srun: one task per GPU
+            for var, name in (("SLURM_PROCID", "rank"), ("SLURM_NTASKS", "world_size"),
+                              ("SLURM_LOCALID", "local_rank")):
+                if name not in values and env.get(var, "") != "":
+                    try:
+                        values[name] = int(env[var])
+                    except ValueError:
+                        raise ValueError(f"Environment variable {var}={env[var]!r} is not a valid {name}") from None
+            if "master_addr" not in values and "master_addr" not in overrides and env.get("SLURM_JOB_NODELIST"):
+                from .slurm import first_host
+                values["master_addr"] = first_host(env["SLURM_JOB_NODELIST"])
         values.update(overrides)
         return cls.from_dict(values)
 
