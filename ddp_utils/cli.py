@@ -1,4 +1,4 @@
-"""Command line: ``python -m ddp_utils {train,check,demo,report,compare} ...``.
+"""Command line: ``python -m ddp_utils {train,launch,check,demo,report,compare} ...``.
 
 Two nodes, one GPU each (the commands differ only in --rank)::
 
@@ -6,8 +6,9 @@ Two nodes, one GPU each (the commands differ only in --rank)::
                --master-addr 10.0.0.1 --master-port 29500 --world-size 2 --rank 0
     node1$ python -m ddp_utils train ... same flags ... --rank 1
 
-One node with several GPUs: ``torchrun --nproc-per-node 4 -m ddp_utils train --dataset ...``
-(rank, world size and master come from torchrun's environment).
+One node with several GPUs: ``python -m ddp_utils launch --nproc-per-node 4 --dataset ...`` (one
+``train`` process per GPU, torchrun's flag names), or ``torchrun --nproc-per-node 4 -m ddp_utils train
+--dataset ...`` (rank, world size and master come from torchrun's environment).
 """
 from __future__ import annotations
 
@@ -38,6 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seeds", type=seed_list, metavar="2,4,42",
                        help="train the same configuration once per seed, one after the other, into sibling "
                             "run folders RUN_DIR-seed2, RUN_DIR-seed4, ...; `report` then gives mean +- std")
+
+    launch = sub.add_parser("launch", help="start one train process per GPU of this node (N CPU processes with "
+                                           "--nproc-per-node N), rank 0's output streamed; torchrun's flag names")
+    launch.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None, metavar="N",
+                        help="processes on this node (default: its GPUs, 1 without a GPU)")
+    launch.add_argument("--nnodes", type=int, default=1, help="nodes in the job, each running this command (default 1)")
+    launch.add_argument("--node-rank", "--node_rank", type=int, default=0,
+                        help="this node's index, 0..nnodes-1; 0 on the node whose IP is --master-addr (default 0)")
+    launch.add_argument("--log-dir", default=None, help="folder for every rank's output, rank<N>.log (default: a "
+                                                        "new temporary folder, named when the run starts)")
+    settings_module.add_arguments(launch)   # --master-addr, --master-port and every train flag
+    launch.add_argument("--resume", metavar="PATH|auto", help="as for train (every process gets it)")
+    launch.add_argument("--evaluate", action="store_true", help="as for train")
+    launch.add_argument("--seeds", type=seed_list, metavar="2,4,42", help="as for train")
 
     check = sub.add_parser("check", help="pre-flight only: network, port, GPUs, data, /dev/shm; exit 0 when ready")
     settings_module.add_arguments(check)
@@ -108,6 +123,9 @@ def main(argv=None) -> int:
                 run_seeds(settings_module.from_args(args), args.seeds)
             else:
                 run_job(settings_module.from_args(args), resume=args.resume, evaluate=args.evaluate)
+        elif args.command == "launch":
+            from .launch import main as launch_main
+            return launch_main(args)
         elif args.command == "check":
             from .check import run_check
             return 0 if run_check(settings_module.from_args(args), verify_images=args.verify_images) else 1

@@ -1,0 +1,432 @@
+"""``launch``: one training process per GPU of this node, from one command or one notebook cell.
+
+Command line, with torchrun's flag names followed by the ``train`` flags::
+
+    python -m ddp_utils launch --nproc-per-node 4 --dataset imagenet --data-dir /data/imagenet
+    node0$ python -m ddp_utils launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 ...same flags...
+    node1$ python -m ddp_utils launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 ...same flags...
+
+From a notebook (processes, not a fork of the kernel, which may have initialised CUDA)::
+
+    from ddp_utils.launch import launch
+    results = launch(settings, nproc_per_node=2)   # rank 0's lines appear as they come; rank 0's results
+
+Every process is a plain ``python -m ddp_utils train`` with ``rank = node_rank x nproc + local_rank``,
+``world_size = nnodes x nproc``, its ``local_rank`` (its GPU) and the master: the kit's own tcp
+rendezvous, no torchrun agent. This node's first rank (rank 0 on node 0) is streamed; every process's
+output also goes to ``rank<N>.log`` in a log folder. When one process fails, the others learn why
+through the store (``distributed.report_failure``) and stop by themselves; the launcher gives them
+``GRACE_S`` seconds, then sends SIGTERM (the kit's clean stop, ``cli.Terminated``), then SIGKILL after
+``TERM_S``, and raises ``LaunchError`` naming the rank that failed and its reason, with its last lines.
+Ctrl-C (the notebook's Stop) sends SIGTERM to every process the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import settings as settings_module
+
+GRACE_S = 5.0    # after a failure: how long the others may take to stop by themselves (they were told)
+TERM_S = 10.0    # after SIGTERM: how long before SIGKILL
+TAIL_LINES = 15  # lines of a failed rank's output shown in the error
+PARENT_VAR = "DDP_UTILS_LAUNCHER_PID"
+# Variables that would tell a child another place in the job than the flags the launcher gives it.
+IDENTITY_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                 "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
+SET_BY_LAUNCH = ("rank", "world_size", "local_rank", "init_method")
+# A child starts like ``python -m ddp_utils train ...``, after asking to die with the launcher.
+BOOT = "import sys; from ddp_utils.launch import as_child; as_child(); from ddp_utils.cli import main; sys.exit(main())"
+PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+
+class LaunchError(RuntimeError):
+    """A launched process failed (or the run was stopped): the text names the rank and its reason."""
+
+
+# -- the plan: which processes, with which settings ------------------------------------------------
+def local_gpus() -> int:
+    """GPUs this node shows to this process (no CUDA context is made)."""
+    import torch
+    return torch.cuda.device_count()
+
+
+def plan(settings, nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0) -> list:
+    """The Settings of each process this node starts, by local rank; refuses a layout that cannot work."""
+    gpus = local_gpus()
+    nproc = nproc_per_node if nproc_per_node is not None else max(gpus, 1)
+    if nproc < 1 or nnodes < 1:
+        raise ValueError(f"--nproc-per-node {nproc} --nnodes {nnodes}: both must be at least 1")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank {node_rank} with --nnodes {nnodes}: the node rank must be in 0..{nnodes - 1} "
+                         f"(0 on the node whose address is --master-addr)")
+    if gpus and nproc > gpus:
+        raise ValueError(f"--nproc-per-node {nproc}, but this node has {gpus} GPU(s): DDP runs one process per GPU. "
+                         f"Use --nproc-per-node {gpus} (or leave it out: the number of GPUs).")
+    if nnodes > 1 and settings.master_addr in ("127.0.0.1", "localhost", "::1"):
+        raise ValueError(f"--nnodes {nnodes} with --master-addr {settings.master_addr}: the other nodes cannot reach "
+                         f"a loopback address. Set --master-addr to the private IP of the node with --node-rank 0, "
+                         f"the same on every node.")
+    world = nnodes * nproc
+    return [settings.replace(rank=node_rank * nproc + local, world_size=world, local_rank=local, init_method="tcp")
+            for local in range(nproc)]
+
+
+def child_argv(settings, resume: str | None = None, evaluate: bool = False, seeds=None) -> list[str]:
+    """The command of one process: ``python -m ddp_utils train`` and its flags (through ``to_argv``)."""
+    argv = settings.to_argv(always=("rank", "world_size", "local_rank", "master_addr", "master_port",
+                                    "init_method"))
+    if resume:
+        argv += ["--resume", str(resume)]
+    if evaluate:
+        argv.append("--evaluate")
+    if seeds:
+        argv += ["--seeds", ",".join(str(s) for s in seeds)]
+    return ["train", *argv]
+
+
+def child_env(environ=None) -> dict:
+    """The launcher's environment, without the variables that would give a child another identity."""
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in IDENTITY_VARS}
+    env["PYTHONUNBUFFERED"] = "1"     # lines arrive as they are printed, not in 8 KB blocks
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
+    env[PARENT_VAR] = str(os.getpid())
+    return env
+
+
+def as_child() -> None:
+    """First thing in a launched process: get SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
+    parent = os.environ.pop(PARENT_VAR, "")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):   # the launcher died before the line above
+        sys.exit("launch: the launcher is gone; not starting")
+
+
+# -- why a process stopped ---------------------------------------------------------------------------
+_CONSEQUENCE = re.compile(r"stopped because (?:rank (\d+) (stopped.*)|another rank stopped answering)", re.S)
+
+
+def reason_of(returncode: int, lines) -> str:
+    """One process's own account of why it stopped: the kit's ``error:`` paragraph, else the last line of
+    a traceback, else the signal or exit code."""
+    lines = [line.rstrip() for line in lines]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("error: "):
+            return " ".join(x.strip() for x in lines[i:] if x.strip())[len("error: "):][:1500]
+    for line in reversed(lines):
+        if line.startswith(("terminated (SIGTERM)", "interrupted:")):   # cli.main's words for a signal
+            return line.split(":", 1)[0] + " (a signal from outside the launcher)"
+        if re.match(r"^([\w.]+\.)?\w*(Error|Exception|Interrupt|Exit)\b", line) or ": error: " in line:
+            return line.strip()[:1500]
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"killed by signal {name}" + (" (the out-of-memory killer, or someone's kill -9)"
+                                             if returncode == -signal.SIGKILL else "")
+    return f"exited with code {returncode} without saying why"
+
+
+def root_cause(exits: list[tuple[int, int, list]]) -> tuple[int, str, bool]:
+    """``(rank, reason, reported_by_another)`` of the failure that started it all.
+
+    ``exits``: ``(rank, returncode, last lines)`` of the processes that failed on their own, in the order
+    they stopped. A process that only says another rank stopped (the store's failure channel) points at
+    that rank, which may run on another node."""
+    told = []
+    for rank, code, lines in exits:
+        reason = reason_of(code, lines)
+        consequence = _CONSEQUENCE.search(reason)
+        if not consequence:
+            return rank, reason, False
+        if consequence.group(1) is not None:
+            told.append((int(consequence.group(1)), consequence.group(2).strip()))
+    if told:
+        return told[0][0], told[0][1], True
+    rank, code, lines = exits[0]
+    return rank, reason_of(code, lines), False
+
+
+# -- the processes ---------------------------------------------------------------------------------------
+@dataclass
+class _Proc:
+    rank: int
+    argv: list
+    log_path: Path
+    streamed: bool
+    popen: subprocess.Popen | None = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    reader: threading.Thread | None = None
+    exited_at: float | None = None
+    signalled: bool = False           # stopped by the launcher: not a cause
+    run_dirs: list = field(default_factory=list)
+
+
+class Launcher:
+    """The processes of this node for one run: start, stream, watch, stop. ``launch()`` drives it."""
+
+    def __init__(self, plans: list, resume=None, evaluate=False, seeds=None, log_dir=None, environ=None):
+        self.plans = plans
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"ddp_utils-launch-{stamp}-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = child_env(environ)
+        self.lines: queue.Queue = queue.Queue()
+        self.procs = [_Proc(s.rank, [sys.executable, "-c", BOOT, *child_argv(s, resume, evaluate, seeds)],
+                            self.log_dir / f"rank{s.rank}.log", streamed=i == 0) for i, s in enumerate(plans)]
+        self.failed_at: float | None = None   # when the first process failed
+        self.termed_at: float | None = None   # when the launcher sent SIGTERM
+        self.timed_out = False
+
+    def describe(self) -> list[str]:
+        first = self.plans[0]
+        nproc, ranks = len(self.plans), f"{self.procs[0].rank}..{self.procs[-1].rank}"
+        return [f"launch: {first.world_size // nproc} node(s) x {nproc} process(es) = world size "
+                f"{first.world_size}; this node runs ranks {ranks} (local_rank 0..{nproc - 1}); master "
+                f"{first.master_addr}:{first.master_port}",
+                f"launch: rank {first.rank}'s output follows; every rank's output is in {self.log_dir}/rank<N>.log"]
+
+    def start(self) -> None:
+        with open(self.log_dir / "commands.txt", "w") as f:
+            for p in self.procs:
+                f.write(f"rank {p.rank}: python -m ddp_utils {shlex.join(p.argv[3:])}\n")
+        for p in self.procs:
+            p.popen = subprocess.Popen(p.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True, errors="replace", env=self.env,
+                                       start_new_session=True)   # Ctrl-C reaches the launcher, which stops them
+            p.reader = threading.Thread(target=self._read, args=(p,), daemon=True)
+            p.reader.start()
+
+    def _read(self, p: _Proc) -> None:
+        prefix = "" if p.rank == 0 else f"[rank {p.rank}] "
+        with open(p.log_path, "w", encoding="utf-8", buffering=1) as log:
+            for line in p.popen.stdout:
+                line = line.rstrip("\n")
+                log.write(line + "\n")
+                p.tail.append(line)
+                found = re.match(r"Run folder: (.+?)  \(TensorBoard", line)
+                if found:
+                    p.run_dirs.append(found.group(1))
+                if p.streamed:
+                    self.lines.put(prefix + line)
+
+    # -- watching --------------------------------------------------------------------------------------
+    def lines_until_done(self, timeout: float | None = None):
+        """Yield the streamed lines as they come until every process has stopped; stops the others
+        after a failure, and all of them on an interrupt or at ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        next_look = 0.0
+        try:
+            while True:
+                try:
+                    yield self.lines.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+                now = time.monotonic()
+                if now < next_look:   # a busy stream must not delay noticing a failure, nor be slowed down
+                    continue
+                next_look = now + 0.2
+                for p in self.procs:
+                    if p.exited_at is None and p.popen.poll() is not None:
+                        p.exited_at = now
+                        if p.popen.returncode != 0 and self.failed_at is None:
+                            self.failed_at = now
+                if all(p.exited_at is not None for p in self.procs):
+                    break
+                if deadline is not None and now > deadline and self.termed_at is None:
+                    self.timed_out = True
+                    self.terminate()
+                elif self.failed_at is not None and now - self.failed_at > GRACE_S and self.termed_at is None:
+                    self.terminate()
+                if self.termed_at is not None and now - self.termed_at > TERM_S:
+                    self.kill()
+            for p in self.procs:
+                p.reader.join(timeout=5)
+            yield from self.drain()
+        finally:
+            self.stop()
+
+    def drain(self) -> list[str]:
+        """The streamed lines not yet taken."""
+        out = []
+        while not self.lines.empty():
+            out.append(self.lines.get())
+        return out
+
+    def terminate(self) -> None:
+        """SIGTERM to every process still running: the kit stops cleanly and tells the others why."""
+        self.termed_at = time.monotonic()
+        for p in self.procs:
+            if p.popen is not None and p.popen.poll() is None:
+                p.signalled = True
+                _send(p.popen.pid, signal.SIGTERM, group=False)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.popen is not None and p.popen.poll() is None:
+                p.signalled = True
+                _send(p.popen.pid, signal.SIGKILL, group=True)
+
+    def stop(self, patience: float = TERM_S) -> None:
+        """Leave nothing behind: SIGTERM, up to ``patience`` s, then SIGKILL (each process's whole group)."""
+        running = [p for p in self.procs if p.popen is not None and p.popen.poll() is None]
+        if running:
+            self.terminate()
+            end = time.monotonic() + patience
+            try:
+                while time.monotonic() < end and any(p.popen.poll() is None for p in running):
+                    time.sleep(0.1)
+            finally:
+                self.kill()
+        for p in self.procs:
+            if p.popen is not None:
+                _send(p.popen.pid, signal.SIGKILL, group=True)   # e.g. loader workers of a killed process
+                try:
+                    p.popen.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+                if p.reader is not None:
+                    p.reader.join(timeout=5)   # the pipe closes with the last process that held it
+
+    # -- the verdict -----------------------------------------------------------------------------------------
+    def failure(self) -> str | None:
+        """None when every process finished; else the paragraph naming the failed rank and its reason."""
+        own = sorted((p for p in self.procs if p.popen.returncode != 0 and not p.signalled),
+                     key=lambda p: p.exited_at or 0)
+        if not own and not any(p.popen.returncode != 0 for p in self.procs):
+            return None
+        if not own:
+            why = "the run took longer than the launcher's timeout" if self.timed_out else "the launcher was stopped"
+            return f"launch: {why}; every process was stopped (their output: {self.log_dir})"
+        rank, reason, told = root_cause([(p.rank, p.popen.returncode, list(p.tail)) for p in own])
+        here = {p.rank: p for p in self.procs}
+        text = f"rank {rank} failed: {reason}"
+        if rank in here:
+            p = here[rank]
+            lines = list(p.tail)
+            said = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+            before = [line for line in lines[:said[-1] if said else None] if line.strip()][-TAIL_LINES:]
+            shown = "".join(f"\n    {line}" for line in before)   # the lines before its error paragraph
+            text += f"\nIts exit code: {p.popen.returncode}. Its last lines ({p.log_path}):{shown}"
+        elif told:
+            text += f"\n(rank {rank} runs on another node: its own output is there.)"
+        stopped = [str(p.rank) for p in self.procs if p.signalled]
+        if stopped:
+            text += f"\nThe launcher stopped rank(s) {', '.join(stopped)}."
+        return text + f"\nEvery rank's output on this node: {self.log_dir}"
+
+    def results(self):
+        """Rank 0's results.json (a list of them with seeds); None on a node without rank 0."""
+        import json
+        p = self.procs[0]
+        if p.rank != 0 or not p.run_dirs:
+            return None
+        found = [json.loads(Path(d, "results.json").read_text()) for d in p.run_dirs
+                 if Path(d, "results.json").is_file()]
+        return found if len(p.run_dirs) > 1 else (found[0] if found else None)
+
+
+def _send(pid: int, sig: int, group: bool) -> None:
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# -- the entry points ---------------------------------------------------------------------------------------
+def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0,
+           master_addr: str | None = None, master_port: int | None = None, *, resume: str | None = None,
+           evaluate: bool = False, seeds=None, log_dir: str | None = None, on_line=print,
+           timeout: float | None = None, environ=None):
+    """Run ``nproc_per_node`` training processes on this node and wait for them; rank 0's results.
+
+    ``settings``: a Settings, or ``train`` flags as a list (``["--dataset", "demo", "--epochs", "2"]``).
+    ``nproc_per_node``: default the number of GPUs, 1 without a GPU. ``master_addr`` / ``master_port``
+    replace the settings' (needed with ``nnodes > 1``: node 0's private IP, the same on every node).
+    Each line of this node's first rank (rank 0 on node 0) goes to ``on_line`` as it comes (``print``
+    shows it in a notebook cell). Returns rank 0's results.json as a dict (a list with ``seeds``; None
+    on the other nodes); raises LaunchError naming the rank that failed and why.
+    """
+    if settings is None or isinstance(settings, (list, tuple)):
+        settings, parsed = parse_train_argv(list(settings or []))
+        resume, evaluate, seeds = resume or parsed.resume, evaluate or parsed.evaluate, seeds or parsed.seeds
+    changes = {k: v for k, v in (("master_addr", master_addr), ("master_port", master_port)) if v is not None}
+    if changes:
+        settings = settings.replace(**changes)
+    launcher = Launcher(plan(settings, nproc_per_node, nnodes, node_rank), resume=resume, evaluate=evaluate,
+                        seeds=seeds, log_dir=log_dir, environ=environ)
+    for line in launcher.describe():
+        on_line(line)
+    launcher.start()
+    try:
+        for line in launcher.lines_until_done(timeout):
+            on_line(line)
+    except KeyboardInterrupt:
+        launcher.stop()   # SIGTERM: each process stops cleanly and says so
+        for line in launcher.drain():
+            on_line(line)
+        on_line(f"launch: interrupted; every process was sent SIGTERM and has stopped (output: {launcher.log_dir})")
+        raise
+    finally:
+        launcher.stop()   # also after an error in on_line: nothing is left running
+    failure = launcher.failure()
+    if failure:
+        raise LaunchError(failure)
+    return launcher.results()
+
+
+def parse_train_argv(argv: list[str]):
+    """``train`` flags as a list -> (Settings, the parsed namespace with resume / evaluate / seeds)."""
+    parser = argparse.ArgumentParser(prog="launch", add_help=False)
+    settings_module.add_arguments(parser)
+    parser.add_argument("--resume")
+    parser.add_argument("--evaluate", action="store_true")
+    parser.add_argument("--seeds", type=lambda text: [int(s) for s in text.split(",") if s.strip()])
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except SystemExit:   # argparse has printed what is wrong; a notebook should get an exception, not an exit
+        raise ValueError(f"cannot read these train flags: {' '.join(argv)} (see the message above)") from None
+    if unknown:
+        raise ValueError(f"not train flags: {' '.join(unknown)} (python -m ddp_utils train --help lists them)")
+    return settings_from_args(args), args
+
+
+def settings_from_args(args: argparse.Namespace):
+    """The shared settings of every process, from the flags only (the launcher's own environment, say
+    a SLURM task's, does not decide the ranks: its flags do)."""
+    given = [f"--{name.replace('_', '-')}" for name in SET_BY_LAUNCH if getattr(args, name, None) is not None]
+    if given:
+        raise ValueError(f"launch sets {', '.join(given)} of each process itself (rank = node_rank x nproc_per_node "
+                         f"+ local_rank, world size = nnodes x nproc_per_node): leave "
+                         f"{'them' if len(given) > 1 else 'it'} out and give --nproc-per-node, --nnodes and "
+                         f"--node-rank instead")
+    return settings_module.from_args(args, environ={})
+
+
+def main(args: argparse.Namespace) -> int:
+    """``python -m ddp_utils launch ...`` (cli.py parses the flags)."""
+    results = launch(settings_from_args(args), args.nproc_per_node, args.nnodes, args.node_rank,
+                     resume=args.resume, evaluate=args.evaluate, seeds=args.seeds, log_dir=args.log_dir,
+                     on_line=lambda line: print(line, flush=True))
+    done = "" if results is None else " (rank 0's results.json is in the run folder named above)"
+    print(f"launch: every process of this node finished{done}", flush=True)
+    return 0

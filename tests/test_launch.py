@@ -1,0 +1,338 @@
+"""`launch`: every GPU of a node from one command or one notebook cell; SLURM's variables; failures named.
+
+On CPU with gloo: `--nproc-per-node 2` stands for a node's GPUs. Every run is time-bounded and its processes
+(and namespaces) are removed also when a test fails (tests/procs.py, tests/netns.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_utils import checkpoint, launch as launch_module, slurm
+from ddp_utils.settings import Settings
+from tests import netns
+from tests.procs import REPO, base_env, describe, free_port, python, run_all
+
+STEPS = ["--epochs", "2", "--max-steps-per-epoch", "3"]
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    from ddp_utils.demo_data import prepare_demo
+    return str(prepare_demo(tmp_path_factory.mktemp("data") / "demo"))
+
+
+def tiny(dataset="fake"):
+    """Fake images (no random crops, which differ per rank) and GroupNorm (no per-rank batch statistics):
+    1 x 2B and 2 x B must end with the same weights."""
+    data = ["--dataset", "fake", "--image-size", "32"] if dataset == "fake" else ["--dataset", "demo"]
+    return [*data, "--arch", "convnet_gn", "--workers", "0", "--threads", "1", "--wandb", "disabled",
+            "--backend", "gloo", "--init-timeout", "60", "--log-every", "2", "--progress", "off", "--no-link-probe"]
+
+
+def launch_cmd(*args):
+    return python("-m", "ddp_utils", "launch", *map(str, args))
+
+
+def train_cmd(*args):
+    return python("-m", "ddp_utils", "train", *map(str, args))
+
+
+def results(run_dir):
+    return json.loads((Path(run_dir) / "results.json").read_text())
+
+
+def assert_same_training(run, single, world_size):
+    """Same weights, same global loss and accuracy, both after 2 x 3 real steps."""
+    a, b = checkpoint.load_checkpoint(run / "last.pt"), checkpoint.load_checkpoint(single / "last.pt")
+    assert a["step"] == b["step"] == 6
+    for name in b["model"]:
+        assert torch.allclose(a["model"][name], b["model"][name], atol=1e-5, rtol=1e-4), name
+    ours, theirs = results(run), results(single)
+    assert ours["world_size"] == world_size and theirs["world_size"] == 1
+    assert ours["global_batch_size"] == theirs["global_batch_size"]
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
+    assert ours["acc1"] == pytest.approx(theirs["acc1"]) and ours["acc5"] == pytest.approx(theirs["acc5"])
+
+
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def ours_still_running(marker: str) -> list[int]:
+    """Processes whose command line holds ``marker`` (a test's own folder), zombies aside."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid() and marker in cmdline(int(entry.name)):
+            try:
+                if " Z " not in (entry / "stat").read_text().split(")", 1)[1][:4]:
+                    found.append(int(entry.name))
+            except (OSError, IndexError):
+                pass
+    return found
+
+
+def start(cmd):
+    return subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def wait_for(path: Path, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert path.exists(), f"{path} did not appear within {seconds} s"
+
+
+def kill_all(proc, marker):
+    """Cleanup after a test, also a failed one: the launcher's session and anything with our folder."""
+    for pid in [proc.pid, *ours_still_running(marker)]:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    try:
+        proc.communicate(timeout=10)
+    except (subprocess.TimeoutExpired, ValueError):
+        pass
+
+
+# -- one node, two processes -------------------------------------------------------------------------
+def test_launch_two_processes_trains_like_one_process_with_the_doubled_batch(tmp_path):
+    port = free_port()
+    launched, = run_all([launch_cmd("--nproc-per-node", 2, "--master-port", port, *tiny(), *STEPS, "--batch-size", 8,
+                                    "--run-dir", tmp_path / "launch", "--log-dir", tmp_path / "logs")],
+                        timeout=180, env=base_env())
+    assert launched.returncode == 0, describe([launched])
+    single, = run_all([train_cmd(*tiny(), *STEPS, "--batch-size", 16, "--run-dir", tmp_path / "single")],
+                      timeout=180, env=base_env())
+    assert single.returncode == 0, describe([single])
+    assert_same_training(tmp_path / "launch", tmp_path / "single", world_size=2)
+    out = launched.output
+    assert "world size 2; this node runs ranks 0..1" in out and "epoch 2/2" in out, out
+    assert "[rank 1]" not in out                              # only rank 0 is streamed
+    assert "as rank 1 of 2" in (tmp_path / "logs" / "rank1.log").read_text()
+    assert "--rank 1 --world-size 2 --local-rank 1" in (tmp_path / "logs" / "commands.txt").read_text()
+
+
+def test_a_rank_killed_mid_run_stops_the_launcher_naming_it_and_nothing_is_left(tmp_path):
+    """The out-of-memory killer takes rank 1: the launcher stops rank 0 and says which rank died of what."""
+    marker = str(tmp_path)
+    proc = start(launch_cmd("--nproc-per-node", 2, "--master-port", free_port(), *tiny(), "--epochs", 50,
+                            "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run",
+                            "--log-dir", tmp_path / "logs"))
+    try:
+        wait_for(tmp_path / "run" / "last.pt", 120)
+        kids = children(proc.pid)
+        [rank1] = [k for k in kids if "--rank 1 " in cmdline(k)]
+        killed = time.monotonic()
+        os.kill(rank1, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - killed
+        assert proc.returncode == 2, out
+        assert took < 20, f"the launcher took {took:.1f} s to stop after rank 1 died"
+        assert "rank 1 failed: killed by signal SIGKILL" in out and "rank1.log" in out, out
+        assert not ours_still_running(marker), [cmdline(p) for p in ours_still_running(marker)]
+        assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] >= 0
+    finally:
+        kill_all(proc, marker)
+
+
+def test_ctrl_c_on_the_launcher_stops_every_rank_cleanly_through_sigterm(tmp_path):
+    marker = str(tmp_path)
+    proc = start(launch_cmd("--nproc-per-node", 2, "--master-port", free_port(), *tiny(), "--epochs", 50,
+                            "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run",
+                            "--log-dir", tmp_path / "logs"))
+    try:
+        wait_for(tmp_path / "run" / "last.pt", 120)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+        assert proc.returncode == 130 and took < 20, (took, out)
+        assert "launch: interrupted; every process was sent SIGTERM" in out, out
+        for rank in (0, 1):   # each rank stopped the kit's clean way (cli.Terminated), not killed
+            assert "terminated (SIGTERM)" in (tmp_path / "logs" / f"rank{rank}.log").read_text(), rank
+        assert not ours_still_running(marker)
+        assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] >= 0
+    finally:
+        kill_all(proc, marker)
+
+
+def test_launch_refuses_the_flags_it_sets_itself():
+    [res] = run_all([launch_cmd("--nproc-per-node", 2, "--rank", 1)], timeout=60, env=base_env())
+    assert res.returncode == 2 and "launch sets --rank of each process itself" in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+# -- the notebook function ---------------------------------------------------------------------------------
+def test_the_notebook_function_streams_rank_0s_lines_as_they_come_and_returns_its_results(tmp_path):
+    settings = Settings(dataset="fake", image_size=32, arch="convnet_gn", workers=0, threads=1, wandb="disabled",
+                        backend="gloo", init_timeout=60, progress="off", link_probe=False, epochs=3,
+                        max_steps_per_epoch=3, batch_size=8, run_dir=str(tmp_path / "run"))
+    seen = []   # (line, whether results.json existed when the line arrived)
+    got = launch_module.launch(settings, nproc_per_node=2, master_port=free_port(), log_dir=str(tmp_path / "logs"),
+                               on_line=lambda line: seen.append((line, (tmp_path / "run" / "results.json").exists())),
+                               timeout=240)
+    early = [line for line, done in seen if not done and line.startswith("epoch ")]
+    assert len(early) >= 2, seen   # epoch lines reached the caller while the run was still going
+    assert got == results(tmp_path / "run") and got["world_size"] == 2
+    assert not ours_still_running(str(tmp_path))
+
+
+def test_the_notebook_function_raises_with_the_failing_ranks_reason(tmp_path):
+    """Rank 0 cannot read the checkpoint to resume: the error says rank 0 and why; rank 1 was told."""
+    settings = Settings(dataset="fake", image_size=32, workers=0, threads=1, wandb="disabled", backend="gloo",
+                        init_timeout=60, progress="off", link_probe=False, run_dir=str(tmp_path / "run"))
+    lines = []
+    start_ = time.monotonic()
+    with pytest.raises(launch_module.LaunchError) as err:
+        launch_module.launch(settings, nproc_per_node=2, master_port=free_port(), log_dir=str(tmp_path / "logs"),
+                             resume=str(tmp_path / "nowhere" / "last.pt"), on_line=lines.append, timeout=120)
+    text = str(err.value)
+    assert text.startswith("rank 0 failed: ") and "nowhere/last.pt" in text, text
+    assert time.monotonic() - start_ < 90
+    assert "stopped because rank 0 stopped" in (tmp_path / "logs" / "rank1.log").read_text()
+    assert not ours_still_running(str(tmp_path))
+
+
+def test_the_failure_named_is_the_one_that_started_it_not_the_others_reaction():
+    peer = ["", "error: rank 0: stopped because rank 3 stopped while preparing the run: DataError: /x: no train/"]
+    own = ["Traceback (most recent call last):", "  ...", "ZeroDivisionError: division by zero"]
+    assert launch_module.root_cause([(0, 2, peer), (1, 1, own)]) == (1, "ZeroDivisionError: division by zero", False)
+    assert launch_module.root_cause([(0, 2, peer)]) == (
+        3, "stopped while preparing the run: DataError: /x: no train/", True)
+    assert "SIGKILL" in launch_module.reason_of(-9, [])
+    assert launch_module.reason_of(2, ["", "error: Invalid settings:", "  - lr=-1: must not be negative"]) == \
+        "Invalid settings: - lr=-1: must not be negative"
+
+
+def test_the_plan_gives_every_process_its_rank_and_refuses_impossible_layouts():
+    base = Settings(master_addr="10.0.0.1", master_port=1234)
+    plans = launch_module.plan(base, nproc_per_node=2, nnodes=3, node_rank=1)
+    assert [(s.rank, s.local_rank, s.world_size) for s in plans] == [(2, 0, 6), (3, 1, 6)]
+    assert all(s.init_method == "tcp" and s.master_addr == "10.0.0.1" for s in plans)
+    argv = launch_module.child_argv(plans[1], resume="r/last.pt", seeds=[2, 4])
+    assert argv[:1] == ["train"] and "--seeds" in argv and "2,4" in argv
+    with pytest.raises(ValueError, match="--node-rank 2 with --nnodes 2"):
+        launch_module.plan(base, nproc_per_node=1, nnodes=2, node_rank=2)
+    with pytest.raises(ValueError, match="loopback"):
+        launch_module.plan(Settings(), nproc_per_node=1, nnodes=2)
+    if not torch.cuda.is_available():
+        assert len(launch_module.plan(Settings())) == 1   # no GPU: one process
+
+
+# -- two hosts, two processes each ----------------------------------------------------------------------------
+@pytest.fixture
+def two_hosts():
+    with netns.two_hosts_or_skip("10.213.9") as hosts:
+        yield hosts
+
+
+def host_cmds(hosts, port, *flags, data_dirs=None, tmp_path=None):
+    return [[*hosts.exec_prefix(h), *launch_cmd("--nnodes", 2, "--node-rank", h, "--nproc-per-node", 2,
+                                                 "--master-addr", hosts.addrs[0], "--master-port", port, *flags,
+                                                 *(["--data-dir", data_dirs[h]] if data_dirs else []),
+                                                 "--log-dir", tmp_path / f"logs-h{h}")] for h in range(2)]
+
+
+def test_two_hosts_with_two_processes_each_train_like_one_process_with_four_times_the_batch(two_hosts, tmp_path):
+    port = free_port()
+    cmds = host_cmds(two_hosts, port, *tiny(), *STEPS, "--batch-size", 8, "--run-dir", tmp_path / "ddp",
+                     tmp_path=tmp_path)
+    launched = run_all(cmds, timeout=300, env=base_env())
+    assert all(r.returncode == 0 for r in launched), describe(launched)
+    assert "world size 4; this node runs ranks 2..3" in launched[1].output, describe(launched)
+    single, = run_all([train_cmd(*tiny(), *STEPS, "--batch-size", 32, "--run-dir", tmp_path / "single")],
+                      timeout=180, env=base_env())
+    assert single.returncode == 0, describe([single])
+    assert_same_training(tmp_path / "ddp", tmp_path / "single", world_size=4)
+    assert "as rank 3 of 4" in (tmp_path / "logs-h1" / "rank3.log").read_text()
+
+
+def test_a_bad_data_dir_on_one_host_fails_both_launchers_naming_the_rank_and_its_reason(two_hosts, tmp_path, demo_dir):
+    port = free_port()
+    (tmp_path / "not-a-folder").write_text("no images here")
+    cmds = host_cmds(two_hosts, port, *tiny("demo"), *STEPS, "--batch-size", 8, "--run-dir", tmp_path / "ddp",
+                     data_dirs=[demo_dir, str(tmp_path / "not-a-folder")], tmp_path=tmp_path)
+    started = time.monotonic()
+    launched = run_all(cmds, timeout=150, env=base_env())
+    took = time.monotonic() - started
+    assert [r.returncode for r in launched] == [2, 2], describe(launched)
+    assert took < 120, took
+    for r in launched:   # host 1 learnt it through the store, host 2 from its own processes
+        assert re.search(r"error: rank [23] failed: .*not-a-folder.* is not a demo set", r.output), describe(launched)
+    assert "runs on another node" in launched[0].output, launched[0].output
+    for name in two_hosts.names:
+        assert not netns.ip("netns", "pids", name).split(), f"processes left in {name}"
+
+
+# -- SLURM ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node[01-04]", ["node01", "node02", "node03", "node04"]),
+    ("a,b", ["a", "b"]),
+    ("gpu7", ["gpu7"]),
+    ("n[08-10,12],login1", ["n08", "n09", "n10", "n12", "login1"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+])
+def test_slurm_node_lists_are_expanded_in_order(nodelist, hosts):
+    assert slurm.expand_nodelist(nodelist) == hosts
+
+
+def test_slurm_variables_give_rank_world_size_local_rank_and_the_master(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")   # no scontrol: the node list is parsed
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[03-04]"}
+    s = Settings.from_env(env)
+    assert (s.rank, s.world_size, s.local_rank, s.master_addr, s.init_method) == (5, 8, 1, "gpu03", "tcp")
+    assert Settings.from_env({**env, "MASTER_ADDR": "10.0.0.9"}).master_addr == "10.0.0.9"
+    assert Settings.from_env(env, master_addr="10.0.0.7").master_addr == "10.0.0.7"
+    torchrun = {**env, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
+    assert (Settings.from_env(torchrun).rank, Settings.from_env(torchrun).world_size) == (0, 2)   # torchrun wins
+    with pytest.raises(ValueError, match="SLURM_NTASKS"):
+        Settings.from_env({**env, "SLURM_NTASKS": "eight"})
+
+
+def test_scontrol_expands_the_node_list_where_slurm_is_installed(tmp_path, monkeypatch):
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "big-node-7\\nbig-node-9\\n"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert slurm.first_host("big-node-[7,9]") == "big-node-7"
+    assert Settings.from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+                              "SLURM_JOB_NODELIST": "big-node-[7,9]"}).master_addr == "big-node-7"
+
+
+def test_two_processes_started_with_slurms_variables_train_together(tmp_path):
+    """What srun does: the same command twice, told apart only by SLURM_PROCID / SLURM_LOCALID."""
+    port = free_port()
+    tasks = [["env", f"SLURM_PROCID={r}", "SLURM_NTASKS=2", f"SLURM_LOCALID={r}", "SLURM_JOB_NODELIST=localhost",
+              f"MASTER_PORT={port}"] for r in range(2)]
+    cmd = train_cmd(*tiny(), "--epochs", 1, "--max-steps-per-epoch", 2, "--batch-size", 8,
+                    "--run-dir", tmp_path / "run")
+    res = run_all([cmd, cmd], timeout=180, env=base_env(), prefix=tasks)
+    assert all(r.returncode == 0 for r in res), describe(res)
+    assert f"joined tcp://localhost:{port} as rank 1 of 2" in res[1].output, describe(res)
+    assert results(tmp_path / "run")["world_size"] == 2
