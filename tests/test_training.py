@@ -385,7 +385,7 @@ def test_every_homework_question_names_figures_that_the_demo_runs_produced(demo_
     out = tmp_path / "report"
     report.write_report(runs, out)
     sources = answer_sources()
-    assert sorted(sources) == list(range(1, 11)), sources   # every question says where its answer is
+    assert sorted(sources) == list(range(1, 12)), sources   # every question says where its answer is
     for question, items in sources.items():
         for item in items:
             kind, _, names = item.partition(": ")
