@@ -220,6 +220,19 @@ def test_both_ranks_print_the_same_global_metrics_as_results_json(on_loopback):
     assert_same_global_metrics(outs["main"], outs["worker"], tmp / "runs" / "ddp")
 
 
+def test_the_worker_notebook_shows_progress_and_the_same_epoch_lines_during_training(on_loopback):
+    _, outs, results = on_loopback
+    assert_finished(results[:2])
+    def epoch_lines(out):
+        return [line for line in printed(out).splitlines() if re.match(r"epoch \d+/\d+: train loss", line)]
+    assert epoch_lines(outs["worker"]) and epoch_lines(outs["worker"]) == epoch_lines(outs["main"])
+    nb = read(outs["worker"])
+    widgets = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+               if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+               or "rank 1 epoch" in o.get("data", {}).get("text/plain", "") + o.get("text", "")]
+    assert widgets, "no progress bar in the worker's notebook"
+
+
 def test_preflight_cell_names_the_interface_it_chose(on_loopback):
     _, outs, results = on_loopback
     assert_finished(results[:2])
