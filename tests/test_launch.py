@@ -182,6 +182,24 @@ def test_ctrl_c_on_the_launcher_stops_every_rank_cleanly_through_sigterm(tmp_pat
         kill_all(proc, marker)
 
 
+def test_the_processes_stop_cleanly_when_the_launcher_itself_is_killed_hard(tmp_path):
+    """kill -9 on the launcher (a closed terminal, a killed notebook kernel): no orphan keeps training."""
+    marker = str(tmp_path)
+    proc = start(launch_cmd("--nproc-per-node", 2, "--master-port", free_port(), *tiny(), "--epochs", 50,
+                            "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run"))
+    try:
+        wait_for(tmp_path / "run" / "last.pt", 120)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        deadline = time.monotonic() + 30
+        while ours_still_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not ours_still_running(marker), [cmdline(p) for p in ours_still_running(marker)]
+        assert "error: SIGTERM" in (tmp_path / "run" / "log.txt").read_text()   # the kit's clean stop
+    finally:
+        kill_all(proc, marker)
+
+
 def test_launch_refuses_the_flags_it_sets_itself():
     [res] = run_all([launch_cmd("--nproc-per-node", 2, "--rank", 1)], timeout=60, env=base_env())
     assert res.returncode == 2 and "launch sets --rank of each process itself" in res.output, res.output
