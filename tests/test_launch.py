@@ -186,7 +186,8 @@ def test_the_processes_stop_cleanly_when_the_launcher_itself_is_killed_hard(tmp_
     """kill -9 on the launcher (a closed terminal, a killed notebook kernel): no orphan keeps training."""
     marker = str(tmp_path)
     proc = start(launch_cmd("--nproc-per-node", 2, "--master-port", free_port(), *tiny(), "--epochs", 50,
-                            "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run"))
+                            "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run",
+                            "--log-dir", tmp_path / "logs"))
     try:
         wait_for(tmp_path / "run" / "last.pt", 120)
         os.kill(proc.pid, signal.SIGKILL)
