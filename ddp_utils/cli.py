@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--world-size", type=int, default=2, help="ranks for the DDP run (default 2)")
     demo.add_argument("--run-dir", default="runs/demo", help="parent folder of the runs (default runs/demo)")
     demo.add_argument("--master-port", type=int, default=0, help="port on localhost (default: a free one)")
+    demo.add_argument("--price-per-hour", type=float, default=0.0,
+                      help="what a node costs per hour: the table then shows what each run cost (default: not set)")
 
     report = sub.add_parser("report", help="results table (Markdown) and labelled figures from finished run folders")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding results.json")
@@ -81,8 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--baseline", metavar="RUN_DIR", default=None,
                         help="run to measure speed-up against (default: the first 1-rank run)")
 
-    demo.add_argument("--price-per-hour", type=float, default=0.0,
-                      help="what a node costs per hour: the table then shows what each run cost (default: not set)")
     compare = sub.add_parser("compare", help="single vs DataParallel vs DDP: one row per parallel mode, "
                                              "mean +- std over the seeds given (a Markdown table)")
     compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
