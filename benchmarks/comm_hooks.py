@@ -23,6 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from ddp_utils.settings import Settings  # noqa: E402
 from tests import netns  # noqa: E402
 from tests.procs import base_env, describe, free_port, python, run_all  # noqa: E402
 
@@ -30,11 +31,11 @@ COMMS = ("none", "fp16", "powersgd", "auto")
 
 
 def train(run_dir: Path, rank: int, world_size: int, addr: str, port: int, seed: int, comm: str, args) -> list[str]:
-    return python("-m", "ddp_utils", "train", "--dataset", "demo", "--data-dir", str(args.data), "--loader", "memory",
-                  "--arch", "resnet18", "--batch-size", "64", "--lr", str(args.lr), "--epochs", str(args.epochs), "--threads", "1",
-                  "--workers", "0", "--wandb", "disabled", "--progress", "off", "--backend", "gloo",
-                  "--seed", str(seed), "--comm", comm, "--run-dir", str(run_dir), "--rank", str(rank),
-                  "--world-size", str(world_size), "--master-addr", addr, "--master-port", str(port))
+    settings = Settings(dataset="demo", data_dir=str(args.data), loader="memory", arch="resnet18", batch_size=64,
+                        lr=args.lr, epochs=args.epochs, threads=1, workers=0, wandb="disabled", progress="off",
+                        backend="gloo", seed=seed, comm=comm, run_dir=str(run_dir), rank=rank,
+                        world_size=world_size, master_addr=addr, master_port=port)
+    return python("-m", "ddp_utils", "train", *settings.to_argv())
 
 
 def run(hosts, run_dir: Path, world_size: int, seed: int, comm: str, args) -> dict:

@@ -27,16 +27,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from ddp_utils.settings import Settings  # noqa: E402
 from tests import netns  # noqa: E402
 from tests.procs import base_env, describe, free_port, python, run_all  # noqa: E402
 
 
 def train(run_dir: Path, rank: int, world_size: int, addr: str, port: int, args) -> list[str]:
-    return python("-m", "ddp_utils", "train", "--dataset", "fake", "--arch", args.arch, "--image-size", "32",
-                  "--batch-size", "64", "--threads", "1", "--workers", "0", "--wandb", "disabled",
-                  "--progress", "off", "--epochs", "2", "--max-steps-per-epoch", str(args.steps),
-                  "--backend", "gloo", "--run-dir", str(run_dir), "--rank", str(rank), "--world-size",
-                  str(world_size), "--master-addr", addr, "--master-port", str(port))
+    settings = Settings(dataset="fake", arch=args.arch, image_size=32, batch_size=64, threads=1, workers=0,
+                        wandb="disabled", progress="off", epochs=2, max_steps_per_epoch=args.steps, backend="gloo",
+                        run_dir=str(run_dir), rank=rank, world_size=world_size, master_addr=addr, master_port=port)
+    return python("-m", "ddp_utils", "train", *settings.to_argv())
 
 
 def run(hosts, run_dir: Path, world_size: int, args) -> dict:

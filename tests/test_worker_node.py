@@ -13,7 +13,7 @@ import torch
 
 from ddp_utils import autoresume, report
 from ddp_utils.settings import Settings
-from tests.procs import REPO, base_env, describe, free_port, run_all
+from tests.procs import REPO, base_env, describe, free_port
 from tests.test_training import run_ranks, train_cmd, weights
 
 
