@@ -45,7 +45,6 @@ __all__ = ["decode_rgb", "train_transform", "eval_transform", "DeviceNormalize",
            "NormalizedLoader"]
 
 
-
 def decode_rgb(path: str) -> Tensor:
     """The image at ``path`` as uint8 (3, H, W) RGB. Raises the kit's DataError for an unreadable file."""
     if decode_jpeg is not None:
@@ -78,7 +77,8 @@ def eval_transform(preset: Preset, image_size: int = 0) -> v2.Compose:
 
 def _require_resized(preset: Preset) -> None:
     if preset.crop != "resized":
-        raise ValueError(f"fastjpeg's transforms are ImageNet's (crop='resized'); {preset.name} has crop={preset.crop!r}")
+        raise ValueError(f"fastjpeg's transforms are ImageNet's (crop='resized'); {preset.name} has "
+                         f"crop={preset.crop!r}")
 
 
 class DeviceNormalize:

@@ -42,7 +42,8 @@ SHOW = 10               # list at most this many examples per problem
 SPEED_UP = ("Measured on one core of an idle 2-core Intel Xeon VM (benchmarks/imagenet_input.py: 400-500 px JPEGs "
             "made from real photos, about the size of ImageNet's originals, which average some 470 x 390 px): "
             "the 288-px copy decodes {decode} faster, and the kit's ImageNet training input (decode, random crop, "
-            "resize, flip) runs {train} faster on it. Images already at or below the short side are copied as they are.")
+            "resize, flip) runs {train} faster on it. Images already at or below the short side are copied as "
+            "they are.")
 MEASURED = {"decode": "1.28x", "train": "1.17x"}
 
 

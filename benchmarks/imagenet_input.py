@@ -1,0 +1,231 @@
+"""Benchmark: ImageNet training input per CPU core, the course's path against the kit's faster ones.
+
+    python benchmarks/imagenet_input.py                 # 7 alternating rounds, 384 training images
+    python benchmarks/imagenet_input.py --rounds 3 --images 192
+
+Images: real photos of ImageNet size without a download. scikit-learn ships two real JPEG photos (china.jpg and
+flower.jpg, 640 x 427); random windows of them, flipped at random and resized to a long side of 400-500 px, are
+saved at JPEG quality 75-95 into ImageNet's folder layout (train/<wnid>/, val/<wnid>/) under --data-dir, once.
+A copy resized to a short side of 288 px is made with lab/scripts/resize_imagenet.py.
+
+Paths, each making one epoch of training batches of --batch-size (RandomResizedCrop(224) and a flip) in this
+process on one thread (DataLoader workers=0, DALI num_threads=1), each up to what it sends to the GPU:
+
+  course             Pillow decodes the whole JPEG; RandomResizedCrop, flip, ToTensor, Normalize per image:
+                     normalised float32 batches
+  kit workers        torchvision.io.decode_jpeg (libjpeg-turbo); v2 crop, resize and flip on uint8: uint8 batches,
+                     normalised afterwards on the GPU (what --loader workers does for ImageNet, ddp_utils/fastjpeg.py)
+  ... + normalise    the same with the batch normalisation on this CPU too, as in a CPU-only run
+  Pillow draft       Pillow decodes at 1/2, 1/4 or 1/8 scale when the crop is still at least 224 px there (draft()),
+                     crops and resizes with Pillow: uint8 batches
+  DALI CPU           --loader dali's pipeline on the CPU (device_id=None; decodes only the crop's region):
+                     normalised float32 batches (on a GPU node DALI does all of it on the GPU)
+  kit, 288-px copy   kit workers (uint8) on the resized copy
+
+plus two decode-only rows (decode_jpeg of the originals and of the 288-px copy). Every round runs every path
+once, in rotating order, so that drifts in machine speed hit all alike. Per core = images per CPU-second of this
+process (all its threads: DALI runs a few of its own), the fair figure for "how many cores feed one GPU"; the
+ratio is the median over rounds of each round's ratio to the course's path. Run it on an idle machine.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddp_utils import fastjpeg  # noqa: E402
+from ddp_utils.data import build_data  # noqa: E402
+from ddp_utils.datasets import EpochLoader, ImageFolderDataset, load_preset, train_transform  # noqa: E402
+from ddp_utils.runlog import cpu_name  # noqa: E402
+from ddp_utils.settings import Settings  # noqa: E402
+
+WNIDS = ["n01440764", "n01443537", "n01484850", "n01491361"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_photos(root: Path, train: int, val: int, seed: int = 0) -> Path:
+    """ImageNet-layout JPEGs of 400-500 px cut from scikit-learn's two real photos; kept if already there."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    if len(list(root.glob("train/*/*.JPEG"))) == train and len(list(root.glob("val/*/*.JPEG"))) == val:
+        return root
+    photos = [Image.fromarray(a) for a in load_sample_images().images]
+    rng = random.Random(seed)
+    for split, count in (("train", train), ("val", val)):
+        for k in range(count):
+            photo = photos[k % 2]
+            w, h = rng.randint(photo.width // 2, photo.width), rng.randint(photo.height // 2, photo.height)
+            x, y = rng.randint(0, photo.width - w), rng.randint(0, photo.height - h)
+            image = photo.crop((x, y, x + w, y + h))
+            if rng.random() < 0.5:
+                image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            scale = rng.randint(400, 500) / max(image.size)
+            image = image.resize((round(image.width * scale), round(image.height * scale)), Image.Resampling.BICUBIC)
+            folder = root / split / WNIDS[k % len(WNIDS)]
+            folder.mkdir(parents=True, exist_ok=True)
+            image.save(folder / f"{WNIDS[k % len(WNIDS)]}_{k}.JPEG", quality=rng.choice([75, 85, 90, 95]))
+    return root
+
+
+def resized_copy(src: Path, dst: Path, short_side: int = 288) -> Path:
+    spec = importlib.util.spec_from_file_location("resize_imagenet", REPO / "lab" / "scripts" / "resize_imagenet.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules["resize_imagenet"] = script   # its pool workers find resize_one by module name
+    spec.loader.exec_module(script)
+    if script.main([str(src), str(dst), "--short-side", str(short_side), "--no-progress"]) != 0:
+        raise SystemExit(f"resize_imagenet.py failed on {src}")
+    return dst
+
+
+class PillowDraftCrop:
+    """RandomResizedCrop + flip with Pillow from a path, decoding at a reduced scale where the crop allows it.
+
+    The crop is drawn on the full-size image as the course's transform draws it; when the crop is at least
+    2x (4x, 8x) the output size in both directions, the JPEG is decoded at 1/2 (1/4, 1/8) scale. Returns
+    uint8 (3, S, S). ``reduced`` counts the images that were.
+    """
+
+    def __init__(self, size: int):
+        from torchvision import transforms as T
+        self.size, self.rrc, self.reduced = size, T.RandomResizedCrop(size), 0
+
+    def __call__(self, path: str) -> torch.Tensor:
+        from PIL import Image
+        with Image.open(path) as image:
+            full_w, full_h = image.size
+            top, left, h, w = self.rrc.get_params(image, self.rrc.scale, self.rrc.ratio)
+            r = 1
+            while r < 8 and min(h, w) // (2 * r) >= self.size:
+                r *= 2
+            if r > 1:
+                image.draft("RGB", (math.ceil(full_w / r), math.ceil(full_h / r)))
+                self.reduced += image.size != (full_w, full_h)
+            sx, sy = image.width / full_w, image.height / full_h
+            out = image.convert("RGB").resize((self.size, self.size), Image.Resampling.BILINEAR,
+                                              box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
+        if torch.rand(1) < 0.5:
+            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return torch.from_numpy(np.array(out)).permute(2, 0, 1)
+
+
+def course_loader(root: Path, batch_size: int) -> EpochLoader:
+    """The course's path: Pillow + RandomResizedCrop + flip + ToTensor + Normalize per image, float32 batches."""
+    from torch.utils.data import DataLoader, DistributedSampler
+    dataset = ImageFolderDataset(root / "train", train_transform(load_preset("imagenet")))
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+    return EpochLoader(DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                                  generator=torch.Generator()))
+
+
+def draft_loader(root: Path, batch_size: int) -> tuple[fastjpeg.NormalizedEpochLoader, PillowDraftCrop]:
+    """Pillow with draft() where the crop allows, uint8 out; normalised per batch like the kit's workers path."""
+    from torch.utils.data import DataLoader, DistributedSampler
+    preset = load_preset("imagenet")
+    crop = PillowDraftCrop(preset.image_size)
+    dataset = ImageFolderDataset(root / "train", crop, loader=str)   # the transform opens the file itself
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, generator=torch.Generator())
+    return fastjpeg.NormalizedEpochLoader(loader, fastjpeg.DeviceNormalize(preset, "cpu")), crop
+
+
+class DecodeOnly:
+    """A pass that only decodes every training image with decode_jpeg: the decode's share of a path."""
+
+    def __init__(self, root: Path):
+        self.paths = sorted(str(p) for p in (root / "train").glob("*/*.JPEG"))
+
+    def epoch(self, epoch: int):
+        for path in self.paths:
+            yield fastjpeg.decode_rgb(path), [path]
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds all processes of the machine have used since boot (Linux /proc/stat; 0 elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return 0.0
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def one_epoch(loader, epoch: int) -> tuple[int, float, float]:
+    """(images, wall seconds, CPU seconds of this process) of one epoch of ``loader``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    n = sum(len(labels) for _, labels in loader.epoch(epoch))
+    return n, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", default="data/imagenet-input", help="where the photos and their copy go")
+    p.add_argument("--images", type=int, default=384, help="training images (a multiple of --batch-size)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--batch-size", type=int, default=64)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    root = Path(args.data_dir)
+    original = make_photos(root / "original", args.images, args.images // 4)
+    copy = resized_copy(original, root / "resized-288")
+
+    def kit(data_dir, loader="workers"):
+        return build_data(Settings(dataset="imagenet", data_dir=str(data_dir), workers=1 if loader == "dali" else 0,
+                                   batch_size=args.batch_size, loader=loader), 0, 1, "cpu").train
+
+    def uint8(data_dir):   # the kit's workers path up to its uint8 batches: on a GPU node the GPU normalises
+        train = kit(data_dir)
+        return EpochLoader(train.loader, seed=train.seed, rank=train.rank)
+
+    draft, draft_crop = draft_loader(original, args.batch_size)
+    paths = {"course: Pillow, float32 per image": course_loader(original, args.batch_size),
+             "kit workers: decode_jpeg, uint8 batches": uint8(original),
+             "kit workers + normalise on this CPU": kit(original),
+             "Pillow draft: uint8 batches": EpochLoader(draft.loader),
+             "DALI CPU pipeline: float32 batches": kit(original, "dali"),
+             "kit workers, 288-px copy: uint8 batches": uint8(copy),
+             "decode only: decode_jpeg, originals": DecodeOnly(original),
+             "decode only: decode_jpeg, 288-px copy": DecodeOnly(copy)}
+    names = list(paths)
+    for name in names:            # warm-up: first-call costs (DALI's pipeline build, page cache) out of the figures
+        one_epoch(paths[name], 100)
+    per_core = {name: [] for name in names}
+    wall = {name: [] for name in names}
+    start = (time.perf_counter(), busy_cpu_seconds(), time.process_time())
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:   # rotate who goes first
+            n, seconds, cpu_seconds = one_epoch(paths[name], r)
+            per_core[name].append(n / cpu_seconds)
+            wall[name].append(n / seconds)
+    # What the other processes of the machine used meanwhile, in cores: others' tests would slow every path.
+    others = ((busy_cpu_seconds() - start[1]) - (time.process_time() - start[2])) / (time.perf_counter() - start[0])
+
+    course = names[0]
+    ratio = {name: statistics.median(a / b for a, b in zip(per_core[name], per_core[course])) for name in names}
+    print(f"{args.images} training images of 400-500 px ({original}); batches of {args.batch_size}; "
+          f"{cpu_name()}, {os.cpu_count()} cores, 1 thread, torch {torch.__version__}; median of {args.rounds} "
+          f"rounds; other processes used {others:.2f} cores on average meanwhile")
+    print("| path | img/s per core | img/s wall | per core vs the course's path |")
+    print("| --- | ---: | ---: | ---: |")
+    for name in names:
+        print(f"| {name} | {statistics.median(per_core[name]):,.0f} | {statistics.median(wall[name]):,.0f} | "
+              f"{ratio[name]:.2f}x |")
+    print(f"Pillow draft decoded {draft_crop.reduced} of {args.images * (args.rounds + 1)} crops at a reduced scale; "
+          f"the 288-px copy decodes {ratio[names[7]] / ratio[names[6]]:.2f}x faster than the originals and the kit's "
+          f"workers path runs {ratio[names[5]] / ratio[names[1]]:.2f}x faster on it")
+    if others > 0.1:
+        print("note: the machine was not idle (other processes used the CPU meanwhile): run again when it is")
+
+
+if __name__ == "__main__":
+    main()
