@@ -7,8 +7,9 @@ Everything ``data.build_data`` assembles, and nothing that decides between the t
 - ``check_data`` checks the folders before anything is loaded (each node reads its own copy: there
   is no shared file system), and ``Data.fingerprint()`` lets the ranks compare what they found;
 - ``EvalShardSampler`` gives exact evaluation, ``EpochLoader`` the workers path's training batches;
-- ``TrainLoader`` is the protocol both training loaders (this one and ``memdata.MemoryLoader``) keep;
-- ``augmentation_seed`` is the one seeding recipe of both loaders.
+- ``TrainLoader`` is the protocol every training loader keeps (this one, ``fastjpeg.NormalizedEpochLoader``,
+  ``memdata.MemoryLoader``, ``dali.DaliTrainLoader``);
+- ``augmentation_seed`` is the one seeding recipe of all of them.
 
 Rank and world size are plain arguments: nothing here touches ``torch.distributed``.
 """
@@ -61,11 +62,11 @@ class DataError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------
-# Presets (defined in presets.py) and the one seeding recipe of both training loaders
+# Presets (defined in presets.py) and the one seeding recipe of every training loader
 # --------------------------------------------------------------------------------------------
 def augmentation_seed(seed: int, rank: int, epoch: int) -> int:
     """The seed of rank ``rank``'s random crops and flips in epoch ``epoch``: one independent stream
-    per (seed, rank, epoch), the same for both loaders.
+    per (seed, rank, epoch), the same for every loader.
 
     Why not ``seed + rank + epoch``: then rank r at epoch e+1 would repeat the crops of rank r+1 at
     epoch e. ``numpy.random.SeedSequence`` hashes the three numbers into unrelated streams. Depending on
@@ -387,7 +388,7 @@ def close_inherited_listeners(worker_id: int = 0) -> None:
 
 
 class TrainLoader(Protocol):
-    """What the training loop needs from a loader (``EpochLoader`` and ``memdata.MemoryLoader``).
+    """What the training loop needs from a loader (``EpochLoader``, ``memdata.MemoryLoader``, ``dali.DaliTrainLoader``).
 
     ``epoch(e)`` yields this rank's batches of epoch ``e`` (0, 1, ...): images float32 (B, 3, S, S),
     normalised, and labels int64 (B,), every batch full. The order is DistributedSampler's for
