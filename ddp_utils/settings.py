@@ -54,11 +54,11 @@ class Settings:
     workers: int = _f(2, "DataLoader worker processes per rank (the course used 2 per GPU)")
     # Not in MUST_AGREE, like workers: both loaders give a rank the same shard, steps and
     # validation tensors; only the random crop/flip draws differ, and those differ per rank anyway.
-    loader: str = _f("workers", "workers: DataLoader worker processes decode images each epoch (the classic "
-                                "path); memory: decode the split once into a uint8 tensor kept in memory "
+    loader: str = _f("workers", "workers: DataLoader worker processes decode images each epoch (for imagenet "
+                                "they send uint8 crops, normalised per batch on the device); memory: decode the split once into a uint8 tensor kept in memory "
                                 "(on the GPU when there is one), batched augmentation, no worker processes "
                                 "(cinic10 and demo only); dali: NVIDIA DALI decodes and augments (on the GPU "
-                                "with a GPU, its CPU pipeline otherwise; imagenet and cinic10)", choices=LOADERS)
+                                "with a GPU, its CPU pipeline otherwise; imagenet)", choices=LOADERS)
     # -- model --------------------------------------------------------------------------------
     arch: str = _f(None, "convnet (small, fast on CPU; convnet_gn with GroupNorm), resnet18_cifar "
                          "(32 px stem) or any torchvision classifier name such as resnet18, resnet50; "

@@ -160,3 +160,16 @@ def test_two_ranks_train_an_epoch_with_the_dali_loader(tmp_path, imagenet):
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["world_size"] == 2 and results["val_images"] == 6
     assert json.loads((tmp_path / "run" / "settings.json").read_text())["loader"] == "dali"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_dali_decodes_with_nvjpeg_into_cuda_batches_close_to_the_cpu_pipelines(photos):
+    """The GPU suite: the "mixed" pipeline (nvJPEG) gives CUDA tensors with the CPU pipeline's validation pixels."""
+    cpu = build_data(settings(photos, batch_size=4, image_size=48), 0, 1, torch.device("cpu"))
+    gpu = build_data(settings(photos, batch_size=4, image_size=48), 0, 1, torch.device("cuda", 0))
+    images, labels = next(iter(gpu.train.epoch(0)))
+    assert images.is_cuda and images.shape == (4, 3, 48, 48)
+    for (a, la), (b, lb) in zip(cpu.val, gpu.val):
+        assert torch.equal(la, lb.cpu())
+        assert levels(a, b.cpu()).mean() <= 4   # nvJPEG and DALI's CPU decoder may round differently

@@ -138,12 +138,17 @@ def test_launch_two_processes_trains_like_one_process_with_the_doubled_batch(tmp
     assert "--rank 1 --world-size 2 --local-rank 1" in (tmp_path / "logs" / "commands.txt").read_text()
 
 
+def start_long_run(tmp_path):
+    """Two ranks launched for far more epochs than a test waits for (it stops them itself)."""
+    return start(launch_cmd("--nproc-per-node", 2, "--master-port", free_port(), *tiny(), "--epochs", 50,
+                            "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run",
+                            "--log-dir", tmp_path / "logs"))
+
+
 def test_a_rank_killed_mid_run_stops_the_launcher_naming_it_and_nothing_is_left(tmp_path):
     """The out-of-memory killer takes rank 1: the launcher stops rank 0 and says which rank died of what."""
     marker = str(tmp_path)
-    proc = start(launch_cmd("--nproc-per-node", 2, "--master-port", free_port(), *tiny(), "--epochs", 50,
-                            "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run",
-                            "--log-dir", tmp_path / "logs"))
+    proc = start_long_run(tmp_path)
     try:
         wait_for(tmp_path / "run" / "last.pt", 120)
         kids = children(proc.pid)
@@ -163,9 +168,7 @@ def test_a_rank_killed_mid_run_stops_the_launcher_naming_it_and_nothing_is_left(
 
 def test_ctrl_c_on_the_launcher_stops_every_rank_cleanly_through_sigterm(tmp_path):
     marker = str(tmp_path)
-    proc = start(launch_cmd("--nproc-per-node", 2, "--master-port", free_port(), *tiny(), "--epochs", 50,
-                            "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run",
-                            "--log-dir", tmp_path / "logs"))
+    proc = start_long_run(tmp_path)
     try:
         wait_for(tmp_path / "run" / "last.pt", 120)
         sent = time.monotonic()
@@ -185,9 +188,7 @@ def test_ctrl_c_on_the_launcher_stops_every_rank_cleanly_through_sigterm(tmp_pat
 def test_the_processes_stop_cleanly_when_the_launcher_itself_is_killed_hard(tmp_path):
     """kill -9 on the launcher (a closed terminal, a killed notebook kernel): no orphan keeps training."""
     marker = str(tmp_path)
-    proc = start(launch_cmd("--nproc-per-node", 2, "--master-port", free_port(), *tiny(), "--epochs", 50,
-                            "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run",
-                            "--log-dir", tmp_path / "logs"))
+    proc = start_long_run(tmp_path)
     try:
         wait_for(tmp_path / "run" / "last.pt", 120)
         os.kill(proc.pid, signal.SIGKILL)
