@@ -47,8 +47,9 @@ def run(hosts, run_dir: Path, world_size: int, seed: int, comm: str, args) -> di
     return json.loads((run_dir / "results.json").read_text())
 
 
-def throughput(results: dict) -> float:
-    later = results["history"][1:] or results["history"]
+def throughput(results: dict, first: int = 1) -> float:
+    """Mean images/s of the epochs from index ``first`` on (the first one warms up)."""
+    later = results["history"][first:] or results["history"]
     return statistics.mean(h["train"]["images_per_s"] for h in later)
 
 
@@ -69,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     comms = args.comms.split(",")
-    rows: dict[str, dict[str, list]] = {name: {"ips": [], "ratio": [], "acc1": [], "chose": [], "comm": []}
+    rows: dict[str, dict[str, list]] = {name: {"ips": [], "ratio": [], "late": [], "acc1": [], "chose": [], "comm": []}
                                         for name in ["1 rank", *comms]}
     with tempfile.TemporaryDirectory() as tmp, netns.two_hosts("10.213.10") as hosts:
         args.data = Path(tmp, "demo")
@@ -83,12 +84,16 @@ def main() -> None:
             base = throughput(one)
             rows["1 rank"]["ips"].append(base)
             rows["1 rank"]["ratio"].append(0.5)
+            rows["1 rank"]["late"].append(0.5)
             rows["1 rank"]["acc1"].append(one["acc1"])
             for comm in comms:
                 two = run(hosts, Path(tmp, f"{comm}-{seed}"), 2, seed, comm, args)
                 row = rows[comm]
                 row["ips"].append(throughput(two))
                 row["ratio"].append(throughput(two) / (2 * base))
+                # the second half of the run: PowerSGD's exact warm-up steps are over by then
+                half = len(two["history"]) // 2
+                row["late"].append(throughput(two, half) / (2 * throughput(one, half)))
                 row["acc1"].append(two["acc1"])
                 row["chose"].append(two["comm"])
                 row["comm"].append(100 * two["comm_s"] / two["train_time_s"])
@@ -96,13 +101,15 @@ def main() -> None:
     print(f"ResNet-18 at 32 px on the demo digits (memory loader), batch 64 per rank, lr {args.lr} at 256, "
           f"{args.epochs} epochs, 1 thread "
           f"per process, link shaped to {args.rate}; mean +- std over seeds {args.seeds}\n")
-    print("| run | --comm (chosen) | img/s | of 2 x one rank | comm waited (% of train time) | final Acc@1 (%) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print("| run | --comm (chosen) | img/s | of 2 x one rank | the same, second half of the run | comm waited "
+          "(% of train time) | final Acc@1 (%) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name, row in rows.items():
         chosen = "-" if name == "1 rank" else f"{name} ({'/'.join(sorted(set(row['chose'])))})"
         comm = pm(row["comm"], ".0f") if row["comm"] else "-"
         label = "1 rank" if name == "1 rank" else "2 ranks"
-        print(f"| {label} | {chosen} | {pm(row['ips'], '.0f')} | {pm(row['ratio'], '.2f')} | {comm} "
+        print(f"| {label} | {chosen} | {pm(row['ips'], '.0f')} | {pm(row['ratio'], '.2f')} | {pm(row['late'], '.2f')} "
+              f"| {comm} "
               f"| {pm(row['acc1'], '.2f')} |")
 
 
