@@ -21,7 +21,8 @@ from .metrics import Meter
 from .model import unwrap
 from .optim import amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, to_device
 from .progress import Progress
-from .runlog import summarize
+from .runlog import TIME_PARTS, summarize
+from .threads import machine_id
 from .settings import describe_batch
 
 # ---------------------------------------------------------------------------------------------
@@ -125,15 +126,15 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
     # gathered times, so every rank prints the same line. Same steps on every rank (drop_last): images/s add up.
     wall = max(r["wall_s"] for r in per_rank)
     rank_ips = stats["count"] / ctx.world_size / max(wall, 1e-9)
-    stats.update(**{key: sum(r[key] for r in per_rank) / len(per_rank) for key in mine},   # the ranks' means
-                 per_rank=per_rank)
-    stats.update(epoch=epoch, step=step, steps=step - start_step, wall_mean_s=stats["wall_s"], wall_s=wall,
+    means = {key: sum(r[key] for r in per_rank) / len(per_rank) for key in mine}   # the ranks' means
+    means["wall_mean_s"] = means.pop("wall_s")
+    stats.update(means, per_rank=per_rank, epoch=epoch, step=step, steps=step - start_step, wall_s=wall,
                  lr=scheduler.get_last_lr()[0], images_per_s_rank=rank_ips,
                  images_per_s=stats["count"] / max(wall, 1e-9))
     return stats
 
 
-TIME_KEYS = ("data_s", "compute_s", "comm_s", "comm_total_s", "idle_s", "wall_s")
+TIME_KEYS = (*TIME_PARTS, "comm_total_s", "wall_s")   # what each rank measures per epoch
 
 
 def _gather_times(mine: dict, ctx) -> list[dict]:
@@ -269,15 +270,18 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
     if val is None:                    # nothing left to train (resumed after the last epoch)
         val = evaluate(model, data.val, settings, ctx)
     meta = {"parallel": "none", "comm": "none", "comm_reason": "", **(meta or {})}
+    gpu_use = _gpu_results(gpu, ctx, logger, step) if gpu is not None else {}
+    gpu_ranks = gpu_use.pop("per_rank", [])
     gpus = torch.cuda.device_count() if meta["parallel"] == "dp" else int(ctx.device.type == "cuda")   # per process
     extra = {**meta, "gpus": gpus, "stopped_early": stopped_early, "stop_reason": stop_reason,
              "link_gbit_s": probe["link_gbit_s"] if probe else None,
-             "predicted_speedup": probe["predicted_speedup"] if probe else None, "probe": probe,
-             **(_gpu_results(gpu, ctx, logger, step) if gpu is not None else {})}
+             "predicted_speedup": probe["predicted_speedup"] if probe else None, "probe": probe, **gpu_use}
     extra.update(run_cost(settings, ctx, wall, trained_now))
     # DDP: rank 0's run folder, named in every rank's results (the worker notebook's table shows it)
     extra["run_dir"] = distributed.broadcast_object(str(logger.run_dir) if ctx.is_main else None, ctx)
     results = summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=trained_now, extra=extra)
+    for row, mine in zip(results["per_rank"], gpu_ranks):   # one row per rank: its time split and its GPU use
+        row.update({key: mine.get(key) for key in ("gpu_util", "gpu_util_peak", "gpu_mem_peak_mb")})
     results = distributed.broadcast_object(results, ctx)   # DDP: rank 0's timings on every rank: one table
     if results["cost"] is not None:
         logger.info(describe_cost(results))
@@ -291,7 +295,6 @@ def _gpu_results(gpu, ctx, logger, step: int) -> dict:
     """Every rank's GPU use, gathered and reduced: the same dict on every rank ("no GPU" on CPUs)."""
     gpu.stop()
     summary = reduce_summaries(distributed.gather_objects(gpu.summary(), ctx))   # DDP: every rank's sampler
-    summary["gpu_per_rank"] = summary.pop("per_rank")   # results' per_rank is the time split
     logger.info(describe_gpu(summary))
     if isinstance(summary.get("gpu_util"), (int, float)):
         logger.scalars({"gpu/util_mean": summary["gpu_util"], "gpu/mem_peak_mb": summary["gpu_mem_peak_mb"] or 0},
@@ -301,7 +304,6 @@ def _gpu_results(gpu, ctx, logger, step: int) -> dict:
 
 def run_cost(settings, ctx, wall_s: float, epochs: int) -> dict:
     """What this run cost, all nodes together: ``cost`` (None without a price) and its parts."""
-    from .threads import machine_id
     nodes = len(set(distributed.gather_objects(machine_id(), ctx)))   # DDP: ranks sharing a machine pay once
     if not settings.price_per_hour:
         return {"cost": None, "cost_per_epoch": None, "nodes": nodes, "price_per_hour": None}
