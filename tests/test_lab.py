@@ -375,8 +375,7 @@ QUICK = {"EPOCHS": 1, "MAX_STEPS": 2, "WORKERS": 0}
 
 def papermill(name: str, out: Path, params: dict) -> list[str]:
     """What "Run All" in Jupyter amounts to, from the lab/ folder."""
-    return [sys.executable, "-m", "papermill", str(LAB / name), str(out), "-y", json.dumps(params),
-            "--cwd", str(LAB), "-k", "python3", "--log-output", "--no-progress-bar"]
+    return [sys.executable, "-m", "tests.run_notebook", str(LAB / name), str(out), json.dumps(params), str(LAB)]
 
 
 def printed(executed: Path) -> str:
