@@ -38,6 +38,11 @@ def run_check(settings, log=print, verify_images: bool = False) -> bool:
         splits = ", ".join(f"{name} {s['images']} images / {s['classes']} classes"
                            for name, s in summary["splits"].items())
         log(f"data {settings.dataset} at {settings.data_dir}: {splits}")
+        if settings.loader == "dali":   # training would stop at its first batch without it
+            from .dali import check_dali_dataset
+            check_dali_dataset(settings.dataset)
+            import nvidia.dali
+            log(f"loader dali: NVIDIA DALI {nvidia.dali.__version__}")
         if verify_images:
             checked, bad = datasets.verify_images(settings, progress=interactive())
             if bad:

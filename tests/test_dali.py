@@ -139,6 +139,19 @@ def test_missing_dali_is_a_paragraph_naming_what_to_install(tmp_path, monkeypatc
     assert "not-there" not in text and "\n" not in text
 
 
+def test_check_with_loader_dali_says_whether_dali_imports(imagenet, monkeypatch):
+    """`check --loader dali` on a node: READY with DALI's version, else NOT READY with what to install."""
+    from ddp_utils.check import run_check
+    lines = []
+    assert run_check(settings(imagenet), log=lines.append) is True
+    assert any(line.startswith("loader dali: NVIDIA DALI ") for line in lines), lines
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)
+    lines.clear()
+    assert run_check(settings(imagenet), log=lines.append) is False
+    text = "\n".join(lines)
+    assert "NOT READY (data): loader='dali' needs NVIDIA DALI" in text and "pip install nvidia-dali-cuda120" in text
+
+
 def test_dali_for_cinic10_points_to_the_memory_loader(tmp_path):
     with pytest.raises(DataError, match="loader='memory'"):
         build_data(Settings(dataset="cinic10", data_dir=str(make_cinic(tmp_path / "cinic")), loader="dali"), 0, 1)

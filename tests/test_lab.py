@@ -318,6 +318,7 @@ KIT_COMMANDS = {   # name -> (how to find it in a README line, the command that 
     "report": (r"ddp_utils report\b", [sys.executable, "-m", "ddp_utils", "report", "--help"]),
     "sort_imagenet_val": (r"sort_imagenet_val\.py", [sys.executable, "lab/scripts/sort_imagenet_val.py", "-h"]),
     "prepare_cinic10": (r"prepare_cinic10\.py", [sys.executable, "lab/scripts/prepare_cinic10.py", "-h"]),
+    "resize_imagenet": (r"resize_imagenet\.py", [sys.executable, "lab/scripts/resize_imagenet.py", "-h"]),
     "run.sh": (r"docker/run\.sh", ["bash", "docker/run.sh", "-h"]),
 }
 # Other programs' flags the walkthrough uses (not the kit's, so not checked against its help).
