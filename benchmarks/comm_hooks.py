@@ -2,6 +2,7 @@
 
     sudo python benchmarks/comm_hooks.py                 # root: two network namespaces, tc on their link
     sudo python benchmarks/comm_hooks.py --seeds 2 --epochs 3 --rate 500mbit
+    sudo python benchmarks/comm_hooks.py --comms powersgd --powersgd-rank 1
 
 For each seed, one after the other: one rank alone (the baseline), then two ranks on two namespace
 "hosts" joined by a veth pair shaped to ``--rate`` (tc tbf), once per ``--comm`` setting (none,
@@ -9,7 +10,10 @@ fp16, powersgd, auto). The model is torchvision's ResNet-18 (45 MB of gradients)
 bundled demo digits with the in-memory loader (so that decoding does not hide the link), batch 64
 per rank, one CPU thread per process. Throughput is the mean images/s of the epochs after the
 first; "of 2x" = two ranks' images/s / (2 x one rank's). Accuracy is the final Acc@1 on the demo's
-validation split. Prints a table of means +- std over the seeds. Take the figures on an idle machine.
+validation split. Per step (the same epochs, each rank's mean): compute, and the communication the step
+waited for (with PowerSGD on gloo that includes the compression's own arithmetic, which
+``benchmarks/powersgd_cost.py`` measures alone). Prints a table of means +- std over the seeds. Take
+the figures on an idle machine.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ COMMS = ("none", "fp16", "powersgd", "auto")
 def train(run_dir: Path, rank: int, world_size: int, addr: str, port: int, seed: int, comm: str, args) -> list[str]:
     settings = Settings(dataset="demo", data_dir=str(args.data), loader="memory", arch="resnet18", batch_size=64,
                         lr=args.lr, epochs=args.epochs, threads=1, workers=0, wandb="disabled", progress="off",
-                        backend="gloo", seed=seed, comm=comm, run_dir=str(run_dir), rank=rank,
+                        backend="gloo", seed=seed, comm=comm, powersgd_rank=args.powersgd_rank,
+                        run_dir=str(run_dir), rank=rank,
                         world_size=world_size, master_addr=addr, master_port=port)
     return python("-m", "ddp_utils", "train", *settings.to_argv())
 
@@ -53,6 +58,12 @@ def throughput(results: dict, first: int = 1) -> float:
     return statistics.mean(h["train"]["images_per_s"] for h in later)
 
 
+def per_step_ms(results: dict, key: str, first: int = 1) -> float:
+    """Mean milliseconds of ``key`` (compute_s, comm_s) per training step, epochs from ``first`` on."""
+    later = results["history"][first:] or results["history"]
+    return 1000 * sum(h["train"][key] for h in later) / sum(h["train"]["steps"] for h in later)
+
+
 def pm(values: list[float], fmt: str) -> str:
     if len(values) < 2:
         return format(values[0], fmt)
@@ -67,10 +78,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.2, help="lr at a global batch of 256 (default 0.2: the demo "
                                                                "recipe's 0.8 is too high for ResNet-18)")
     parser.add_argument("--comms", default=",".join(COMMS), help=f"settings to compare (default {','.join(COMMS)})")
+    parser.add_argument("--powersgd-rank", type=int, default=Settings().powersgd_rank,
+                        help=f"PowerSGD's rank (default {Settings().powersgd_rank}, the kit's)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     comms = args.comms.split(",")
-    rows: dict[str, dict[str, list]] = {name: {"ips": [], "ratio": [], "late": [], "acc1": [], "chose": [], "comm": []}
+    rows: dict[str, dict[str, list]] = {name: {"ips": [], "ratio": [], "late": [], "acc1": [], "chose": [], "comm": [],
+                                               "compute_ms": [], "comm_ms": []}
                                         for name in ["1 rank", *comms]}
     with tempfile.TemporaryDirectory() as tmp, netns.two_hosts("10.213.10") as hosts:
         args.data = Path(tmp, "demo")
@@ -86,6 +100,7 @@ def main() -> None:
             rows["1 rank"]["ratio"].append(0.5)
             rows["1 rank"]["late"].append(0.5)
             rows["1 rank"]["acc1"].append(one["acc1"])
+            rows["1 rank"]["compute_ms"].append(per_step_ms(one, "compute_s"))
             for comm in comms:
                 two = run(hosts, Path(tmp, f"{comm}-{seed}"), 2, seed, comm, args)
                 row = rows[comm]
@@ -97,20 +112,22 @@ def main() -> None:
                 row["acc1"].append(two["acc1"])
                 row["chose"].append(two["comm"])
                 row["comm"].append(100 * two["comm_s"] / two["train_time_s"])
+                row["compute_ms"].append(per_step_ms(two, "compute_s"))
+                row["comm_ms"].append(per_step_ms(two, "comm_s"))
             print(f"seed {seed} done", file=sys.stderr, flush=True)
     print(f"ResNet-18 at 32 px on the demo digits (memory loader), batch 64 per rank, lr {args.lr} at 256, "
-          f"{args.epochs} epochs, 1 thread "
+          f"{args.epochs} epochs, PowerSGD rank {args.powersgd_rank}, 1 thread "
           f"per process, link shaped to {args.rate}; mean +- std over seeds {args.seeds}\n")
     print("| run | --comm (chosen) | img/s | of 2 x one rank | the same, second half of the run | comm waited "
-          "(% of train time) | final Acc@1 (%) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+          "(% of train time) | per step: compute / comm waited (ms) | final Acc@1 (%) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, row in rows.items():
         chosen = "-" if name == "1 rank" else f"{name} ({'/'.join(sorted(set(row['chose'])))})"
         comm = pm(row["comm"], ".0f") if row["comm"] else "-"
         label = "1 rank" if name == "1 rank" else "2 ranks"
+        step = pm(row["compute_ms"], ".0f") + (f" / {pm(row['comm_ms'], '.0f')}" if row["comm_ms"] else "")
         print(f"| {label} | {chosen} | {pm(row['ips'], '.0f')} | {pm(row['ratio'], '.2f')} | {pm(row['late'], '.2f')} "
-              f"| {comm} "
-              f"| {pm(row['acc1'], '.2f')} |")
+              f"| {comm} | {step} | {pm(row['acc1'], '.2f')} |")
 
 
 if __name__ == "__main__":
