@@ -282,11 +282,13 @@ def two_hosts():
 
 
 def test_main_and_worker_train_across_two_hosts_given_only_master_addr(two_hosts, tmp_path):
-    """Nothing but MASTER_ADDR points at host 1: the notebooks must pick the veth interface themselves."""
+    """Nothing but MASTER_ADDR points at host 1: the notebooks must pick the veth interface themselves.
+
+    COMM, set the same in both notebooks as the lab's slow-link advice says, reaches DDP."""
     hosts = two_hosts
     port = free_port()
     ddp = {**DDP, "MASTER_ADDR": hosts.addrs[0], "MASTER_PORT": port, "DATA_DIR": str(tmp_path / "demo"),
-           "RUN_DIR": str(tmp_path / "runs" / "ddp")}
+           "RUN_DIR": str(tmp_path / "runs" / "ddp"), "COMM": "fp16"}
     outs = [tmp_path / "main.out.ipynb", tmp_path / "worker.out.ipynb"]
     results = run_all([papermill(MAIN, outs[0], ddp), papermill(WORKER, outs[1], ddp)], timeout=TIME_BOUND,
                       env=base_env(), prefix=[hosts.exec_prefix(0), hosts.exec_prefix(1)])
@@ -296,3 +298,5 @@ def test_main_and_worker_train_across_two_hosts_given_only_master_addr(two_hosts
         assert (f"rank {rank}: using interface {hosts.veths[rank]} ({hosts.addrs[rank]}) to reach master "
                 f"{hosts.addrs[0]}:{port}") in printed(out)
     assert len(list((tmp_path / "runs").rglob("events.out.tfevents.*"))) == 1
+    assert json.loads((tmp_path / "runs" / "ddp" / "results.json").read_text())["comm"] == "fp16"
+    assert "gradient communication: fp16 (--comm fp16)" in printed(outs[0])
