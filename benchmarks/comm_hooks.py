@@ -1,12 +1,12 @@
 """Gradient compression on a slow link: throughput against 2 x one rank, and accuracy over seeds.
 
     sudo python benchmarks/comm_hooks.py                 # root: two network namespaces, tc on their link
-    sudo python benchmarks/comm_hooks.py --seeds 2 --epochs 3 --rate 500mbit
+    sudo python benchmarks/comm_hooks.py --seeds 2 --epochs 3 --rates 500mbit
     sudo python benchmarks/comm_hooks.py --comms powersgd --powersgd-rank 1
 
 For each seed, one after the other: one rank alone (the baseline), then two ranks on two namespace
-"hosts" joined by a veth pair shaped to ``--rate`` (tc tbf), once per ``--comm`` setting (none,
-fp16, powersgd, auto). The model is torchvision's ResNet-18 (45 MB of gradients) at 32 px on the
+"hosts" joined by a veth pair, for each of ``--rates`` (a tc tbf rate, or ``unshaped``: the bare
+veth pair), once per ``--comm`` setting (none, fp16, powersgd, auto). The model is torchvision's ResNet-18 (45 MB of gradients) at 32 px on the
 bundled demo digits with the in-memory loader (so that decoding does not hide the link), batch 64
 per rank, one CPU thread per process. Throughput is the mean images/s of the epochs after the
 first; "of 2x" = two ranks' images/s / (2 x one rank's). Accuracy is the final Acc@1 on the demo's
@@ -58,6 +58,16 @@ def throughput(results: dict, first: int = 1) -> float:
     return statistics.mean(h["train"]["images_per_s"] for h in later)
 
 
+def shape(hosts, rate: str) -> None:
+    """Both ends of the link at ``rate`` (tc tbf), or bare for ``unshaped``."""
+    for name, veth in zip(hosts.names, hosts.veths):
+        tc = ["ip", "netns", "exec", name, "tc", "qdisc"]
+        subprocess.run([*tc, "del", "dev", veth, "root"], capture_output=True)   # none there yet: fine
+        if rate != "unshaped":
+            subprocess.run([*tc, "add", "dev", veth, "root", "tbf", "rate", rate, "burst", "256kbit", "latency",
+                            "50ms"], check=True)
+
+
 def per_step_ms(results: dict, key: str, first: int = 1) -> float:
     """Mean milliseconds of ``key`` (compute_s, comm_s) per training step, epochs from ``first`` on."""
     later = results["history"][first:] or results["history"]
@@ -72,7 +82,8 @@ def pm(values: list[float], fmt: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate", default="1gbit", help="tc rate of the link (default 1gbit)")
+    parser.add_argument("--rates", default="1gbit,unshaped",
+                        help="tc rates of the link, or 'unshaped' (default 1gbit,unshaped)")
     parser.add_argument("--seeds", default="2,4,42", help="seeds (default 2,4,42)")
     parser.add_argument("--epochs", type=int, default=8, help="epochs per run (default 8, the demo's recipe)")
     parser.add_argument("--lr", type=float, default=0.2, help="lr at a global batch of 256 (default 0.2: the demo "
@@ -82,28 +93,27 @@ def main() -> None:
                         help=f"PowerSGD's rank (default {Settings().powersgd_rank}, the kit's)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    comms = args.comms.split(",")
-    rows: dict[str, dict[str, list]] = {name: {"ips": [], "ratio": [], "late": [], "acc1": [], "chose": [], "comm": [],
-                                               "compute_ms": [], "comm_ms": []}
-                                        for name in ["1 rank", *comms]}
+    comms, rates = args.comms.split(","), args.rates.split(",")
+    rows: dict[tuple, dict[str, list]] = {key: {"ips": [], "ratio": [], "late": [], "acc1": [], "chose": [], "comm": [],
+                                                "compute_ms": [], "comm_ms": []}
+                                          for key in [("-", "1 rank"), *((r, c) for r in rates for c in comms)]}
     with tempfile.TemporaryDirectory() as tmp, netns.two_hosts("10.213.10") as hosts:
         args.data = Path(tmp, "demo")
         from ddp_utils.demo_data import prepare_demo
         prepare_demo(args.data)
-        for name, veth in zip(hosts.names, hosts.veths):
-            subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate",
-                            args.rate, "burst", "256kbit", "latency", "50ms"], check=True)
         for seed in seeds:
             one = run(hosts, Path(tmp, f"one-{seed}"), 1, seed, "none", args)
             base = throughput(one)
-            rows["1 rank"]["ips"].append(base)
-            rows["1 rank"]["ratio"].append(0.5)
-            rows["1 rank"]["late"].append(0.5)
-            rows["1 rank"]["acc1"].append(one["acc1"])
-            rows["1 rank"]["compute_ms"].append(per_step_ms(one, "compute_s"))
-            for comm in comms:
-                two = run(hosts, Path(tmp, f"{comm}-{seed}"), 2, seed, comm, args)
-                row = rows[comm]
+            alone = rows[("-", "1 rank")]
+            alone["ips"].append(base)
+            alone["ratio"].append(0.5)
+            alone["late"].append(0.5)
+            alone["acc1"].append(one["acc1"])
+            alone["compute_ms"].append(per_step_ms(one, "compute_s"))
+            for rate, comm in ((r, c) for r in rates for c in comms):
+                shape(hosts, rate)
+                two = run(hosts, Path(tmp, f"{rate}-{comm}-{seed}"), 2, seed, comm, args)
+                row = rows[(rate, comm)]
                 row["ips"].append(throughput(two))
                 row["ratio"].append(throughput(two) / (2 * base))
                 # the second half of the run: PowerSGD's exact warm-up steps are over by then
@@ -117,16 +127,16 @@ def main() -> None:
             print(f"seed {seed} done", file=sys.stderr, flush=True)
     print(f"ResNet-18 at 32 px on the demo digits (memory loader), batch 64 per rank, lr {args.lr} at 256, "
           f"{args.epochs} epochs, PowerSGD rank {args.powersgd_rank}, 1 thread "
-          f"per process, link shaped to {args.rate}; mean +- std over seeds {args.seeds}\n")
-    print("| run | --comm (chosen) | img/s | of 2 x one rank | the same, second half of the run | comm waited "
+          f"per process, links {args.rates}; mean +- std over seeds {args.seeds}\n")
+    print("| run | link | --comm (chosen) | img/s | of 2 x one rank | the same, second half of the run | comm waited "
           "(% of train time) | per step: compute / comm waited (ms) | final Acc@1 (%) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, row in rows.items():
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (rate, name), row in rows.items():
         chosen = "-" if name == "1 rank" else f"{name} ({'/'.join(sorted(set(row['chose'])))})"
         comm = pm(row["comm"], ".0f") if row["comm"] else "-"
         label = "1 rank" if name == "1 rank" else "2 ranks"
         step = pm(row["compute_ms"], ".0f") + (f" / {pm(row['comm_ms'], '.0f')}" if row["comm_ms"] else "")
-        print(f"| {label} | {chosen} | {pm(row['ips'], '.0f')} | {pm(row['ratio'], '.2f')} | {pm(row['late'], '.2f')} "
+        print(f"| {label} | {rate} | {chosen} | {pm(row['ips'], '.0f')} | {pm(row['ratio'], '.2f')} | {pm(row['late'], '.2f')} "
               f"| {comm} | {step} | {pm(row['acc1'], '.2f')} |")
 
 
