@@ -2,7 +2,7 @@
 
     sudo python benchmarks/comm_hooks.py                 # root: two network namespaces, tc on their link
     sudo python benchmarks/comm_hooks.py --seeds 2 --epochs 3 --rates 500mbit
-    sudo python benchmarks/comm_hooks.py --comms powersgd --powersgd-rank 1
+    sudo python benchmarks/comm_hooks.py --comms powersgd --powersgd-rank 1 --rates 1gbit
 
 For each seed, one after the other: one rank alone (the baseline), then two ranks on two namespace
 "hosts" joined by a veth pair, for each of ``--rates`` (a tc tbf rate, or ``unshaped``: the bare
