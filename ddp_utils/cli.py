@@ -13,6 +13,7 @@ One node with several GPUs: ``python -m ddp_utils launch --nproc-per-node 4 --da
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import traceback
@@ -107,6 +108,9 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum, frame):
+    # One is enough. A second SIGTERM (the launcher's death signal and a scheduler's, say) must not cut the
+    # clean stop short: telling the others and writing why to log.txt take a moment. main() sets it again.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated("SIGTERM")
 
 
@@ -145,9 +149,10 @@ def main(argv=None) -> int:
         return 0
     except KeyboardInterrupt as exc:
         what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
-        print(f"\n{what}: the process group was torn down and the other ranks were told; the last completed "
-              f"epoch's checkpoint (last.pt in the run folder) is intact. Continue with --resume RUN_DIR/last.pt.",
-              file=sys.stderr)
+        with contextlib.suppress(OSError):   # the terminal (or the launcher reading our output) may be gone
+            print(f"\n{what}: the process group was torn down and the other ranks were told; the last completed "
+                  f"epoch's checkpoint (last.pt in the run folder) is intact. Continue with --resume "
+                  f"RUN_DIR/last.pt.", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
     except CLEAR_ERRORS as exc:
         if not isinstance(exc, (ValueError, FileExistsError, FileNotFoundError)) and not _is_ours(exc):

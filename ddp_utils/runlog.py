@@ -133,10 +133,10 @@ class RunLogger:
         self.wandb_run = self._start_wandb(mode, resume)
 
     def info(self, msg: str) -> None:
-        """Print ``msg`` and append it to log.txt."""
-        print(msg, flush=True)
+        """Append ``msg`` to log.txt and print it (the file first: it outlives a closed terminal)."""
         with open(self.run_dir / "log.txt", "a", encoding="utf-8") as f:
             f.write(f"{msg}\n")
+        print(msg, flush=True)
 
     def error(self, msg: str) -> None:
         """Append a final error to log.txt only: the console shows it already (the CLI's ``error:``

@@ -131,6 +131,36 @@ def test_sigterm_on_one_rank_reaches_the_other_with_that_cause(tmp_path):
     assert "training stopped because rank 1 stopped: SIGTERM" in outs[0], outs[0][-1500:]
 
 
+def test_more_sigterms_do_not_cut_the_clean_stop_short(tmp_path):
+    """The launcher's death signal and a scheduler's can both arrive: the first stops the run, the second
+    must not interrupt the stop itself, so log.txt still says why the run ended (CI caught a launcher test
+    whose rank 0 got two and wrote nothing)."""
+    import os
+    import signal
+    import subprocess
+    import time as _time
+    args = ["--dataset", "fake", "--image-size", "32", "--workers", "0", "--wandb", "disabled", "--epochs", "30",
+            "--max-steps-per-epoch", "40", "--batch-size", "16", "--progress", "off", "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(python("-m", "ddp_utils", "train", *args), env=base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = _time.monotonic() + 90
+        while not (tmp_path / "run" / "last.pt").exists() and _time.monotonic() < deadline:
+            _time.sleep(0.05)
+        _time.sleep(0.3)    # in the next epoch's steps
+        while proc.poll() is None:   # more than one: some land while the first is being handled
+            os.kill(proc.pid, signal.SIGTERM)
+            _time.sleep(0.002)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143 and "terminated (SIGTERM)" in out, out[-1500:]
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert log.splitlines()[-1] == "error: SIGTERM (the process was told to stop)", log[-1500:]
+
+
 def test_run_all_again_in_the_same_kernels_after_an_interrupt_resumes_the_run(tmp_path):
     """No restart needed: after Stop on rank 0 both kernels run the cells again (RESUME set) and finish."""
     port = free_port()
