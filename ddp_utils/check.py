@@ -40,9 +40,7 @@ def run_check(settings, log=print, verify_images: bool = False) -> bool:
         log(f"data {settings.dataset} at {settings.data_dir}: {splits}")
         if settings.loader == "dali":   # training would stop at its first batch without it
             from .dali import check_dali_dataset
-            check_dali_dataset(settings.dataset)
-            import nvidia.dali
-            log(f"loader dali: NVIDIA DALI {nvidia.dali.__version__}")
+            log(f"loader dali: NVIDIA DALI {check_dali_dataset(settings.dataset)}")
         if verify_images:
             checked, bad = datasets.verify_images(settings, progress=interactive())
             if bad:

@@ -41,10 +41,10 @@ __all__ = ["DALI_DATASETS", "require_dali", "check_dali_dataset", "DaliTrainLoad
 DALI_DATASETS = ("imagenet",)   # JPEG presets; CINIC-10's 32 px PNGs: the memory loader decodes them once instead
 
 
-def require_dali() -> None:
-    """DataError with what to install unless NVIDIA DALI imports."""
+def require_dali() -> str:
+    """DALI's version; DataError with what to install unless NVIDIA DALI imports."""
     try:
-        import nvidia.dali  # noqa: F401
+        import nvidia.dali
     except ImportError as e:
         raise DataError(
             f"loader='dali' needs NVIDIA DALI, which this Python cannot import ({e}). Inside the NVIDIA PyTorch "
@@ -52,17 +52,18 @@ def require_dali() -> None:
             f"install the build for your CUDA driver: pip install nvidia-dali-cuda120 (CUDA 12; "
             f"nvidia-dali-cuda130 for CUDA 13), about 420 MB; it does not install or replace torch. Or train "
             f"with loader='workers' (--loader workers), which needs nothing more.") from None
+    return nvidia.dali.__version__
 
 
-def check_dali_dataset(dataset: str) -> None:
-    """DataError unless ``dataset`` is a preset this loader serves and DALI is installed."""
+def check_dali_dataset(dataset: str) -> str:
+    """DALI's version; DataError unless ``dataset`` is a preset this loader serves and DALI is installed."""
     if dataset not in DALI_DATASETS:
         hint = {"cinic10": "CINIC-10's 32 px PNGs are best decoded once: use loader='memory' (--loader memory)",
                 "demo": "the demo's 32 px PNGs are best decoded once: use loader='memory' (--loader memory)",
                 "fake": "the fake preset makes its images on the fly: use loader='workers'"}.get(dataset, "")
         raise DataError(f"loader='dali' is for {', '.join(DALI_DATASETS)} (JPEG photos) only"
                         f"{': ' + hint if hint else ''}.")
-    require_dali()
+    return require_dali()
 
 
 class _FileBatches:

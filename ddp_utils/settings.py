@@ -55,7 +55,8 @@ class Settings:
     # Not in MUST_AGREE, like workers: both loaders give a rank the same shard, steps and
     # validation tensors; only the random crop/flip draws differ, and those differ per rank anyway.
     loader: str = _f("workers", "workers: DataLoader worker processes decode images each epoch (for imagenet "
-                                "they send uint8 crops, normalised per batch on the device); memory: decode the split once into a uint8 tensor kept in memory "
+                                "they send uint8 crops, normalised per batch on the device); memory: decode the "
+                                "split once into a uint8 tensor kept in memory "
                                 "(on the GPU when there is one), batched augmentation, no worker processes "
                                 "(cinic10 and demo only); dali: NVIDIA DALI decodes and augments (on the GPU "
                                 "with a GPU, its CPU pipeline otherwise; imagenet)", choices=LOADERS)

@@ -148,7 +148,8 @@ def test_more_sigterms_do_not_cut_the_clean_stop_short(tmp_path):
         while not (tmp_path / "run" / "last.pt").exists() and _time.monotonic() < deadline:
             _time.sleep(0.05)
         _time.sleep(0.3)    # in the next epoch's steps
-        while proc.poll() is None:   # more than one: some land while the first is being handled
+        deadline = _time.monotonic() + 60
+        while proc.poll() is None and _time.monotonic() < deadline:   # more than one: some land mid-stop
             os.kill(proc.pid, signal.SIGTERM)
             _time.sleep(0.002)
         out = proc.communicate(timeout=60)[0]
