@@ -14,6 +14,7 @@ and the collectives below do nothing, so the same training code runs on one proc
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -66,20 +67,21 @@ def lost_a_peer(exc: BaseException) -> bool:
     return any(sign in text for sign in _PEER_SIGNS)
 
 
-def peer_lost_text(ctx, kept: str, exc: BaseException, silent: str = "") -> str:
-    """The paragraph a surviving rank prints: what happened (the other rank's own reason when it left
-    one in the store), what is saved (``kept``, only what exists), how to continue."""
-    reason = peer_failure(ctx)
-    if reason:
-        what = f"training stopped because {reason}"
-    else:
+def peer_lost_text(ctx, kept: str, exc: BaseException | None = None, silent: str = "", what: str | None = None) -> str:
+    """The paragraph a surviving rank prints: what happened (``what``, the watch's verdict; else the other
+    rank's own reason when it left one in the store; else the collective's error), what is saved (``kept``,
+    only what exists), how to continue."""
+    if what is None:
+        what = peer_failure(ctx)
+    if what is None:
         first_line = (str(exc).strip().splitlines() or ["?"])[0][:200]
-        what = (f"training stopped because another rank stopped answering ({first_line}"
-                f"{'; ' + silent if silent else ''}). Its node may have crashed, been stopped or lost the network")
+        what = f"another rank stopped answering ({first_line}{'; ' + silent if silent else ''})"
+    if what.startswith("another rank stopped answering"):
+        what += ". Its node may have crashed, been stopped or lost the network"
     kept = f" {kept[0].upper()}{kept[1:]}." if kept else ""
-    return (f"rank {ctx.rank}: {what}.{kept} Restart every rank with --resume pointing at rank 0's last.pt, if "
-            f"there is one (in the notebooks: RESUME); rank 0 sends it to the others, so the nodes need no "
-            f"shared folder.")
+    return (f"rank {ctx.rank}: training stopped because {what}.{kept} Restart every rank with --resume pointing at "
+            f"rank 0's last.pt, if there is one (in the notebooks: RESUME); rank 0 sends it to the others, so the "
+            f"nodes need no shared folder.")
 
 
 # Settings whose change needs a new process group: where the ranks meet, who they are, and what
@@ -94,6 +96,11 @@ _active: tuple | None = None  # (settings, DistContext)
 # teardown, so that the other ranks can still read why this one stopped.
 _store = None
 _waits = 0   # explicit waits made in this process group (their keys in the store)
+_watches = 0  # training runs watched in this process group (heartbeat.py; their keys in the store)
+# What the watch may cut to end a collective from another thread (abort_group): gloo's connections to
+# the other ranks, as (fd, local address, remote address); and why it did, once it has.
+_group_sockets: set = set()
+_aborted: str | None = None
 
 
 # -- setup and teardown -----------------------------------------------------------------------
@@ -153,20 +160,26 @@ def _device(settings) -> torch.device:
 
 def _init_process_group(settings, backend: str, report: dict, log) -> None:
     """``init_process_group`` with a bounded wait; a failure becomes one readable DistSetupError."""
-    global _store, _waits
+    global _store, _waits, _watches, _group_sockets, _aborted
     timeout = timedelta(seconds=settings.init_timeout)   # joining: the other ranks may start late
     if settings.init_method == "env":  # torchrun: its agent hosts the store on MASTER_PORT
         call = {"init_method": "env://"}
     else:  # our own store on master_port, so that re-running a notebook cell works (rendezvous.py)
         call = {"store": rendezvous.open_store(settings, log)}
         rendezvous.wait_for_all_ranks(call["store"], settings, log)
+    if backend == "nccl":
+        _set_nccl_env(log)
     try:
+        before = _tcp_connections()
         dist.init_process_group(backend, rank=settings.rank, world_size=settings.world_size,
                                 timeout=timeout, **call)
         # NCCL connects lazily: a first collective makes its network problems show up here.
         dist.barrier(device_ids=[settings.local_rank] if backend == "nccl" else None)
         _store = call.get("store") or dist.PrefixStore("ddp_utils/env", dist.distributed_c10d._get_default_store())
-        _waits = 0
+        _waits = _watches = 0
+        _aborted = None
+        # gloo's connections to the other ranks are the ones init made (the store's use master_port)
+        _group_sockets = {c for c in _tcp_connections() - before if settings.master_port not in (c[1][1], c[2][1])}
         # From now on a collective waits at most collective_timeout: a silent rank is named within a
         # minute. Longer waits (the others reading their data, rank 0 starting W&B or writing a
         # checkpoint) are explicit store waits (wait_for_all), bounded by init_timeout.
@@ -180,6 +193,18 @@ def _init_process_group(settings, backend: str, report: dict, log) -> None:
     finally:
         if "store" in call and settings.rank == 0:  # joined or failed: no more ranks may join it
             rendezvous.close_generation(call["store"])
+
+
+# NCCL's own error handling, set before the group exists unless the user chose: 2 = on a failure NCCL aborts
+# its communicators and the waiting call raises, but the process lives (the default, 3, ends it with
+# SIGABRT: a notebook kernel dies without a word). The kit's watch (heartbeat.py) acts well before then.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def _set_nccl_env(log) -> None:
+    for var, value in NCCL_ENV.items():
+        if os.environ.setdefault(var, value) != value:
+            log(f"keeping {var}={os.environ[var]} from the environment (the kit would set {value})")
 
 
 def _init_failure(settings, backend, report: dict, error: BaseException) -> str:
@@ -224,6 +249,49 @@ def session(settings, log=print):
         yield ctx
     finally:
         teardown()
+
+
+# -- the watch's tools (heartbeat.py) -------------------------------------------------------------
+def watch_store():
+    """Keys of their own for each watched training run in this process group (every rank counts alike)."""
+    global _watches
+    _watches += 1
+    return dist.PrefixStore(f"watch/{_watches}", _store)
+
+
+def abort_group(reason: str) -> None:
+    """End the process group's pending collectives from another thread (the watch's), so that a main
+    thread blocked in one, waiting for a rank that is gone, raises now instead of at the collective
+    timeout. NCCL: ``abort()`` its communicators. gloo has no such call that reaches a pending
+    collective, so its connections to the other ranks are shut down: the waiting read fails at once
+    ("Connection closed"). ``reason`` is kept: the explicit waits stop with it too."""
+    global _aborted
+    _aborted = reason
+    if not dist.is_initialized():
+        return
+    group = dist.distributed_c10d._get_default_group()
+    if dist.get_backend() == "nccl":
+        with contextlib.suppress(Exception):
+            group.abort()
+        return
+    import socket
+    still_open = _tcp_connections() & _group_sockets   # the same fd with the same two ends: not reused
+    for fd, _, _ in still_open:
+        with contextlib.suppress(OSError):
+            with socket.socket(fileno=os.dup(fd)) as s:   # a duplicate: shutdown reaches the shared socket
+                s.shutdown(socket.SHUT_RDWR)
+
+
+def _tcp_connections() -> set:
+    """This process's established TCP connections as (fd, local address, remote address)."""
+    try:
+        import psutil
+        me = psutil.Process()
+        listing = me.net_connections(kind="inet") if hasattr(me, "net_connections") else me.connections(kind="inet")
+        return {(c.fd, tuple(c.laddr), tuple(c.raddr)) for c in listing
+                if c.status == psutil.CONN_ESTABLISHED and c.fd != -1 and c.raddr}
+    except Exception:   # noqa: BLE001 - without psutil (or its permission) gloo waits for its own timeout
+        return set()
 
 
 # -- collectives (no-ops with one process) ----------------------------------------------------
@@ -294,6 +362,8 @@ def wait_for_all(what: str, ctx: DistContext, timeout: float, log=print) -> None
     next_note = start + 30.0
     while count < ctx.world_size:
         time.sleep(0.2)
+        if _aborted:   # the watch found a rank gone (the store may be out of reach too)
+            raise PeerLost(f"rank {ctx.rank}: training stopped because {_aborted}")
         count, failure = _ask_store(ctx, what, lambda: (int(_store.add(key, 0)), _failure_in_store(ctx)))
         if failure:
             raise PeerLost(f"rank {ctx.rank}: stopped because {failure}")

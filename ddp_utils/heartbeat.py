@@ -1,10 +1,21 @@
-"""A sign of life from every rank during training, so a silent rank is named and a wait is never mute.
+"""The kit's own watch over the other ranks during training, the same on every backend.
 
-A daemon thread per rank writes ``alive/<rank>`` (a time) into the rendezvous store every few seconds
-and reads the others'. The training loop only bumps a counter per step (no store call, no sync). When
-this rank has made no step for ``note_after`` seconds, which means it waits in a collective for a slower
-or silent rank, the thread says so and names the ranks whose sign of life is old; after a failure the
-same ages go into the message ("rank 1's last sign of life: 63 s ago").
+Why it exists: a collective waiting for a rank that froze, crashed or lost the network raises nothing
+under NCCL (the others block in a host sync such as ``.item()`` until NCCL's watchdog ends the whole
+process at the collective timeout; a notebook kernel dies) and only at the collective timeout under
+gloo. The store the ranks met through (rendezvous.py) is a second channel, and two daemon threads per
+rank use it:
+
+- the **beat** thread writes ``alive/<rank>`` every ``every`` s and reads the others' beats and the
+  failures they reported (``distributed.report_failure``);
+- the **judge** thread never touches the store itself, so a dead link cannot block it. When a rank
+  reported a failure, or no beat of a rank has changed for ``silent_after`` s (rank 0's store giving no
+  answer counts as rank 0's silence), it aborts the process group (``distributed.abort_group``): the
+  main thread's blocked collective returns now, and ``train.fit`` raises ``PeerLost`` with this
+  ``verdict``. A rank that finished writes ``done`` instead of a beat and is never judged silent.
+
+The training loop only bumps a counter per step (no store call, no sync). When this rank has made no
+step for ``note_after`` s (it waits for a slower rank), the judge says so and names the quiet ranks.
 """
 from __future__ import annotations
 
@@ -13,22 +24,38 @@ import time
 
 from . import distributed
 
+SILENT_AFTER = 15.0   # seconds without a beat before a rank counts as gone (beats come every 2 s)
+
 
 class Heartbeat:
-    def __init__(self, ctx, log=print, every: float = 2.0, note_after: float = 30.0):
+    def __init__(self, ctx, log=print, every: float = 2.0, note_after: float = 30.0,
+                 silent_after: float = SILENT_AFTER):
         self.ctx, self.log, self.every, self.note_after = ctx, log, every, note_after
+        self.silent_after = silent_after
         self.steps = 0
         self.seen: dict[int, tuple[str, float]] = {}   # rank -> (its last beat, when we saw it change)
+        self.verdict: str | None = None   # why the judge aborted the process group; None while all is well
+        self._store_ok = 0.0     # when the beat thread last finished a round with the store
+        self._failure: str | None = None   # a failure another rank reported
+        self._finished = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ddp_utils-heartbeat", daemon=True)
+        self._threads = [threading.Thread(target=self._beat, name="ddp_utils-heartbeat", daemon=True),
+                         threading.Thread(target=self._judge, name="ddp_utils-watch", daemon=True)]
 
     def __enter__(self) -> "Heartbeat":
         if self.ctx.distributed and distributed._store is not None:
-            self._thread.start()
+            self._keys = distributed.watch_store()   # this fit's own keys: a re-run fit starts clean
+            start = self._store_ok = time.monotonic()
+            self.seen = {r: ("", start) for r in range(self.ctx.world_size) if r != self.ctx.rank}
+            for thread in self._threads:
+                thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        self._finished = exc_type is None   # a finished rank says "done": its silence is no failure
         self._stop.set()
+        if self._finished and self._threads[0].is_alive():
+            self._threads[0].join(timeout=2.0)   # the "done" is written before the others can miss a beat
 
     def step(self) -> None:
         """Called by the training loop once per step (a counter: costs nothing)."""
@@ -37,30 +64,49 @@ class Heartbeat:
     def silent(self, older_than: float = 0.0) -> list[tuple[int, float]]:
         """(rank, seconds since its last sign of life) for the peers silent longer than ``older_than``."""
         now = time.monotonic()
-        return [(r, now - seen) for r, (_, seen) in sorted(self.seen.items()) if now - seen > older_than]
+        return [(r, now - seen) for r, (beat, seen) in sorted(self.seen.items())
+                if beat != "done" and now - seen > older_than]
 
     def describe(self) -> str:
         """"rank 1's last sign of life: 63 s ago", for the peers that went quiet (beats are every 2 s)."""
         quiet = self.silent(older_than=2.5 * self.every)
         return "; ".join(f"rank {r}'s last sign of life: {age:.0f} s ago" for r, age in quiet)
 
-    def _run(self) -> None:
-        store, me = distributed._store, self.ctx.rank
-        start = time.monotonic()
-        for r in range(self.ctx.world_size):
-            if r != me:
-                self.seen[r] = ("", start)
-        last_steps, since, noted = -1, start, start
-        while not self._stop.wait(self.every):
+    # -- the beat thread: all the store calls (any of them may block while a link is down) --------
+    def _beat(self) -> None:
+        me = self.ctx.rank
+        while True:
+            stopping = self._stop.is_set()
             try:
-                store.set(f"alive/{me}", str(time.time()))
+                if stopping:
+                    if self._finished:
+                        self._keys.set(f"alive/{me}", "done")
+                    return
+                self._keys.set(f"alive/{me}", str(time.time()))
                 for r in self.seen:
-                    if store.check([f"alive/{r}"]):
-                        beat = store.get(f"alive/{r}").decode()
+                    if self._keys.check([f"alive/{r}"]):
+                        beat = self._keys.get(f"alive/{r}").decode()
                         if beat != self.seen[r][0]:
                             self.seen[r] = (beat, time.monotonic())
-            except Exception:   # noqa: BLE001 - the store (rank 0) is gone: the main thread will hear it
-                pass
+                self._failure = self._failure or distributed._failure_in_store(self.ctx)
+                self._store_ok = time.monotonic()
+            except Exception:   # noqa: BLE001 - the store (rank 0) is gone or unreachable: the judge decides
+                if stopping:
+                    return
+            self._stop.wait(self.every)
+
+    # -- the judge thread: decides from what the beat thread saw, never blocks -----------------------
+    def _judge(self) -> None:
+        me = self.ctx.rank
+        last_steps = -1
+        since = noted = time.monotonic()
+        while not self._stop.wait(min(1.0, self.every)):
+            verdict = self.judgement()
+            if verdict:
+                self.verdict = verdict
+                self.log(f"rank {me}: the kit's watch stops this rank's collectives: {verdict}")
+                distributed.abort_group(verdict)
+                return
             now = time.monotonic()
             if self.steps != last_steps:
                 last_steps, since = self.steps, now
@@ -68,3 +114,20 @@ class Heartbeat:
                 quiet = self.describe() or "every rank still gives signs of life"
                 self.log(f"rank {me}: no training step for {now - since:.0f} s: waiting for the other ranks ({quiet})")
                 noted = now
+
+    def judgement(self) -> str | None:
+        """Why training cannot go on (another rank's reported failure, or its silence), or None."""
+        if self._failure:
+            return self._failure
+        store_quiet = time.monotonic() - self._store_ok
+        if store_quiet > self.silent_after:   # only a rank > 0 can lose the store: it lives in rank 0
+            return (f"another rank stopped answering (rank 0's store gave no answer for {store_quiet:.0f} s; "
+                    f"rank 0's last sign of life: {self._age(0):.0f} s ago)")
+        quiet = self.silent(older_than=self.silent_after)
+        if quiet:
+            named = "; ".join(f"rank {r}'s last sign of life: {age:.0f} s ago" for r, age in quiet)
+            return f"another rank stopped answering ({named})"
+        return None
+
+    def _age(self, rank: int) -> float:
+        return time.monotonic() - self.seen.get(rank, ("", self._store_ok))[1]

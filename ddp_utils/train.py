@@ -197,15 +197,17 @@ def fit(job) -> dict:
                         job.comm, job.probe, gpu, {"parallel": job.parallel, "comm": job.comm_choice,
                                                    "comm_reason": job.comm_reason,
                                                    "resumed_from": job.resume if job.state is not None else None})
-    except DataError as exc:   # an unreadable image met in a worker process: the paragraph, not a traceback
-        raise exc.plain() from None
-    except Diverged as exc:   # the same paragraph on every rank, naming what rank 0 kept
-        kept = kept_checkpoint(job.logger.run_dir, job.ctx)
-        raise Diverged(exc.what, exc.step, exc.lr, exc.explain(job.ctx.rank, kept)) from None
-    except distributed.PeerLost:
-        raise
-    except RuntimeError as exc:
-        if job.ctx.distributed and (distributed.peer_failure(job.ctx) or distributed.lost_a_peer(exc)):
+    except Exception as exc:
+        if job.ctx.distributed and heartbeat.verdict:   # the watch ended the group: whatever broke next, this is why
+            kept = kept_checkpoint(job.logger.run_dir, job.ctx)
+            raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, kept, what=heartbeat.verdict)) from None
+        if isinstance(exc, DataError):   # an unreadable image met in a worker process: the paragraph, not a traceback
+            raise exc.plain() from None
+        if isinstance(exc, Diverged):    # the same paragraph on every rank, naming what rank 0 kept
+            kept = kept_checkpoint(job.logger.run_dir, job.ctx)
+            raise Diverged(exc.what, exc.step, exc.lr, exc.explain(job.ctx.rank, kept)) from None
+        if (isinstance(exc, RuntimeError) and not isinstance(exc, distributed.PeerLost) and job.ctx.distributed
+                and (distributed.peer_failure(job.ctx) or distributed.lost_a_peer(exc))):
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)
             raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, kept, exc, heartbeat.describe())) from None
         raise

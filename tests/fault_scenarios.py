@@ -6,6 +6,8 @@ The rank prepares and trains on fake data (2 ranks, gloo, loopback). What the sc
 - ``rerun``: as ``interrupt``, then both processes run prepare + fit again with a resume (Run All).
 - ``slow_start``: rank 0 takes 8 s to start W&B (longer than the collective timeout of 4 s).
 - ``plain``: nothing (collective timeout 8 s, the others 4 s).
+- ``patient`` / ``default``: nothing, with a collective timeout of 600 s / the default 60 s: only the kit's own
+  watch (heartbeat.py) can stop a rank whose peer went silent within seconds.
 Prints ``CHECK name=value`` lines the tests read.
 """
 from __future__ import annotations
@@ -23,9 +25,10 @@ from ddp_utils.train import fit
 
 
 def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") -> None:
+    timeout = {"plain": 8, "patient": 600, "default": Settings.collective_timeout}.get(name, 4)
     settings = Settings(dataset="fake", image_size=32, workers=0, wandb="disabled", backend="gloo", world_size=2,
                         rank=rank, master_addr=addr, master_port=port, init_timeout=60,
-                        collective_timeout=8 if name == "plain" else 4, epochs=30,
+                        collective_timeout=timeout, epochs=30,
                         batch_size=16, max_steps_per_epoch=40, progress="off", run_dir=f"{folder}/run{rank}")
     if name == "slow_start" and rank == 0:
         real = RunLogger._start_wandb

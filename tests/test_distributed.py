@@ -278,4 +278,73 @@ def test_a_rank_that_makes_no_step_says_so_and_names_the_silent_peer(monkeypatch
         assert beat.silent(older_than=1.0)[0][0] == 1
     assert any(line.startswith("rank 0: no training step for ") and "rank 1's last sign of life" in line
                for line in lines), lines
-    assert distributed._store.get("alive/0")   # this rank's own sign of life is in the store
+    assert distributed._store.get("watch/1/alive/0")   # this rank's own sign of life is in the store (this fit's keys)
+
+
+@pytest.fixture
+def watched(monkeypatch):
+    """A rank 0 of 3 whose store is an in-memory one, and the abort_group calls the watch makes."""
+    monkeypatch.setattr(distributed, "_store", dist.HashStore())
+    monkeypatch.setattr(distributed, "_watches", 0)
+    aborted = []
+    monkeypatch.setattr(distributed, "abort_group", aborted.append)
+    ctx = distributed.DistContext(rank=0, world_size=3, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    return ctx, aborted
+
+
+def beat_for(store, rank, seconds, every=0.1, value=None):
+    """Rank ``rank``'s beat thread, as seen through the store, for ``seconds``."""
+    import time as _time
+    end = _time.monotonic() + seconds
+    while _time.monotonic() < end:
+        store.set(f"watch/1/alive/{rank}", value or str(_time.monotonic()))
+        _time.sleep(every)
+
+
+def test_the_watch_aborts_the_group_when_a_rank_goes_silent_and_names_it(watched):
+    """The primary path on every backend: no beat from rank 2 for silent_after s -> abort, naming rank 2 only."""
+    from ddp_utils.heartbeat import Heartbeat
+    ctx, aborted = watched
+    with Heartbeat(ctx, log=lambda *_: None, every=0.1, silent_after=1.0) as beat:
+        beat_for(distributed._store, 1, 2.0)   # rank 1 keeps beating, rank 2 never does
+    assert len(aborted) == 1 and beat.verdict == aborted[0], aborted
+    assert beat.verdict.startswith("another rank stopped answering (rank 2's last sign of life:"), beat.verdict
+    assert "rank 1" not in beat.verdict
+
+
+def test_the_watch_aborts_the_group_with_the_reason_another_rank_reported(watched):
+    from ddp_utils.heartbeat import Heartbeat
+    import time as _time
+    ctx, aborted = watched
+    with Heartbeat(ctx, log=lambda *_: None, every=0.1, silent_after=30.0) as beat:
+        distributed._store.set("failed/1", "rank 1 stopped: KeyboardInterrupt")
+        deadline = _time.monotonic() + 5
+        while not aborted and _time.monotonic() < deadline:
+            _time.sleep(0.05)
+    assert aborted == ["rank 1 stopped: KeyboardInterrupt"] and beat.verdict == aborted[0]
+
+
+def test_a_rank_that_finished_is_never_judged_silent(watched):
+    from ddp_utils.heartbeat import Heartbeat
+    ctx, aborted = watched
+    distributed._store.set("watch/1/alive/1", "done")
+    distributed._store.set("watch/1/alive/2", "done")
+    with Heartbeat(ctx, log=lambda *_: None, every=0.1, silent_after=0.5):
+        __import__("time").sleep(1.5)
+    assert aborted == []
+    assert distributed._store.get("watch/1/alive/0") == b"done"   # and this one says so on leaving
+
+
+def test_a_rank_that_lost_rank_0s_store_names_rank_0(watched, monkeypatch):
+    """A cut link seen from rank 1: every store call fails; the verdict names rank 0 (the store's host)."""
+    from ddp_utils.heartbeat import Heartbeat
+    ctx, aborted = watched
+    ctx = distributed.DistContext(rank=1, world_size=3, local_rank=0, device=torch.device("cpu"), backend="gloo")
+
+    class Unreachable:
+        def __getattr__(self, name):
+            raise RuntimeError("Connection reset by peer")
+    monkeypatch.setattr(distributed, "watch_store", lambda: Unreachable())
+    with Heartbeat(ctx, log=lambda *_: None, every=0.1, silent_after=1.0) as beat:
+        __import__("time").sleep(2.0)
+    assert aborted and beat.verdict.startswith("another rank stopped answering (rank 0's store gave no answer for")
