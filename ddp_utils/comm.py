@@ -68,6 +68,18 @@ def one_bucket_at_a_time(hook):
     return serial
 
 
+def forget_overflow(state) -> None:
+    """After a step whose gradients overflowed (fp16: the scaler skipped it), drop what PowerSGD carried over
+    from it. Its error feedback (what the approximation missed, added to the next step) and its warm-start
+    matrices hold inf / NaN now, so every later step would overflow too and be skipped: the loss freezes and
+    nothing else complains. Cleared, they are rebuilt at the next step (zeros, fresh random matrices), as at
+    the start. The other hooks keep no state between steps."""
+    if isinstance(state, powerSGD_hook.PowerSGDState):
+        state.error_dict.clear()
+        state.p_memory_dict.clear()
+        state.q_memory_dict.clear()
+
+
 def _hook_for(choice: str, settings):
     if choice == "none":
         return default_hooks.allreduce_hook, None

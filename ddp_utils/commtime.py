@@ -41,7 +41,7 @@ class CommTimer:
 
     def attach(self, ddp_model, hook=allreduce_hook, state=None) -> None:
         """Time ``hook`` (DDP's default all-reduce, or a compression hook from ``comm.py``) on ``ddp_model``."""
-        self._inner, self._state = hook, state
+        self._inner, self.state = hook, state
         self.blocking = getattr(hook, "blocking", False)   # a hook that waits blocks the backward pass
         ddp_model.register_comm_hook(state=None, hook=self._hook)
 
@@ -54,7 +54,7 @@ class CommTimer:
 
     def _hook(self, state, bucket):
         ready = self._now()
-        future = self._inner(self._state, bucket)   # e.g. DDP's default: all-reduce the bucket, average
+        future = self._inner(self.state, bucket)   # e.g. DDP's default: all-reduce the bucket, average
 
         def done(fut):
             with self._lock:

@@ -53,6 +53,35 @@ def make_scaler(dtype, device: torch.device):
     return torch.cuda.amp.GradScaler(enabled=enabled and device.type == "cuda")
 
 
+class ScaledStep:
+    """``scaler.step(optimizer)`` then ``scaler.update()``, telling whether the optimizer really stepped.
+
+    With fp16 the gradient scaler skips a step whose gradients overflowed (inf / NaN) and halves its
+    scale: normal now and then, above all in the first steps. A run whose steps keep being skipped
+    learns nothing while its loss and weights stay finite, so no other check notices it:
+    ``in_a_row`` counts the skipped steps since the last real one, ``skipped`` all of them. The
+    optimizer's own step hook says whether it ran, so this costs no extra GPU synchronisation.
+    """
+
+    def __init__(self, optimizer, scaler):
+        self.optimizer, self.scaler = optimizer, scaler
+        self.in_a_row = self.skipped = 0
+        self._ran = False
+        optimizer.register_step_post_hook(self._note)
+
+    def _note(self, *_) -> None:
+        self._ran = True
+
+    def __call__(self) -> bool:
+        self._ran = False
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        ran = self._ran or not self.scaler.is_enabled()
+        self.in_a_row = 0 if ran else self.in_a_row + 1
+        self.skipped += not ran
+        return ran
+
+
 def autocast(dtype, device):
     """torch.autocast for ``dtype``, or a context that does nothing for full fp32."""
     if dtype is None:

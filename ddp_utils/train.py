@@ -19,7 +19,8 @@ from .gpu_monitor import describe as describe_gpu
 from .heartbeat import Heartbeat
 from .metrics import Meter
 from .model import unwrap
-from .optim import amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, to_device
+from .comm import forget_overflow
+from .optim import ScaledStep, amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, to_device
 from .progress import Progress
 from .runlog import TIME_PARTS, summarize
 from .threads import machine_id
@@ -54,7 +55,7 @@ def _check_finite(value: float, what: str, step: int, lr: float) -> None:
 
 
 def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, settings, ctx, logger,
-                    start_step: int = 0, heartbeat=None, comm=None) -> dict:
+                    start_step: int = 0, heartbeat=None, comm=None, stepper=None) -> dict:
     """Train one pass over this rank's shard. Returns global metrics and timing for the epoch.
 
     Time split (seconds, each rank's own in ``per_rank``, their mean at the top level); they add up
@@ -68,7 +69,10 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
     - ``idle_s``: the rest: log-point reductions (which wait for the slowest rank), logging, progress.
 
     Loss and hits stay on the device between log points so the GPU is never forced to sync per step.
+    ``stepper`` (an ``optim.ScaledStep`` of this optimizer and scaler, made here if not given) counts the
+    steps the fp16 scaler skips.
     """
+    stepper = stepper or ScaledStep(optimizer, scaler)
     model.train()
     dtype = amp_dtype(settings, ctx.device)
     epoch_meter, window = Meter(ctx.device), Meter(ctx.device)
@@ -89,8 +93,8 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
                 loss = F.cross_entropy(logits, labels)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()     # DDP: gradients are all-reduced (averaged) during backward
-            scaler.step(optimizer)
-            scaler.update()
+            if not stepper():                 # fp16: the scaler skipped the step, its gradients overflowed
+                _after_a_skipped_step(stepper, comm, step, lr)
             scheduler.step()
             if comm is not None:
                 comm.step_done()
@@ -132,6 +136,21 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
                  lr=scheduler.get_last_lr()[0], images_per_s_rank=rank_ips,
                  images_per_s=stats["count"] / max(wall, 1e-9))
     return stats
+
+
+SKIPPED_IN_A_ROW = 20   # fp16 steps skipped one after another (scale / 2**20) before the run counts as broken
+
+
+def _after_a_skipped_step(stepper, comm, step: int, lr: float) -> None:
+    """The scaler skipped this step: clear what the gradient compression carried over from it, and stop
+    (the same step on every rank: the gradients, hence the scalers, are the same) when steps keep being
+    skipped."""
+    if comm is not None:
+        forget_overflow(comm.state)   # PowerSGD's memory of this step is inf now: it would poison every later one
+    if stepper.in_a_row >= SKIPPED_IN_A_ROW:
+        raise Diverged(f"the fp16 gradient scaler skipped the last {stepper.in_a_row} steps (their gradients "
+                       f"overflowed; its scale fell to {stepper.scaler.get_scale():.3g})",
+                       step + 1, lr)
 
 
 TIME_KEYS = (*TIME_PARTS, "comm_total_s", "wall_s")   # what each rank measures per epoch
@@ -219,6 +238,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
     scheduler = build_scheduler(optimizer, settings, len(data.train))
     dtype = amp_dtype(settings, ctx.device)
     scaler = make_scaler(dtype, ctx.device)
+    stepper = ScaledStep(optimizer, scaler)
     start_epoch, step, best_acc1, history = 0, 0, 0.0, []
     if state is not None:
         checkpoint.restore(state, model, optimizer, scheduler, scaler, ctx)
@@ -239,7 +259,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
         if gpu is not None:
             gpu.phase("train")
         train = train_one_epoch(model, data, optimizer, scheduler, scaler, epoch, settings, ctx, logger, step,
-                                heartbeat, comm)
+                                heartbeat, comm, stepper)
         step = train["step"]
         if gpu is not None:
             gpu.phase("val")
@@ -276,6 +296,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
     gpu_ranks = gpu_use.pop("per_rank", [])
     gpus = torch.cuda.device_count() if meta["parallel"] == "dp" else int(ctx.device.type == "cuda")   # per process
     extra = {**meta, "gpus": gpus, "stopped_early": stopped_early, "stop_reason": stop_reason,
+             "skipped_steps": stepper.skipped,   # fp16: steps the gradient scaler skipped (overflow)
              "link_gbit_s": probe["link_gbit_s"] if probe else None,
              "predicted_speedup": probe["predicted_speedup"] if probe else None, "probe": probe, **gpu_use}
     extra.update(run_cost(settings, ctx, wall, trained_now))

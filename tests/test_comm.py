@@ -101,3 +101,39 @@ def test_a_hook_that_waits_for_each_bucket_has_all_its_time_counted_as_waited_fo
     timer.blocking = True
     timer._add([(0.0, 1.0), (2.0, 3.0)])   # the backward pass stood still while each bucket was sent
     assert timer.take() == (2.0, 2.0)
+
+
+# -- fp16 overflow with PowerSGD ---------------------------------------------------------------------
+def run_overflow(tmp_path, overflow: dict, choice="powersgd") -> list:
+    """Two ranks, fp16 autocast with the CPU gradient scaler (the T4's AMP), PowerSGD after 3 exact steps,
+    40 steps; the gradients of the steps in ``overflow`` become inf (the loss stays finite)."""
+    port = free_port()
+    extra = {"amp": "fp16", "link_probe": False, "max_steps_per_epoch": 20, "epochs": 2}
+    results = run_all([python("-m", "tests.comm_scenarios", choice, str(r), str(port), str(tmp_path / choice),
+                              json.dumps(extra), json.dumps(overflow)) for r in range(2)],
+                      timeout=180, env=base_env())
+    return results
+
+
+def test_one_overflowing_fp16_step_does_not_poison_powersgd_for_the_rest_of_the_run(tmp_path):
+    """An overflow leaves inf in PowerSGD's error feedback and warm-start memory; unless they are cleared,
+    every later step overflows and is skipped, with the loss frozen and no error (comm=auto on 1 Gbit + T4)."""
+    results = run_overflow(tmp_path, {"at": [6]})
+    assert all(r.returncode == 0 for r in results), describe(results)
+    checks = [dict(re.findall(r"^CHECK (\w+)=(.*)$", r.output, re.M)) for r in results]
+    clean = run_overflow(tmp_path / "clean", {"at": []})   # the same run without the overflow
+    assert all(r.returncode == 0 for r in clean), describe(clean)
+    baseline = int(dict(re.findall(r"^CHECK (\w+)=(.*)$", clean[0].output, re.M))["skipped_steps"])
+    assert [int(c["skipped_steps"]) for c in checks] == [baseline + 1] * 2, describe(results)   # that step alone
+    assert checks[0]["weights"] == checks[1]["weights"]
+    assert float(checks[0]["loss"]) == pytest.approx(
+        float(dict(re.findall(r"^CHECK (\w+)=(.*)$", clean[0].output, re.M))["loss"]), rel=0.05)
+
+
+def test_steps_that_keep_overflowing_stop_every_rank_with_the_kits_message(tmp_path):
+    results = run_overflow(tmp_path, {"from": 6}, choice="none")
+    for rank, r in enumerate(results):
+        assert r.returncode == 2, describe(results)
+        assert (f"rank {rank}: training diverged at step 26: the fp16 gradient scaler skipped the last 20 steps"
+                in r.output), describe(results)
+        assert "amp=bf16 / off" in r.output, describe(results)
