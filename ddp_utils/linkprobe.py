@@ -94,7 +94,7 @@ def _time_allreduce(grads: torch.Tensor, ctx) -> float:
 def _time_compute(model, settings, ctx, num_classes: int, image_size: int, rounds: int = 2) -> float:
     """Seconds per step (forward, backward, SGD update) of a copy of the model (no DDP: nothing is
     communicated; the real model and its optimizer are not touched)."""
-    net = copy.deepcopy(unwrap(model)).train()
+    net = local_batchnorm(copy.deepcopy(unwrap(model))).train()
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=settings.momentum)
     dtype = amp_dtype(settings, ctx.device)
     devices = [ctx.device] if ctx.device.type == "cuda" else []
@@ -115,6 +115,28 @@ def _time_compute(model, settings, ctx, num_classes: int, image_size: int, round
             _sync(ctx)
             times.append(time.perf_counter() - start)
     return sum(times[1:]) / rounds
+
+
+class _LocalBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
+    """BatchNorm of any input rank (what a SyncBatchNorm was: 1-d, 2-d or 3-d), statistics of this rank only."""
+
+    def _check_input_dim(self, input):
+        pass
+
+
+def local_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with every SyncBatchNorm replaced by a plain BatchNorm of the same weights and statistics.
+
+    The probe times a copy of the model on rank 0 alone while the others wait: a SyncBatchNorm there
+    would start collectives the other ranks never join (with --sync-bn the probe hung)."""
+    if isinstance(module, torch.nn.SyncBatchNorm):
+        local = _LocalBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                module.track_running_stats)
+        local.load_state_dict(module.state_dict())
+        return local.to(next(module.buffers(), torch.empty(0)).device).train(module.training)
+    for name, child in module.named_children():
+        setattr(module, name, local_batchnorm(child))
+    return module
 
 
 def _slowest(seconds: float, ctx) -> float:
