@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from . import rendezvous
 from . import settings as settings_module
+from .devices import agree_on_backend, device_facts
 from .preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
 
 __all__ = ["DistContext", "DistSetupError", "PeerLost", "SettingsMismatch", "agree", "all_reduce_sum", "barrier",
@@ -127,13 +128,13 @@ def setup(settings, log=print) -> DistContext:
         teardown()
 
     report = preflight(settings, log)
-    backend = report["backend"] if settings.distributed else None
-    ctx = DistContext(settings.rank, settings.world_size, settings.local_rank, _device(settings),
-                      backend)
+    device = _device(settings)
+    ctx = DistContext(settings.rank, settings.world_size, settings.local_rank, device, None)
     if ctx.distributed:
         must_agree = {f: getattr(settings, f) for f in settings_module.MUST_AGREE}
         try:
-            _init_process_group(settings, backend, report, log)
+            backend = _init_process_group(settings, report, device_facts(settings, device), log)
+            ctx = DistContext(settings.rank, settings.world_size, settings.local_rank, device, backend)
             agree({**must_agree, "backend": backend}, ctx)
         except BaseException as e:  # also KeyboardInterrupt: never leave a half-made process group
             teardown()
@@ -158,15 +159,27 @@ def _device(settings) -> torch.device:
     return torch.device("cuda", settings.local_rank)
 
 
-def _init_process_group(settings, backend: str, report: dict, log) -> None:
-    """``init_process_group`` with a bounded wait; a failure becomes one readable DistSetupError."""
+def _init_process_group(settings, report: dict, facts: dict, log) -> str:
+    """``init_process_group`` with a bounded wait, on the backend every rank agreed on (returned); a
+    failure becomes one readable DistSetupError."""
     global _store, _waits, _watches, _group_sockets, _aborted
     timeout = timedelta(seconds=settings.init_timeout)   # joining: the other ranks may start late
     if settings.init_method == "env":  # torchrun: its agent hosts the store on MASTER_PORT
         call = {"init_method": "env://"}
+        everyone = rendezvous.share_facts_under_torchrun(settings, facts)
     else:  # our own store on master_port, so that re-running a notebook cell works (rendezvous.py)
         call = {"store": rendezvous.open_store(settings, log)}
-        rendezvous.wait_for_all_ranks(call["store"], settings, log)
+        everyone = rendezvous.wait_for_all_ranks(call["store"], settings, log, facts)
+    try:
+        # Every rank's device, compared before any backend starts: the same backend, or the same error, everywhere
+        backend, note = agree_on_backend(everyone, settings.backend) if everyone else (report["backend"], "")
+    except DistSetupError as e:
+        if "store" in call and settings.rank == 0:
+            rendezvous.close_generation(call["store"])
+        raise DistSetupError(f"rank {settings.rank}: {e}") from None
+    report["backend"] = backend
+    if note:
+        log(f"rank {settings.rank}: {note}")
     if backend == "nccl":
         _set_nccl_env(log)
     try:
@@ -193,6 +206,7 @@ def _init_process_group(settings, backend: str, report: dict, log) -> None:
     finally:
         if "store" in call and settings.rank == 0:  # joined or failed: no more ranks may join it
             rendezvous.close_generation(call["store"])
+    return backend
 
 
 # NCCL's own error handling, set before the group exists unless the user chose: 2 = on a failure NCCL aborts

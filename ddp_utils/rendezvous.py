@@ -10,6 +10,8 @@ only join an open one. Students need not read this to follow the DDP lesson.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import socket
 import time
 from datetime import timedelta
@@ -74,19 +76,20 @@ def _listen_on(settings) -> int | None:
     return sock.detach()   # the store owns it now
 
 
-def wait_for_all_ranks(keys: dist.PrefixStore, settings, log=print) -> None:
-    """Announce this rank, then wait until all have. The wait is a Python loop, so a notebook
-    interrupt (Ctrl-C) stops it at once, it says every ~30 s whom it waits for, and a timeout can
-    say which ranks never came. When rank 0 gives up, it leaves its reason in the store, so every
-    rank that did come stops with the same paragraph instead of a store error."""
-    keys.set(f"arrived/{settings.rank}", str(settings.rank))
+def wait_for_all_ranks(keys: dist.PrefixStore, settings, log=print, facts: dict | None = None) -> list[dict]:
+    """Announce this rank with its ``facts`` (devices.device_facts), then wait until all have; every
+    rank's facts, by rank. The wait is a Python loop, so a notebook interrupt (Ctrl-C) stops it at once,
+    it says every ~30 s whom it waits for, and a timeout can say which ranks never came. When rank 0
+    gives up, it leaves its reason in the store, so every rank that did come stops with the same
+    paragraph instead of a store error."""
+    keys.set(f"arrived/{settings.rank}", json.dumps(facts or {"rank": settings.rank}))
     everyone = [f"arrived/{r}" for r in range(settings.world_size)]
     start = time.monotonic()
     deadline, next_note = start + settings.init_timeout, start + NOTE_EVERY
     while True:
         try:
             if keys.check(everyone):
-                return
+                return [json.loads(keys.get(key)) for key in everyone]
             if settings.rank != 0 and keys.check(["gave_up"]):
                 raise DistSetupError(f"rank {settings.rank}: {keys.get('gave_up').decode()}")
         except DistSetupError:
@@ -115,6 +118,21 @@ def wait_for_all_ranks(keys: dist.PrefixStore, settings, log=print) -> None:
                 f"({now - start:.0f} s of init_timeout={settings.init_timeout:g} s)")
             next_note += NOTE_EVERY
         time.sleep(0.2)
+
+
+def share_facts_under_torchrun(settings, facts: dict) -> list[dict] | None:
+    """``wait_for_all_ranks``'s exchange of facts for ``init_method="env"``: through torchrun's agent store
+    on MASTER_PORT (where torchrun keeps one; else None: nothing is compared)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    store = dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size, is_master=False,
+                          timeout=timedelta(seconds=settings.init_timeout))
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    keys = dist.PrefixStore(f"ddp_utils/facts/{attempt}", store)
+    keys.set(str(settings.rank), json.dumps(facts))
+    everyone = [str(r) for r in range(settings.world_size)]
+    keys.wait(everyone)
+    return [json.loads(keys.get(key)) for key in everyone]
 
 
 def close_generation(keys: dist.PrefixStore) -> None:

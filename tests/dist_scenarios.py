@@ -92,7 +92,30 @@ def interrupted(s: Settings) -> None:
         check("initialized_after_interrupt", dist.is_initialized())
 
 
-SCENARIOS = {"basics": basics, "joined": joined, "mismatch": mismatch, "init_fails": init_fails,
+def devices(s: Settings) -> None:
+    """The ranks' GPUs are emulated (tests/gpu_emulation.py) from DEVICES, a JSON list by rank: "T4" for a GPU,
+    null for none; equal names on one machine are one shared GPU. BACKEND is the requested backend. Prints
+    the backend every rank agreed on (gloo runs for real; nccl would need a real GPU, so it stops there)."""
+    from tests.gpu_emulation import T4, pretend_gpu
+    mine = json.loads(os.environ["DEVICES"])[s.rank]
+    if mine:
+        pretend_gpu(setattr, T4)
+    backend = os.environ["BACKEND"]
+    if backend == "nccl" or mine:
+        dist.is_nccl_available = lambda: True
+    real_init = dist.init_process_group
+
+    def init(chosen, **kw):
+        check("backend", chosen)
+        if chosen == "nccl":
+            raise SystemExit(0)   # the agreement is what is tested; a real nccl group needs a real GPU
+        return real_init(chosen, **kw)
+    dist.init_process_group = init
+    distributed.setup(s.replace(backend=backend))
+    distributed.teardown()
+
+
+SCENARIOS = {"devices": devices, "basics": basics, "joined": joined, "mismatch": mismatch, "init_fails": init_fails,
              "interrupted": interrupted}
 
 if __name__ == "__main__":

@@ -63,3 +63,77 @@ def test_the_link_probe_runs_with_sync_bn_on_a_gpu():
     settings = Settings(dataset="fake", arch="resnet18_cifar", batch_size=8)
     with one_rank_group("nccl", device):
         assert linkprobe._time_compute(model, settings, DistContext(0, 1, 0, device, "nccl"), 10, 32) > 0
+
+
+# -- the ranks agree on a backend before init (devices.py) ------------------------------------------
+def two_ranks_with(devices: list, backend: str) -> list:
+    from tests.procs import base_env, python, run_all
+    import json
+    port = free_port()
+    env = base_env(DEVICES=json.dumps(devices), BACKEND=backend)
+    return run_all([python("-m", "tests.dist_scenarios", "devices", str(r), "2", str(port), "127.0.0.1", "30")
+                    for r in range(2)], timeout=90, env=env)
+
+
+def test_a_node_without_a_gpu_is_named_on_every_rank_before_init():
+    """A container started without --gpus on node 2: auto meant nccl on rank 0 and gloo on rank 1, and init
+    waited out its timeout blaming the network. Now every rank names the node, in seconds, before any backend."""
+    from tests.procs import describe
+    results = two_ranks_with(["T4", None], "auto")
+    for r in results:
+        assert r.returncode == 3 and "CHECK backend" not in r.output, describe(results)
+        assert "rank 1 (host " in r.output and "has no usable GPU" in r.output, describe(results)
+        assert "--gpus all" in r.output and "Tesla T4" in r.output, describe(results)
+        assert float(r.output.split("CHECK seconds_to_error=")[1].split()[0]) < 20
+
+
+def test_two_ranks_on_one_gpu_with_nccl_are_told_before_init():
+    from tests.procs import describe
+    results = two_ranks_with(["T4", "T4"], "nccl")
+    for r in results:
+        assert r.returncode == 3 and "CHECK backend" not in r.output, describe(results)
+        assert "ranks 0, 1 (host" in r.output and "all use the same GPU, Tesla T4" in r.output, describe(results)
+        assert "duplicate GPU" in r.output and "backend='auto' or 'gloo'" in r.output, describe(results)
+
+
+def test_two_ranks_on_one_gpu_with_auto_rehearse_on_gloo_and_say_why():
+    """Both notebooks on one single-GPU VM: gloo can share the GPU, nccl cannot."""
+    from tests.procs import describe
+    results = two_ranks_with(["T4", "T4"], "auto")
+    for r in results:
+        assert r.returncode == 0 and 'CHECK backend="gloo"' in r.output, describe(results)
+        assert "a rehearsal on one machine: NCCL cannot share a GPU between ranks" in r.output, describe(results)
+
+
+def test_gloo_asked_for_with_a_cpu_node_trains_and_says_the_cpu_ranks_set_the_pace():
+    from tests.procs import describe
+    results = two_ranks_with(["T4", None], "gloo")   # gloo asked for: allowed, with a word on the pace
+    assert all(r.returncode == 0 and 'CHECK backend="gloo"' in r.output for r in results), describe(results)
+    assert "will train on the CPU" in results[0].output
+
+
+def test_the_agreement_is_one_decision_from_every_ranks_facts():
+    from ddp_utils.devices import agree_on_backend
+
+    def facts(rank, gpu, machine="m0"):
+        return {"rank": rank, "host": f"node{rank}", "machine": machine, "gpu": gpu, "gpu_name": "Tesla T4",
+                "auto": "nccl" if gpu else "gloo"}
+    assert agree_on_backend([facts(0, "GPU-a"), facts(1, "GPU-b")], "auto") == ("nccl", "")
+    assert agree_on_backend([facts(0, None), facts(1, None)], "auto") == ("gloo", "")
+    assert agree_on_backend([facts(1, "GPU-a"), facts(0, "GPU-a")], "auto")[0] == "gloo"
+
+
+@gpu_only
+def test_both_notebooks_on_one_gpu_train_on_gloo(tmp_path):
+    """The real rehearsal: two ranks on this machine's one GPU (auto) -> gloo, and the run finishes."""
+    if torch.cuda.device_count() != 1:
+        pytest.skip("needs a machine with exactly one GPU")
+    from tests.procs import base_env, describe, python, run_all
+    port = free_port()
+    common = ["--dataset", "fake", "--image-size", "32", "--workers", "0", "--wandb", "disabled", "--epochs", "1",
+              "--max-steps-per-epoch", "5", "--batch-size", "16", "--progress", "off", "--world-size", "2",
+              "--master-port", str(port)]
+    results = run_all([python("-m", "ddp_utils", "train", *common, "--rank", str(r), "--run-dir", str(tmp_path / f"r{r}"))
+                       for r in range(2)], timeout=300, env=base_env())
+    assert all(r.returncode == 0 for r in results), describe(results)
+    assert "every rank uses gloo" in results[0].output and "(gloo, cuda:0)" in results[0].output

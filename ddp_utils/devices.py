@@ -1,0 +1,97 @@
+"""Every rank's device, compared before the process group is built, so that the ranks agree on a backend.
+
+Each rank decides alone what ``backend="auto"`` means (nccl with a GPU, else gloo), and alone which
+GPU it takes (``cuda:local_rank``). Two ways that goes wrong on the students' nodes, both seen only
+after ``init_process_group`` has waited out its timeout and blamed the network:
+
+- one node's container was started without ``--gpus``: auto gives nccl on one rank and gloo on the
+  other, and the group can never form;
+- both notebooks on one single-GPU machine (a rehearsal): both ranks take cuda:0, and NCCL refuses
+  two ranks on one GPU ("duplicate GPU").
+
+So each rank shares ``device_facts`` through the rendezvous store, and every rank runs
+``agree_on_backend`` on the same list: the same answer, or the same paragraph naming the node, on
+every rank, before any backend starts.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .preflight import DistSetupError
+from .threads import machine_id
+
+
+def device_facts(settings, device: torch.device) -> dict:
+    """What the other ranks must know of this rank's device: its machine, its GPU (an id unique across
+    machines; None without a GPU) and what this rank alone would choose for backend=auto."""
+    gpu = name = None
+    if device.type == "cuda":
+        gpu, name = gpu_id(device), torch.cuda.get_device_name(device)
+    alone = "nccl" if gpu and dist.is_nccl_available() else "gloo"
+    return {"rank": settings.rank, "host": socket.gethostname(), "machine": machine_id(), "gpu": gpu,
+            "gpu_name": name, "auto": alone}
+
+
+def gpu_id(device: torch.device) -> str:
+    """The GPU's UUID where torch gives it; else machine + PCI bus (the same GPU under any CUDA_VISIBLE_DEVICES)."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    if uuid:
+        return str(uuid)
+    bus = getattr(props, "pci_bus_id", None)
+    where = f"pci {bus}" if bus is not None else f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}/{device}"
+    return f"{machine_id()}/{where}"
+
+
+def agree_on_backend(facts: list[dict], requested: str) -> tuple[str, str]:
+    """``(backend, note)`` for every rank, from every rank's ``device_facts``; ``note`` (may be "") says
+    what was decided and why. Raises DistSetupError (the same on every rank) when no backend can work."""
+    ranks = sorted(facts, key=lambda f: f["rank"])
+    without = [f for f in ranks if f["gpu"] is None]
+    with_gpu = [f for f in ranks if f["gpu"] is not None]
+    if requested in ("auto", "nccl") and without and with_gpu:
+        raise DistSetupError(
+            f"{_who(without)} {'has' if len(without) == 1 else 'have'} no usable GPU (PyTorch sees none there), "
+            f"while {_who(with_gpu)} {'has' if len(with_gpu) == 1 else 'have'} one ({with_gpu[0]['gpu_name']}). "
+            f"With backend={requested} the GPU ranks need nccl, which the others cannot join. Most likely that "
+            f"node's container was started without --gpus all (run nvidia-smi inside it to see). Restart it with "
+            f"--gpus all and run setup again on every node; or set backend='gloo' on every rank to train on "
+            f"that node's CPU (much slower).")
+    shared = _sharing(with_gpu)
+    if shared and requested == "nccl":
+        raise DistSetupError(
+            f"{shared}: NCCL needs a GPU of its own for each rank and refuses a shared one (\"duplicate GPU\"). "
+            f"On a node with several GPUs give each rank its own local_rank (0, 1, ...; `python -m ddp_utils "
+            f"launch` does that); to rehearse both notebooks on one single-GPU machine use backend='auto' or "
+            f"'gloo', which can share a GPU.")
+    if requested == "auto":
+        if shared:
+            return "gloo", (f"{shared}, a rehearsal on one machine: NCCL cannot share a GPU between ranks, so "
+                            f"every rank uses gloo (a slower all-reduce; nodes with a GPU each use nccl)")
+        return ("nccl" if all(f["auto"] == "nccl" for f in ranks) else "gloo"), ""
+    if without and with_gpu:   # gloo asked for: it works, but the CPU ranks set the pace
+        return requested, (f"{_who(without)} will train on the CPU and {_who(with_gpu)} on a GPU: every step "
+                           f"waits for the CPU ranks")
+    return requested, ""
+
+
+def _who(facts: list[dict]) -> str:
+    """"rank 1 (host node-b)" or "ranks 1, 2 (hosts b, c)"."""
+    ranks = ", ".join(str(f["rank"]) for f in facts)
+    hosts = ", ".join(dict.fromkeys(f["host"] for f in facts))
+    return f"rank {ranks} (host {hosts})" if len(facts) == 1 else f"ranks {ranks} (hosts {hosts})"
+
+
+def _sharing(with_gpu: list[dict]) -> str:
+    """"ranks 0, 1 (host h) both use the GPU Tesla T4 (GPU-..)" for the first GPU used by several ranks, or ""."""
+    by_gpu: dict[str, list[dict]] = {}
+    for f in with_gpu:
+        by_gpu.setdefault(f["gpu"], []).append(f)
+    for gpu, users in by_gpu.items():
+        if len(users) > 1:
+            return f"{_who(users)} all use the same GPU, {users[0]['gpu_name']} ({gpu})"
+    return ""
