@@ -195,9 +195,9 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
         _group_sockets = {c for c in _tcp_connections() - before if settings.master_port not in (c[1][1], c[2][1])}
         # From now on a collective waits at most collective_timeout: a silent rank is named within a
         # minute. Longer waits (the others reading their data, rank 0 starting W&B or writing a
-        # checkpoint) are explicit store waits (wait_for_all), bounded by init_timeout.
-        set_timeout = getattr(dist.distributed_c10d, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
-        set_timeout(timedelta(seconds=settings.collective_timeout))
+        # checkpoint) are explicit store waits (wait_for_all), bounded by init_timeout. With --compile
+        # the first step compiles for minutes on a cold cache: the short timeout starts after it (train.py).
+        set_collective_timeout(settings.init_timeout if settings.compile else settings.collective_timeout)
         # The store now only carries short messages (failures, explicit waits): a lost link must not
         # block a rank's look at it for minutes.
         _store.set_timeout(timedelta(seconds=10))
@@ -219,6 +219,12 @@ def _set_nccl_env(log) -> None:
     for var, value in NCCL_ENV.items():
         if os.environ.setdefault(var, value) != value:
             log(f"keeping {var}={os.environ[var]} from the environment (the kit would set {value})")
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """How long a collective of the process group may wait from now on."""
+    set_timeout = getattr(dist.distributed_c10d, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(timedelta(seconds=seconds))
 
 
 def _init_failure(settings, backend, report: dict, error: BaseException) -> str:

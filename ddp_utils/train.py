@@ -96,6 +96,8 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
             if not stepper():                 # fp16: the scaler skipped the step, its gradients overflowed
                 _after_a_skipped_step(stepper, comm, step, lr)
             scheduler.step()
+            if settings.compile and step == start_step and ctx.distributed:   # compiled now: the short wait from here on
+                distributed.set_collective_timeout(settings.collective_timeout)
             if comm is not None:
                 comm.step_done()
             window.update(loss.detach() * labels.shape[0], logits, labels)

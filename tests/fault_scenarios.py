@@ -6,6 +6,8 @@ The rank prepares and trains on fake data (2 ranks, gloo, loopback). What the sc
 - ``rerun``: as ``interrupt``, then both processes run prepare + fit again with a resume (Run All).
 - ``slow_start``: rank 0 takes 8 s to start W&B (longer than the collective timeout of 4 s).
 - ``plain``: nothing (collective timeout 8 s, the others 4 s).
+- ``slow_compile``: --compile, whose first step takes rank 1 8 s (emulated: torch.compile returns a wrapper that
+  sleeps on its first call), longer than the collective timeout of 3 s; 1 epoch of 5 steps.
 - ``patient`` / ``default``: nothing, with a collective timeout of 600 s / the default 60 s: only the kit's own
   watch (heartbeat.py) can stop a rank whose peer went silent within seconds.
 Prints ``CHECK name=value`` lines the tests read.
@@ -25,7 +27,7 @@ from ddp_utils.train import fit
 
 
 def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") -> None:
-    timeout = {"plain": 8, "patient": 600, "default": Settings.collective_timeout}.get(name, 4)
+    timeout = {"plain": 8, "patient": 600, "default": Settings.collective_timeout, "slow_compile": 3}.get(name, 4)
     settings = Settings(dataset="fake", image_size=32, workers=0, wandb="disabled", backend="gloo", world_size=2,
                         rank=rank, master_addr=addr, master_port=port, init_timeout=60,
                         collective_timeout=timeout, epochs=30,
@@ -33,6 +35,9 @@ def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") 
     if name == "slow_start" and rank == 0:
         real = RunLogger._start_wandb
         RunLogger._start_wandb = lambda self, *a: (time.sleep(8), real(self, *a))[1]
+    if name == "slow_compile":
+        settings = settings.replace(compile=True, epochs=1, max_steps_per_epoch=5)
+        slow_compile(rank)
     if name == "rerun":
         return rerun(settings)
     try:
@@ -60,6 +65,22 @@ def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") 
         print(f"CHECK stopped_at={time.time()}", flush=True)
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
         sys.exit(2)
+
+
+def slow_compile(rank: int) -> None:
+    import torch
+
+    class Compiled(torch.nn.Module):   # what torch.compile returns: the model as ._orig_mod
+        def __init__(self, model):
+            super().__init__()
+            self._orig_mod, self.calls = model, 0
+
+        def forward(self, *args, **kwargs):
+            if self.calls == 0 and rank == 1:
+                time.sleep(8)   # compiling, on a cold cache
+            self.calls += 1
+            return self._orig_mod(*args, **kwargs)
+    torch.compile = lambda model, **kwargs: Compiled(model)
 
 
 def rerun(settings) -> None:

@@ -64,6 +64,14 @@ def test_rank_0s_slow_start_does_not_trip_the_other_ranks_collective_timeout(tmp
         assert checks(r).get("finished") == "true", describe(results)
 
 
+def test_a_first_compiled_step_longer_than_the_collective_timeout_does_not_stop_the_run(tmp_path):
+    """--compile: the first step compiles for minutes on a cold cache; the short collective timeout starts after it."""
+    port = free_port()
+    results = run_all([scenario("slow_compile", r, port, tmp_path) for r in range(2)], timeout=120, env=base_env())
+    for r in results:
+        assert checks(r).get("finished") == "true", describe(results)
+
+
 @pytest.fixture
 def two_hosts():
     with netns.two_hosts_or_skip("10.213.5") as hosts:
