@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_utils.model import build_model  # noqa: E402
-from ddp_utils.optim import autocast, make_scaler  # noqa: E402
+from ddp_utils.optim import amp_dtype, autocast, make_scaler  # noqa: E402
+from ddp_utils.settings import Settings  # noqa: E402
 
 # Dense (no sparsity) bf16 / fp16 tensor-core peaks, TFLOP/s, from NVIDIA's datasheets.
 PEAK_TFLOPS = {"H200": 989, "H100 SXM": 989, "H100 80GB HBM3": 989, "H100 PCIe": 756, "H100 NVL": 835,
@@ -36,7 +37,7 @@ def peak_for(name: str) -> float | None:
 
 
 def measure(arch: str, batch: int, size: int, steps: int, device: torch.device) -> dict:
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    dtype = amp_dtype(Settings(amp="auto"), device)   # the kit's choice: bf16 from capability 8.0, else fp16
     model = build_model(arch, 1000).to(device).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scaler = make_scaler(dtype, device)

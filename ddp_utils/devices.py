@@ -10,8 +10,8 @@ after ``init_process_group`` has waited out its timeout and blamed the network:
   two ranks on one GPU ("duplicate GPU").
 
 So each rank shares ``device_facts`` through the rendezvous store, and every rank runs
-``agree_on_backend`` on the same list: the same answer, or the same paragraph naming the node, on
-every rank, before any backend starts.
+``agree_on_backend`` (and ``agree_on_precision``: amp=auto is bf16 on an A100, fp16 on a T4) on the same
+list: the same answer, or the same paragraph naming the node, on every rank, before any backend starts.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from .optim import precision_name
 from .preflight import DistSetupError
 from .threads import machine_id
 
@@ -32,8 +33,12 @@ def device_facts(settings, device: torch.device) -> dict:
     if device.type == "cuda":
         gpu, name = gpu_id(device), torch.cuda.get_device_name(device)
     alone = "nccl" if gpu and dist.is_nccl_available() else "gloo"
+    try:
+        precision = precision_name(settings, device)
+    except ValueError as e:   # amp=bf16 on a GPU without it: every rank says so (agree_on_precision)
+        precision = f"error: {e}"
     return {"rank": settings.rank, "host": socket.gethostname(), "machine": machine_id(), "gpu": gpu,
-            "gpu_name": name, "auto": alone}
+            "gpu_name": name, "auto": alone, "precision": precision}
 
 
 def gpu_id(device: torch.device) -> str:
@@ -77,6 +82,25 @@ def agree_on_backend(facts: list[dict], requested: str) -> tuple[str, str]:
         return requested, (f"{_who(without)} will train on the CPU and {_who(with_gpu)} on a GPU: every step "
                            f"waits for the CPU ranks")
     return requested, ""
+
+
+def agree_on_precision(facts: list[dict], amp: str) -> str:
+    """The precision every rank computes in ("bf16", "fp16" or "fp32"), or DistSetupError (the same on every
+    rank). With amp=auto, nodes of different GPUs (an A100 and a T4) would pick bf16 on one and fp16 with a
+    scaler on the other: the scaler's skipped steps would then apply on some ranks only."""
+    ranks = sorted(facts, key=lambda f: f["rank"])
+    for f in ranks:
+        if f.get("precision", "").startswith("error: "):
+            raise DistSetupError(f"{_who([f])}: {f['precision'][len('error: '):]}")
+    kinds = {f.get("precision") for f in ranks}
+    if len(kinds) > 1:
+        said = "; ".join(f"{f['precision']} on {_who([f])}, {f['gpu_name'] or 'no GPU'}" for f in ranks)
+        fix = ("set amp=off on every rank (a rank without a GPU computes in fp32)" if any(not f.get("gpu") for f in ranks)
+               else "set amp=fp16 on every rank (it runs on every GPU, with the gradient scaler), or use nodes of "
+                    "one GPU type")
+        raise DistSetupError(f"amp={amp} gives different precisions on the ranks ({said}). Every rank must compute "
+                             f"alike: {fix}.")
+    return kinds.pop() if kinds else "fp32"
 
 
 def _who(facts: list[dict]) -> str:

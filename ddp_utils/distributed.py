@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from . import rendezvous
 from . import settings as settings_module
-from .devices import agree_on_backend, device_facts
+from .devices import agree_on_backend, agree_on_precision, device_facts
 from .preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
 
 __all__ = ["DistContext", "DistSetupError", "PeerLost", "SettingsMismatch", "agree", "all_reduce_sum", "barrier",
@@ -75,7 +76,7 @@ def peer_lost_text(ctx, kept: str, exc: BaseException | None = None, silent: str
     if what is None:
         what = peer_failure(ctx)
     if what is None:
-        first_line = (str(exc).strip().splitlines() or ["?"])[0][:200]
+        first_line = re.sub(r"^\[[^\]]*\.(cc|cpp|hpp):\d+\]\s*", "", (str(exc).strip().splitlines() or ["?"])[0])[:200]
         what = f"another rank stopped answering ({first_line}{'; ' + silent if silent else ''})"
     if what.startswith("another rank stopped answering"):
         what += ". Its node may have crashed, been stopped or lost the network"
@@ -173,6 +174,8 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
     try:
         # Every rank's device, compared before any backend starts: the same backend, or the same error, everywhere
         backend, note = agree_on_backend(everyone, settings.backend) if everyone else (report["backend"], "")
+        if everyone:
+            agree_on_precision(everyone, settings.amp)
     except DistSetupError as e:
         if "store" in call and settings.rank == 0:
             rendezvous.close_generation(call["store"])

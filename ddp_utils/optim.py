@@ -35,14 +35,33 @@ def build_scheduler(optimizer, settings, steps_per_epoch: int) -> torch.optim.lr
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, warmup))
 
 
+BF16_FROM = (8, 0)   # compute capability with native bf16 (A100, A10, L4, H100); the T4 is 7.5
+
+
 def amp_dtype(settings, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for full fp32. auto: bf16 where the GPU has it, else fp16; off on CPU."""
+    """The autocast dtype, or None for full fp32. auto: bf16 on GPUs of compute capability 8.0 and later,
+    fp16 (with the gradient scaler) before; off on a CPU.
+
+    Decided from the capability, not ``torch.cuda.is_bf16_supported()``: that answers True on a T4 too
+    (bf16 is emulated there), and cuDNN has no fast bf16 convolutions before 8.0."""
     mode = settings.amp
+    native_bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= BF16_FROM
     if mode == "auto":
         if device.type != "cuda":
             return None
-        mode = "bf16" if torch.cuda.is_bf16_supported() else "fp16"  # the T4 has no bf16
+        mode = "bf16" if native_bf16 else "fp16"
+    if mode == "bf16" and device.type == "cuda" and not native_bf16:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"amp=bf16 on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}): "
+                         f"this GPU has no native bf16 (it needs {BF16_FROM[0]}.{BF16_FROM[1]}, an A100, A10 or newer), "
+                         f"so PyTorch would emulate it, far slower. Use amp=fp16 (with the gradient scaler) or "
+                         f"amp=auto, which picks fp16 here.")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[mode]
+
+
+def precision_name(settings, device: torch.device) -> str:
+    """"bf16", "fp16" or "fp32": what ``amp_dtype`` gives on this device (every rank must compute alike)."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[amp_dtype(settings, device)]
 
 
 def make_scaler(dtype, device: torch.device):

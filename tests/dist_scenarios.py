@@ -111,7 +111,7 @@ def devices(s: Settings) -> None:
             raise SystemExit(0)   # the agreement is what is tested; a real nccl group needs a real GPU
         return real_init(chosen, **kw)
     dist.init_process_group = init
-    distributed.setup(s.replace(backend=backend))
+    distributed.setup(s.replace(backend=backend, amp=os.environ.get("AMP", "auto")))
     distributed.teardown()
 
 

@@ -47,7 +47,7 @@ def test_nccl_process_group_with_one_rank_all_reduces_and_trains_a_ddp_step():
 @gpu_only
 @pytest.mark.parametrize("amp, dtype", [("bf16", "torch.bfloat16"), ("fp16", "torch.float16")])
 def test_mixed_precision_trains_with_finite_numbers(tmp_path, amp, dtype):
-    if amp == "bf16" and not torch.cuda.is_bf16_supported():
+    if amp == "bf16" and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("this GPU has no bf16 (a T4): fp16 + scaler is its AMP")
     output, results = train(tmp_path, "--amp", amp)
     assert f"precision {dtype}" in output

@@ -66,11 +66,11 @@ def test_the_link_probe_runs_with_sync_bn_on_a_gpu():
 
 
 # -- the ranks agree on a backend before init (devices.py) ------------------------------------------
-def two_ranks_with(devices: list, backend: str) -> list:
+def two_ranks_with(devices: list, backend: str, amp: str = "auto") -> list:
     from tests.procs import base_env, python, run_all
     import json
     port = free_port()
-    env = base_env(DEVICES=json.dumps(devices), BACKEND=backend)
+    env = base_env(DEVICES=json.dumps(devices), BACKEND=backend, AMP=amp)
     return run_all([python("-m", "tests.dist_scenarios", "devices", str(r), "2", str(port), "127.0.0.1", "30")
                     for r in range(2)], timeout=90, env=env)
 
@@ -107,9 +107,13 @@ def test_two_ranks_on_one_gpu_with_auto_rehearse_on_gloo_and_say_why():
 
 def test_gloo_asked_for_with_a_cpu_node_trains_and_says_the_cpu_ranks_set_the_pace():
     from tests.procs import describe
-    results = two_ranks_with(["T4", None], "gloo")   # gloo asked for: allowed, with a word on the pace
+    results = two_ranks_with(["T4", None], "gloo", amp="off")   # gloo asked for: allowed, with a word on the pace
     assert all(r.returncode == 0 and 'CHECK backend="gloo"' in r.output for r in results), describe(results)
     assert "will train on the CPU" in results[0].output
+    results = two_ranks_with(["T4", None], "gloo")   # amp=auto: fp16 on the GPU, fp32 on the CPU
+    for r in results:
+        assert r.returncode == 3 and "gives different precisions" in r.output, describe(results)
+        assert "set amp=off on every rank" in r.output, describe(results)
 
 
 def test_the_agreement_is_one_decision_from_every_ranks_facts():
@@ -137,3 +141,60 @@ def test_both_notebooks_on_one_gpu_train_on_gloo(tmp_path):
                        for r in range(2)], timeout=300, env=base_env())
     assert all(r.returncode == 0 for r in results), describe(results)
     assert "every rank uses gloo" in results[0].output and "(gloo, cuda:0)" in results[0].output
+
+
+# -- amp=auto: from the compute capability ---------------------------------------------------------
+def test_amp_auto_gives_fp16_with_the_scaler_on_a_t4(monkeypatch):
+    """torch.cuda.is_bf16_supported() says True on a T4 (emulated bf16): the kit must not believe it."""
+    from ddp_utils.optim import amp_dtype, make_scaler, precision_name
+    from tests.gpu_emulation import T4, pretend_gpu
+    pretend_gpu(monkeypatch.setattr, T4)
+    assert torch.cuda.is_bf16_supported()   # the trap, as PyTorch answers on a T4
+    device = torch.device("cuda", 0)
+    assert amp_dtype(Settings(amp="auto"), device) is torch.float16
+    assert precision_name(Settings(amp="auto"), device) == "fp16"
+    assert make_scaler(torch.float16, torch.device("cpu")).is_enabled()   # fp16 always comes with the scaler
+
+
+def test_amp_auto_gives_bf16_from_compute_capability_8(monkeypatch):
+    from ddp_utils.optim import amp_dtype
+    from tests.gpu_emulation import A100, pretend_gpu
+    pretend_gpu(monkeypatch.setattr, A100)
+    assert amp_dtype(Settings(amp="auto"), torch.device("cuda", 0)) is torch.bfloat16
+
+
+def test_amp_auto_is_off_on_a_cpu_and_explicit_modes_are_kept():
+    from ddp_utils.optim import amp_dtype
+    cpu = torch.device("cpu")
+    assert amp_dtype(Settings(amp="auto"), cpu) is None
+    assert amp_dtype(Settings(amp="fp16"), cpu) is torch.float16 and amp_dtype(Settings(amp="off"), cpu) is None
+
+
+def test_amp_bf16_asked_for_on_a_t4_is_refused_with_what_to_do(monkeypatch):
+    from ddp_utils.optim import amp_dtype
+    from tests.gpu_emulation import T4, pretend_gpu
+    pretend_gpu(monkeypatch.setattr, T4)
+    with pytest.raises(ValueError, match=r"amp=bf16 on Tesla T4 \(compute capability 7\.5\).*amp=fp16"):
+        amp_dtype(Settings(amp="bf16"), torch.device("cuda", 0))
+
+
+@gpu_only
+def test_amp_auto_on_this_gpu_follows_its_capability():
+    from ddp_utils.optim import amp_dtype
+    want = torch.bfloat16 if torch.cuda.get_device_capability() >= (8, 0) else torch.float16
+    assert amp_dtype(Settings(amp="auto"), torch.device("cuda", 0)) is want
+
+
+def test_ranks_whose_gpus_would_pick_different_precisions_are_stopped_before_init():
+    """amp=auto on an A100 node and a T4 node: bf16 on one, fp16 + scaler on the other."""
+    from ddp_utils.devices import agree_on_precision
+    from ddp_utils.preflight import DistSetupError
+    a100 = {"rank": 0, "host": "a", "gpu": "GPU-1", "gpu_name": "NVIDIA A100-SXM4-40GB", "precision": "bf16"}
+    t4 = {"rank": 1, "host": "b", "gpu": "GPU-2", "gpu_name": "Tesla T4", "precision": "fp16"}
+    with pytest.raises(DistSetupError, match=r"amp=auto gives different precisions on the ranks \(bf16 on rank 0 "
+                                             r"\(host a\), NVIDIA A100.*fp16 on rank 1 \(host b\), Tesla T4\).*amp=fp16"):
+        agree_on_precision([a100, t4], "auto")
+    assert agree_on_precision([t4, {**t4, "rank": 0}], "auto") == "fp16"
+    with pytest.raises(DistSetupError, match="rank 1 .*amp=bf16 on Tesla T4"):
+        agree_on_precision([{**a100}, {**t4, "precision": "error: amp=bf16 on Tesla T4 (compute capability 7.5)"}],
+                           "bf16")
