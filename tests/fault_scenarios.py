@@ -108,5 +108,45 @@ def rerun(settings) -> None:
     print(f"CHECK resumed_epochs_run={results['epochs_run']}", flush=True)
 
 
+# -- the launcher's side: the tests and benchmarks/fault_times.py start and stop the ranks with these --------
+def start_ranks(name, port, folder, prefixes=((), ()), addr="127.0.0.1"):
+    """Both ranks of a fault scenario as processes of their own (killed by ``stop_all``)."""
+    import subprocess
+
+    from tests.procs import base_env, python
+    return [subprocess.Popen([*prefixes[r], *python("-m", "tests.fault_scenarios", name, str(r), str(port), str(folder),
+                                                    addr)],
+                             env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+            for r in range(2)]
+
+
+def stop_all(procs) -> None:
+    import os
+    import signal
+    for p in procs:
+        if p.poll() is None:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)   # also a stopped (SIGSTOP) process
+            p.wait(timeout=10)
+
+
+def wait_for_epoch_1(folder, procs, bound: float = 120.0) -> None:
+    import time as _time
+    deadline = _time.monotonic() + bound
+    while not (folder / "run0" / "last.pt").exists():
+        assert _time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            [p.communicate()[0][-2000:] for p in procs if p.poll() is not None]
+        _time.sleep(0.1)
+
+
+def output_of(proc, bound: float) -> str:
+    import subprocess
+    try:
+        return proc.communicate(timeout=bound)[0]
+    except subprocess.TimeoutExpired:
+        return ""
+
+
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6])

@@ -12,6 +12,7 @@ import pytest
 
 from ddp_utils import checkpoint
 from tests import netns
+from tests.fault_scenarios import output_of, start_ranks, stop_all, wait_for_epoch_1
 from tests.procs import base_env, describe, free_port, python, run_all
 
 
@@ -76,43 +77,6 @@ def test_a_first_compiled_step_longer_than_the_collective_timeout_does_not_stop_
 def two_hosts():
     with netns.two_hosts_or_skip("10.213.5") as hosts:
         yield hosts
-
-
-def start_ranks(name, port, folder, prefixes=((), ()), addr="127.0.0.1"):
-    """Both ranks of a fault scenario as processes of their own (killed by ``stop_all``)."""
-    import subprocess
-    return [subprocess.Popen([*prefixes[r], *python("-m", "tests.fault_scenarios", name, str(r), str(port), str(folder),
-                                                    addr)],
-                             env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
-            for r in range(2)]
-
-
-def stop_all(procs) -> None:
-    import os
-    import signal
-    for p in procs:
-        if p.poll() is None:
-            with __import__("contextlib").suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)   # also a stopped (SIGSTOP) process
-            p.wait(timeout=10)
-
-
-def wait_for_epoch_1(folder, procs, bound: float = 120.0) -> None:
-    import time as _time
-    deadline = _time.monotonic() + bound
-    while not (folder / "run0" / "last.pt").exists():
-        assert _time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-            [p.communicate()[0][-2000:] for p in procs if p.poll() is not None]
-        _time.sleep(0.1)
-
-
-def output_of(proc, bound: float) -> str:
-    import subprocess
-    try:
-        return proc.communicate(timeout=bound)[0]
-    except subprocess.TimeoutExpired:
-        return ""
 
 
 # The watch (heartbeat.py) must catch these, not the collective timeout: with --collective-timeout 600 nothing
