@@ -225,6 +225,9 @@ def restore(state, model, optimizer, scheduler, scaler, ctx) -> None:
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
+        # A checkpoint from a run without fp16 (bf16 on A100s, a CPU) holds a disabled scaler's empty state,
+        # which an fp16 scaler refuses to load: it starts afresh (its scale settles in a few steps).
+        if state["scaler"] or not scaler.is_enabled():
+            scaler.load_state_dict(state["scaler"])
     rngs = state["rng"]
     set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0])

@@ -198,3 +198,35 @@ def test_ranks_whose_gpus_would_pick_different_precisions_are_stopped_before_ini
     with pytest.raises(DistSetupError, match="rank 1 .*amp=bf16 on Tesla T4"):
         agree_on_precision([{**a100}, {**t4, "precision": "error: amp=bf16 on Tesla T4 (compute capability 7.5)"}],
                            "bf16")
+
+
+# -- resuming across precisions ---------------------------------------------------------------------
+def test_a_checkpoint_without_fp16_resumes_with_fp16(tmp_path):
+    """A bf16 (or CPU) run's checkpoint holds a disabled scaler's empty state; resuming it with fp16 (A100 nodes
+    -> T4 nodes) crashed in GradScaler.load_state_dict. Here the real path on a CPU: amp off, then fp16."""
+    import json
+    from tests.procs import base_env, describe, python, run_all
+    run = tmp_path / "run"
+    common = ["--dataset", "fake", "--image-size", "32", "--workers", "0", "--wandb", "disabled", "--progress", "off",
+              "--max-steps-per-epoch", "5", "--batch-size", "16", "--run-dir", str(run)]
+    first = run_all([python("-m", "ddp_utils", "train", *common, "--epochs", "1", "--amp", "off")], timeout=120,
+                    env=base_env())
+    assert first[0].returncode == 0, describe(first)
+    resumed = run_all([python("-m", "ddp_utils", "train", *common, "--epochs", "2", "--amp", "fp16",
+                              "--resume", str(run / "last.pt"))], timeout=120, env=base_env())
+    assert resumed[0].returncode == 0, describe(resumed)
+    assert "precision torch.float16" in resumed[0].output
+    results = json.loads((run / "results.json").read_text())
+    assert results["epochs_run"] == 1 and [h["epoch"] for h in results["history"]] == [1, 2]
+
+
+@gpu_only
+def test_a_bf16_checkpoint_resumes_with_fp16_on_a_gpu(tmp_path):
+    from tests.procs import base_env, describe, python, run_all
+    first_amp = "bf16" if torch.cuda.get_device_capability() >= (8, 0) else "off"
+    run = tmp_path / "run"
+    common = ["--dataset", "fake", "--image-size", "64", "--arch", "resnet18", "--workers", "2", "--wandb", "disabled",
+              "--progress", "off", "--max-steps-per-epoch", "5", "--batch-size", "32", "--run-dir", str(run)]
+    for extra in (["--epochs", "1", "--amp", first_amp], ["--epochs", "2", "--amp", "fp16", "--resume", str(run / "last.pt")]):
+        result = run_all([python("-m", "ddp_utils", "train", *common, *extra)], timeout=300, env=base_env())
+        assert result[0].returncode == 0, describe(result)
