@@ -88,7 +88,9 @@ class CommTimer:
             if not block and not all(done.query() for _, done in buckets):
                 return
             origin = buckets[0][0]
-            origin.synchronize()
+            for ready, done in buckets:   # elapsed_time needs both events complete, on whichever stream
+                ready.synchronize()
+                done.synchronize()
             self._add([(origin.elapsed_time(r) / 1e3, origin.elapsed_time(d) / 1e3) for r, d in buckets])
             self._pending.pop(0)
 

@@ -230,3 +230,44 @@ def test_a_bf16_checkpoint_resumes_with_fp16_on_a_gpu(tmp_path):
     for extra in (["--epochs", "1", "--amp", first_amp], ["--epochs", "2", "--amp", "fp16", "--resume", str(run / "last.pt")]):
         result = run_all([python("-m", "ddp_utils", "train", *common, *extra)], timeout=300, env=base_env())
         assert result[0].returncode == 0, describe(result)
+
+
+# -- commtime on a GPU: CUDA events ------------------------------------------------------------------
+class FakeEvent:
+    """A CUDA event as far as CommTimer uses it: elapsed_time raises unless both events completed, as CUDA does."""
+    clock = 0.0
+
+    def __init__(self, enable_timing=True):
+        self.done, self.at = False, None
+
+    def record(self, stream=None):
+        FakeEvent.clock += 1.0
+        self.at = FakeEvent.clock
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+    def elapsed_time(self, other):
+        if not (self.done and other.done):
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        return (other.at - self.at) * 1e3
+
+
+def test_commtime_waits_for_every_buckets_end_before_reading_gpu_times(monkeypatch):
+    """A blocking hook (PowerSGD on one bucket at a time) leaves the last bucket's "done" event pending when the
+    step's first "ready" event has completed: take() must wait for the done events, not only the first one."""
+    from ddp_utils.commtime import CommTimer
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timer = CommTimer(torch.device("cuda", 0))
+    timer.blocking = True
+    first, last = (timer._now(), timer._now()), (timer._now(), timer._now())
+    first[0].synchronize()
+    first[1].synchronize()                      # the first bucket is finished, the last one still runs
+    timer._buckets = [first, last]
+    timer.step_done()                           # not finished: nothing read yet, no synchronisation
+    assert timer._pending
+    waited, in_flight = timer.take()            # the epoch's end: waits, then reads
+    assert (waited, in_flight) == (2.0, 2.0)
