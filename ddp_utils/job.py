@@ -24,6 +24,7 @@ from .datasets import Data
 from .commtime import CommTimer
 from .model import build_model, ddp_of, describe_parallel, parallel_mode, prepare_model
 from .runlog import NullLogger, RunLogger, default_run_dir, make_logger
+from .optim import use_fast_gpu_kernels
 from .threads import set_threads
 from .train import evaluate_only, fit, kept_checkpoint
 
@@ -129,6 +130,7 @@ def prepare(settings, resume: str | None = None, evaluate: bool = False, log=pri
             checkpoint.check_matches(state, settings, resume)   # not an 8 KB key dump from load_state_dict
         torch.manual_seed(settings.seed)      # reproducible initial weights; DDP then copies rank 0's to all
         model = prepare_model(build_model(settings.arch, data.num_classes), settings, ctx)   # DDP: wrap
+        use_fast_gpu_kernels(ctx.device)
         if ctx.is_main:
             log(describe_parallel(settings, ctx))
         probe = linkprobe.probe(model, settings, ctx, data.num_classes, data.image_size, log)   # DDP: the link

@@ -108,6 +108,15 @@ def autocast(dtype, device):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def use_fast_gpu_kernels(device: torch.device) -> None:
+    """On a GPU: let cuDNN time its convolution algorithms once and keep the fastest (every batch has
+    the same shape here: drop_last and fixed crops), and let fp32 matrix products use TF32 on Ampere and
+    later (fp32 runs: a tenth of the mantissa lost, several times the speed; autocast runs are unaffected)."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+
 def to_device(images, labels, settings, device):
     """Move a batch to ``device`` without blocking, in channels_last layout on a GPU when asked."""
     non_blocking = device.type == "cuda"

@@ -271,3 +271,35 @@ def test_commtime_waits_for_every_buckets_end_before_reading_gpu_times(monkeypat
     assert timer._pending
     waited, in_flight = timer.take()            # the epoch's end: waits, then reads
     assert (waited, in_flight) == (2.0, 2.0)
+
+
+# -- the speed a GPU user expects --------------------------------------------------------------------
+def test_a_gpu_run_lets_cudnn_pick_its_fastest_convolutions(monkeypatch):
+    from ddp_utils.optim import use_fast_gpu_kernels
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    use_fast_gpu_kernels(torch.device("cpu"))
+    assert torch.backends.cudnn.benchmark is False   # a CPU run is left alone
+    use_fast_gpu_kernels(torch.device("cuda", 0))
+    assert torch.backends.cudnn.benchmark is True and torch.backends.cuda.matmul.allow_tf32 is True
+
+
+def test_prepare_sets_the_fast_kernels_for_the_runs_device(monkeypatch, tmp_path):
+    from ddp_utils import job as job_module
+    seen = []
+    monkeypatch.setattr(job_module, "use_fast_gpu_kernels", seen.append)
+    settings = Settings(dataset="fake", image_size=32, workers=0, wandb="disabled", progress="off",
+                        run_dir=str(tmp_path / "run"), max_steps_per_epoch=1, batch_size=4, epochs=1)
+    with job_module.prepare(settings, log=lambda *_: None) as job:
+        assert seen == [job.ctx.device]
+    job_module.distributed.teardown()
+
+
+@gpu_only
+def test_cudnn_benchmark_is_on_during_a_gpu_run(tmp_path):
+    from ddp_utils import job as job_module
+    settings = Settings(dataset="fake", image_size=32, workers=0, wandb="disabled", progress="off",
+                        run_dir=str(tmp_path / "run"), max_steps_per_epoch=1, batch_size=4, epochs=1)
+    with job_module.prepare(settings, log=lambda *_: None):
+        assert torch.backends.cudnn.benchmark
+    job_module.distributed.teardown()
