@@ -5,6 +5,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .optim import amp_dtype
+
 
 def _conv_block(c_in: int, c_out: int, norm: str) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
@@ -48,6 +50,31 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
     except ValueError:
         raise ValueError(f"Unknown arch {arch!r}. Use convnet, convnet_gn, resnet18_cifar or a torchvision "
                          f"classifier such as resnet18, resnet50 (torchvision.models.list_models()).") from None
+
+
+class AutocastInReplicas(nn.Module):
+    """DataParallel's wrapped model: enters autocast with the run's dtype inside every replica's forward.
+
+    DataParallel runs each GPU's replica in a thread of its own, and re-enters autocast there without the
+    dtype (PyTorch issue 125186): a new thread's default is fp16, so a bf16 run computed in fp16 with no
+    scaler while its results said bf16. ``unwrap`` sees through this wrapper: checkpoints keep plain keys."""
+
+    def __init__(self, module: nn.Module, dtype, device_type: str = "cuda"):
+        super().__init__()
+        self.module, self.dtype, self.device_type = module, dtype, device_type
+
+    def forward(self, *args, **kwargs):
+        if self.dtype is None or not _autocast_on(self.device_type):
+            return self.module(*args, **kwargs)
+        with torch.autocast(device_type=self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:   # torch < 2.4 asks without a device: CUDA's
+        return torch.is_autocast_enabled()
 
 
 def parallel_mode(settings, ctx) -> str:
@@ -98,7 +125,8 @@ def prepare_model(model: nn.Module, settings, ctx) -> nn.Module:
                     gradient_as_bucket_view=True, bucket_cap_mb=settings.bucket_mb,
                     static_graph=settings.static_graph)
     elif parallel_mode(settings, ctx) == "dp":
-        model = nn.DataParallel(model)   # every visible GPU; outputs gathered on cuda:0
+        # every visible GPU; outputs gathered on cuda:0; each replica computes in the run's precision
+        model = nn.DataParallel(AutocastInReplicas(model, amp_dtype(settings, ctx.device)))
     if settings.compile:
         model = torch.compile(model)
     return model
@@ -114,7 +142,7 @@ def ddp_of(model: nn.Module) -> DDP | None:
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain model inside DDP / DataParallel (``.module``) and torch.compile (``._orig_mod``)."""
     while True:
-        if isinstance(model, (DDP, nn.DataParallel)):
+        if isinstance(model, (DDP, nn.DataParallel, AutocastInReplicas)):
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
             model = model._orig_mod

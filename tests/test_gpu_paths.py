@@ -303,3 +303,39 @@ def test_cudnn_benchmark_is_on_during_a_gpu_run(tmp_path):
     with job_module.prepare(settings, log=lambda *_: None):
         assert torch.backends.cudnn.benchmark
     job_module.distributed.teardown()
+
+
+# -- DataParallel with bf16 ------------------------------------------------------------------------------
+def test_each_dataparallel_replica_computes_in_the_runs_dtype():
+    """A replica thread re-enters autocast without the dtype (PyTorch 125186: fp16 by default on CUDA); the kit's
+    wrapper enters it with the run's dtype. Emulated on a CPU: a thread in fp16 autocast, the run in bf16."""
+    import threading
+    from ddp_utils.model import AutocastInReplicas, unwrap
+    inner = torch.nn.Linear(4, 2)
+    wrapped = AutocastInReplicas(inner, torch.bfloat16, device_type="cpu")
+    out = {}
+
+    def replica(name, module):
+        with torch.autocast("cpu", dtype=torch.float16):   # what parallel_apply's thread does
+            out[name] = module(torch.randn(3, 4)).dtype
+    for name, module in (("plain", inner), ("kit", wrapped)):
+        thread = threading.Thread(target=replica, args=(name, module))
+        thread.start()
+        thread.join()
+    assert out == {"plain": torch.float16, "kit": torch.bfloat16}
+    assert unwrap(torch.nn.DataParallel(wrapped)) is inner   # checkpoints keep the plain model's keys
+    assert wrapped(torch.randn(3, 4)).dtype == torch.float32   # outside autocast: left alone
+
+
+@gpu_only
+def test_dataparallel_with_bf16_runs_bf16_in_every_replica():
+    if torch.cuda.device_count() < 2 or torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("needs 2 GPUs with bf16")
+    from ddp_utils.model import prepare_model
+    settings = Settings(dataset="fake", arch="convnet", parallel="dp", amp="bf16")
+    model = prepare_model(build_model("convnet", 10), settings, DistContext(0, 1, 0, torch.device("cuda", 0), None))
+    seen = []
+    model.module.module[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(torch.randn(8, 3, 32, 32, device="cuda"))
+    assert seen and set(seen) == {torch.bfloat16}, seen
