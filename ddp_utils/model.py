@@ -87,6 +87,13 @@ def parallel_mode(settings, ctx) -> str:
     return "none"
 
 
+def devices_used(mode: str, ctx) -> list[torch.device]:
+    """The devices this process computes on: every visible GPU under DataParallel, else its own device."""
+    if mode == "dp":
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [ctx.device]
+
+
 def describe_parallel(settings, ctx) -> str:
     mode = parallel_mode(settings, ctx)
     if mode == "dp":

@@ -18,7 +18,7 @@ from .gpu_monitor import GpuMonitor, reduce_summaries
 from .gpu_monitor import describe as describe_gpu
 from .heartbeat import Heartbeat
 from .metrics import Meter
-from .model import unwrap
+from .model import devices_used, unwrap
 from .comm import forget_overflow
 from .optim import ScaledStep, amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, to_device
 from .progress import Progress
@@ -213,7 +213,7 @@ def fit(job) -> dict:
     """
     heartbeat = Heartbeat(job.ctx, log=print)
     try:
-        with heartbeat, GpuMonitor(job.ctx.device) as gpu:
+        with heartbeat, GpuMonitor(devices_used(job.parallel, job.ctx)) as gpu:   # dp: every GPU it drives
             return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,
                         job.comm, job.probe, gpu, {"parallel": job.parallel, "comm": job.comm_choice,
                                                    "comm_reason": job.comm_reason,

@@ -251,3 +251,24 @@ def test_real_nvml_measures_this_ranks_busy_gpu():
 def pci_numbers(bus_id: str) -> list[int]:
     """[domain, bus, device] of "00000000:3B:00.0", whatever the case and the domain's width."""
     return [int(part, 16) for part in bus_id.replace(".", ":").split(":")[:3]]
+
+
+def test_a_dataparallel_process_reports_every_gpu_it_drives(monkeypatch):
+    """--parallel dp: the results say gpus=N, so GPU use is the mean over the N GPUs, memory the fullest GPU's
+    (it read cuda:0 alone before)."""
+    from ddp_utils.model import devices_used
+    from ddp_utils.distributed import DistContext
+    from tests.gpu_emulation import T4, pretend_gpu
+    pretend_gpu(monkeypatch.setattr, T4, count=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # no real memory statistics to read here
+    pci_ids(monkeypatch)
+    devices = devices_used("dp", DistContext(0, 1, 0, CUDA0, None))
+    assert devices == [CUDA0, torch.device("cuda", 1)]
+    nvml = StubNvml(gpus=2)
+    nvml.util = {0: itertools.cycle([90]), 1: itertools.cycle([30])}
+    nvml.used_mb = {0: itertools.cycle([5000]), 1: itertools.cycle([3000])}
+    with GpuMonitor(devices, interval=QUIET, nvml=nvml) as gpu:
+        assert gpu.sample_once()
+    s = gpu.summary()
+    assert (s["gpu_util"], s["gpu_mem_peak_mb"]) == (60.0, 5000.0)
+    assert devices_used("ddp", DistContext(0, 2, 0, CUDA0, "nccl")) == [CUDA0]
