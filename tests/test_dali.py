@@ -186,3 +186,19 @@ def test_on_a_gpu_dali_decodes_with_nvjpeg_into_cuda_batches_close_to_the_cpu_pi
     for (a, la), (b, lb) in zip(cpu.val, gpu.val):
         assert torch.equal(la, lb.cpu())
         assert levels(a, b.cpu()).mean() <= 4   # nvJPEG and DALI's CPU decoder may round differently
+
+
+def test_every_evaluation_reuses_one_pipeline_and_gives_the_same_batches(imagenet, monkeypatch):
+    """Validation has no randomness: the pipeline is built once, not at every evaluation (a build costs
+    DALI's threads and, on a GPU, nvJPEG's state)."""
+    from ddp_utils import dali
+    builds = []
+    real = dali._pipeline
+    monkeypatch.setattr(dali, "_pipeline", lambda *a, **k: (builds.append(1), real(*a, **k))[1])
+    val = build_data(settings(imagenet, batch_size=2), 0, 2).val
+    passes = [[(x.clone(), y.clone()) for x, y in val] for _ in range(3)]
+    assert len(builds) == 1
+    for later in passes[1:]:
+        assert len(later) == len(passes[0]) == 2
+        for (a, ya), (b, yb) in zip(passes[0], later):
+            assert torch.equal(a, b) and torch.equal(ya, yb)
