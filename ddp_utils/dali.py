@@ -9,9 +9,10 @@ kernels: the CPU only reads the files. Without a GPU the same pipeline runs on t
 which is how the CPU test suite checks this path. ``workers`` CPU threads help DALI either way.
 
 What stays the kit's, by construction:
-- shards and ``set_epoch``: the files come in through ``fn.external_source`` in the order of a
-  DistributedSampler over the split (same seed, epoch, rank, world size, drop_last), not through DALI's own
-  file reader and its shard_id/num_shards, so every rank trains on exactly the workers path's indices;
+- shards and ``set_epoch``: DALI's file reader gets this rank's list of files for the pass, in the order of
+  a DistributedSampler over the split (same seed, epoch, rank, world size, drop_last), not DALI's own
+  shuffling and shard_id/num_shards, so every rank trains on exactly the workers path's indices. The reader
+  reads them on DALI's threads, ahead of the training loop (no Python callback on the training thread);
 - exact evaluation: EvalShardSampler's indices (rank r gets images r, r + W, ...), the last batch short;
 - seeding: epoch e's pipeline is built with seed ``augmentation_seed(seed, rank, e)``: the same crops on a
   re-run and after a resume, other crops for every rank and epoch (DALI's own random stream, so not the
@@ -27,7 +28,6 @@ import math
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DistributedSampler
@@ -67,25 +67,23 @@ def check_dali_dataset(dataset: str) -> str:
 
 
 class _FileBatches:
-    """DALI ``external_source`` callback: batch ``info.iteration`` of ``indices`` as (file bytes, labels)."""
+    """The files of one pass, in the kit's order: batch ``step`` is ``batch_size`` files of ``indices``."""
 
     def __init__(self, samples: list[tuple[str, int]], indices: list[int], batch_size: int, steps: int):
         self.samples, self.indices, self.batch_size, self.steps = samples, indices, batch_size, steps
-        self.fed = 0              # batches handed to DALI so far
 
-    def __call__(self, info):
-        if info.iteration >= self.steps:
-            raise StopIteration   # the end of this pass
-        self.fed = max(self.fed, info.iteration + 1)
-        return ([np.fromfile(path, dtype=np.uint8) for path, _ in self.batch(info.iteration)],
-                [np.array([label], dtype=np.int64) for _, label in self.batch(info.iteration)])
+    def files(self) -> tuple[list[str], list[int]]:
+        """Paths and labels of the pass (``steps`` batches; the last one may be short), for DALI's file reader."""
+        chosen = [self.samples[i] for i in self.indices[:self.steps * self.batch_size]]
+        return [path for path, _ in chosen], [label for _, label in chosen]
 
     def batch(self, step: int) -> list[tuple[str, int]]:
         return [self.samples[i] for i in self.indices[step * self.batch_size:(step + 1) * self.batch_size]]
 
-    def recent_paths(self, batches: int = 4) -> list[str]:
-        """The files of the last ``batches`` batches fed: a decode error is in one of them (DALI prefetches 2)."""
-        return [path for step in range(max(0, self.fed - batches), self.fed) for path, _ in self.batch(step)]
+    def recent_paths(self, delivered: int, ahead: int = 3) -> list[str]:
+        """The files of the batches DALI may have been decoding after ``delivered`` batches: a decode error is
+        in one of them (it reads and decodes a few batches ahead)."""
+        return [path for step in range(delivered, min(self.steps, delivered + ahead)) for path, _ in self.batch(step)]
 
 
 def _pipeline(source: _FileBatches, train: bool, preset: Preset, size: int, threads: int, device_id: int | None,
@@ -97,9 +95,12 @@ def _pipeline(source: _FileBatches, train: bool, preset: Preset, size: int, thre
     pipe = Pipeline(batch_size=source.batch_size, num_threads=threads, device_id=device_id, seed=seed,
                     prefetch_queue_depth=2)
     decoder = "cpu" if device_id is None else "mixed"   # mixed: nvJPEG on the GPU, bytes in from the CPU
+    paths, targets = source.files()
     with pipe:
-        jpegs, labels = fn.external_source(source=source, num_outputs=2, batch=True, batch_info=True,
-                                           dtype=[types.UINT8, types.INT64])
+        # DALI's own reader: files are read on its threads, ahead of the training loop, in the kit's order
+        jpegs, labels = fn.readers.file(files=paths, labels=targets, random_shuffle=False, name=READER,
+                                        pad_last_batch=True)   # each pass starts at the first file again
+        labels = fn.cast(labels, dtype=types.INT64)
         if train:   # RandomResizedCrop + flip, decoding only the crop's region
             images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
                                                    random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3],
@@ -117,22 +118,30 @@ def _pipeline(source: _FileBatches, train: bool, preset: Preset, size: int, thre
     return pipe
 
 
+READER = "files"
+
+
 def _iterate(pipe):
+    """DALI's iterator over one pass of ``pipe``, the last batch short where the pass is (validation)."""
+    from nvidia.dali.plugin.base_iterator import LastBatchPolicy
     from nvidia.dali.plugin.pytorch import DALIGenericIterator
-    return DALIGenericIterator(pipe, ["images", "labels"])   # starts the pipeline: decoding errors show from here
+    return DALIGenericIterator(pipe, ["images", "labels"], reader_name=READER,   # starts the pipeline:
+                               last_batch_policy=LastBatchPolicy.PARTIAL)      # decoding errors show from here
 
 
 def _run(batches, source: _FileBatches, channels_last: bool, where: str) -> Iterator[tuple[Tensor, Tensor]]:
     """The pipeline's batches (``batches()`` gives DALI's iterator) as torch tensors: images float32
     (B, 3, S, S) on the pipeline's device, labels (B,)."""
+    delivered = 0
     try:
         for out in batches():
             images, labels = out[0]["images"], out[0]["labels"].squeeze(1)
             if channels_last:   # (B, S, S, 3) memory seen as (B, 3, S, S): channels_last, no copy
                 images = images.permute(0, 3, 1, 2)
+            delivered += 1
             yield images, labels
     except RuntimeError as e:
-        for path in source.recent_paths():   # name the file as the workers path does, if Pillow fails too
+        for path in source.recent_paths(delivered):   # name the file as the workers path does, if Pillow fails too
             load_rgb(path)
         lines = [line.strip() for line in str(e).split("encountered:")[-1].splitlines() if line.strip()]
         raise DataError(f"DALI could not decode a batch of {where} ({lines[0] if lines else type(e).__name__}). "
@@ -227,7 +236,7 @@ class DaliEvalLoader:
             iterator = _iterate(pipe)
             self._built = (source, pipe, iterator)
         else:
-            iterator.reset()   # back to the first batch (external_source restarts at iteration 0)
+            iterator.reset()   # back to the first batch: the reader starts its file list again
         return iterator
 
 

@@ -202,3 +202,16 @@ def test_every_evaluation_reuses_one_pipeline_and_gives_the_same_batches(imagene
         assert len(later) == len(passes[0]) == 2
         for (a, ya), (b, yb) in zip(passes[0], later):
             assert torch.equal(a, b) and torch.equal(ya, yb)
+
+
+def test_no_file_is_read_by_python_on_the_training_thread(imagenet, monkeypatch):
+    """DALI's own reader reads the files on its threads; an external_source callback read them on the training
+    thread between steps (np.fromfile of a whole batch)."""
+    import numpy as np
+
+    def no_python_reads(*args, **kwargs):
+        raise AssertionError("a file was read by Python")
+    monkeypatch.setattr(np, "fromfile", no_python_reads)
+    loader = build_data(settings(imagenet, batch_size=2), 0, 1).train
+    batches = list(loader.epoch(0))
+    assert len(batches) == len(loader) and all(len(y) == 2 for _, y in batches)
