@@ -25,13 +25,18 @@ MB = 2 ** 20
 
 
 class GpuMonitor:
+    """``device``: this rank's device, or a list of GPUs for a process that drives several (DataParallel):
+    each sample is then their mean utilisation and the used memory of the fullest one (what limits the
+    batch); ``torch_peak_mb`` likewise the largest of their peaks."""
+
     def __init__(self, device, interval: float = 0.5, nvml=None):
-        self.device = torch.device(device)
+        self.devices = [torch.device(d) for d in (device if isinstance(device, (list, tuple)) else [device])]
+        self.device = self.devices[0]
         self.interval = interval
         self.samples: list[tuple[str, float, float]] = []   # (phase, utilisation %, used memory MB)
         self.reason = ""                  # why nothing is sampled; "" while NVML answers
         self.torch_peak_mb: float | None = None
-        self._nvml, self._handle, self._phase = nvml, None, "train"
+        self._nvml, self._handles, self._phase = nvml, [], "train"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -56,13 +61,14 @@ class GpuMonitor:
             self.reason = f"NVML unavailable: {str(exc) or type(exc).__name__}"
             return self
         try:
-            self._handle = nvml_handle(self._nvml, self.device)
+            self._handles = [nvml_handle(self._nvml, device) for device in self.devices]
         except Exception as exc:          # noqa: BLE001
             self.reason = f"NVML has no handle for {self.device}: {str(exc) or type(exc).__name__}"
             self._nvml.nvmlShutdown()
             return self
         if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats(self.device)   # this run's peak, not an earlier cell's
+            for device in self.devices:
+                torch.cuda.reset_peak_memory_stats(device)   # this run's peak, not an earlier cell's
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="ddp_utils-gpu-monitor", daemon=True)
         self._thread.start()
@@ -77,10 +83,10 @@ class GpuMonitor:
         if not self.samples:
             self.sample_once()            # a run shorter than the interval still gets a number
         if torch.cuda.is_available():
-            self.torch_peak_mb = torch.cuda.max_memory_allocated(self.device) / MB
+            self.torch_peak_mb = max(torch.cuda.max_memory_allocated(device) for device in self.devices) / MB
         if not stuck:                     # never pull NVML from under a thread still inside it
             self._nvml.nvmlShutdown()
-        self._handle = None
+        self._handles = []
 
     def phase(self, name: str) -> None:
         """Tag the samples from now on with ``name`` ("train" or "val"); they start as "train"."""
@@ -88,11 +94,12 @@ class GpuMonitor:
 
     def sample_once(self) -> bool:
         """Take one sample now (the thread calls this every ``interval``; tests call it directly)."""
-        if self._handle is None:
+        if not self._handles:
             return False
         try:
-            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
-            used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / MB
+            utils = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
+            util = sum(utils) / len(utils)
+            used = max(self._nvml.nvmlDeviceGetMemoryInfo(h).used for h in self._handles) / MB
         except Exception as exc:          # noqa: BLE001 - a missed sample is no reason to stop training
             self.reason = f"NVML sample failed: {str(exc) or type(exc).__name__}"
             return False
