@@ -10,7 +10,6 @@ the kit's own watch (ddp_utils/heartbeat.py) can stop a rank within seconds.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import signal
 import subprocess
@@ -22,7 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests import netns  # noqa: E402
-from tests.fault_scenarios import output_of, start_ranks, stop_all, wait_for_epoch_1  # noqa: E402
+from tests.fault_scenarios import (output_of, signal_rank_1_after_epoch_1, start_ranks, stop_all,  # noqa: E402
+                                   wait_for_epoch_1)
 from tests.procs import base_env, free_port, python, run_all  # noqa: E402
 
 
@@ -38,15 +38,8 @@ def stopped_after(result, since: float) -> str:
 
 def frozen_or_killed(name: str, timeout: str, signal_name: str, folder: Path) -> tuple:
     """Rank 1 frozen (SIGSTOP: a suspended VM) or killed (SIGKILL) after epoch 1; rank 0's seconds to stop."""
-    procs = start_ranks(name, free_port(), folder)
-    try:
-        wait_for_epoch_1(folder, procs)
-        os.kill(procs[1].pid, getattr(signal, signal_name))
-        start = time.monotonic()
-        out = output_of(procs[0], 120)
-        seconds = f"{time.monotonic() - start:.1f}"
-    finally:
-        stop_all(procs)
+    _, seconds, out = signal_rank_1_after_epoch_1(name, getattr(signal, signal_name), folder)
+    seconds = f"{seconds:.1f}"
     what = "frozen (SIGSTOP)" if signal_name == "SIGSTOP" else "killed (SIGKILL)"
     return (f"rank 1 {what} after epoch 1, collective timeout {timeout}", seconds, "-", last_line(out))
 

@@ -140,6 +140,21 @@ def wait_for_epoch_1(folder, procs, bound: float = 120.0) -> None:
         _time.sleep(0.1)
 
 
+def signal_rank_1_after_epoch_1(name, sig, folder) -> tuple:
+    """Both ranks of scenario ``name``; once epoch 1 is saved rank 1 gets ``sig`` (SIGSTOP: frozen, SIGKILL:
+    gone). Rank 0's (return code, seconds from the signal to its exit, output)."""
+    from tests.procs import free_port
+    procs = start_ranks(name, free_port(), folder)
+    try:
+        wait_for_epoch_1(folder, procs)
+        os.kill(procs[1].pid, sig)
+        sent = time.monotonic()
+        out = output_of(procs[0], 60)
+        return procs[0].returncode, time.monotonic() - sent, out
+    finally:
+        stop_all(procs)
+
+
 def output_of(proc, bound: float) -> str:
     import subprocess
     try:

@@ -12,7 +12,7 @@ import pytest
 
 from ddp_utils import checkpoint
 from tests import netns
-from tests.fault_scenarios import output_of, start_ranks, stop_all, wait_for_epoch_1
+from tests.fault_scenarios import output_of, signal_rank_1_after_epoch_1, start_ranks, stop_all, wait_for_epoch_1
 from tests.procs import base_env, describe, free_port, python, run_all
 
 
@@ -85,19 +85,9 @@ def two_hosts():
 def test_a_frozen_peer_stops_the_other_rank_within_30_s_naming_it(name, tmp_path):
     """SIGSTOP on rank 1 (a suspended VM, a kernel stuck in a C call): its connections stay open, so nothing
     but its silence tells rank 0. Rank 0 used to wait out the collective timeout (64 s at the default)."""
-    import os
     import signal
-    import time as _time
-    procs = start_ranks(name, free_port(), tmp_path)
-    try:
-        wait_for_epoch_1(tmp_path, procs)
-        os.kill(procs[1].pid, signal.SIGSTOP)
-        frozen = _time.monotonic()
-        out = output_of(procs[0], 60)
-        stopped = _time.monotonic() - frozen
-    finally:
-        stop_all(procs)
-    assert procs[0].returncode == 2 and stopped < 30, (stopped, out[-3000:])
+    returncode, stopped, out = signal_rank_1_after_epoch_1(name, signal.SIGSTOP, tmp_path)
+    assert returncode == 2 and stopped < 30, (stopped, out[-3000:])
     assert "rank 0: training stopped because another rank stopped answering" in out, out[-3000:]
     assert re.search(r"rank 1's last sign of life: \d+ s ago", out), out[-3000:]
     assert "last.pt holds epoch" in out and "--resume" in out, out[-3000:]
@@ -106,19 +96,9 @@ def test_a_frozen_peer_stops_the_other_rank_within_30_s_naming_it(name, tmp_path
 
 def test_a_killed_peer_stops_the_other_rank_within_seconds(tmp_path):
     """kill -9 of rank 1 with a collective timeout of 600 s: rank 0 says so at once, and its checkpoint is whole."""
-    import os
     import signal
-    import time as _time
-    procs = start_ranks("patient", free_port(), tmp_path)
-    try:
-        wait_for_epoch_1(tmp_path, procs)
-        os.kill(procs[1].pid, signal.SIGKILL)
-        killed = _time.monotonic()
-        out = output_of(procs[0], 60)
-        stopped = _time.monotonic() - killed
-    finally:
-        stop_all(procs)
-    assert procs[0].returncode == 2 and stopped < 30, (stopped, out[-3000:])
+    returncode, stopped, out = signal_rank_1_after_epoch_1("patient", signal.SIGKILL, tmp_path)
+    assert returncode == 2 and stopped < 30, (stopped, out[-3000:])
     assert "rank 0: training stopped because another rank stopped answering" in out, out[-3000:]
     assert checkpoint.load_checkpoint(tmp_path / "run0" / "last.pt")["epoch"] >= 0
 
