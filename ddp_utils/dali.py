@@ -216,6 +216,7 @@ class DaliEvalLoader:
         self.threads, self.device_id = max(1, threads), _device_id(device)
         self.channels_last = channels_last and self.device_id is not None
         self._built = None   # (source, pipeline, iterator): built at the first pass, reused by every later one
+        self._finished = True   # the last pass ran to its end (else its reader stands midway: build anew)
 
     def __len__(self) -> int:
         return math.ceil(len(self.sampler) / self.batch_size)
@@ -223,12 +224,17 @@ class DaliEvalLoader:
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         if len(self) == 0:
             return iter(())   # more ranks than images: nothing for this one
-        if self._built is None:   # validation has no randomness: one pipeline serves every evaluation
+        if self._built is None or not self._finished:   # validation has no randomness: one pipeline serves
             source = _FileBatches(self.dataset.samples, list(self.sampler), self.batch_size, len(self))
             pipe = _pipeline(source, False, self.preset, self.image_size, self.threads, self.device_id, 0,
-                             self.channels_last)
+                             self.channels_last)   # every evaluation (a pass left midway: a new one)
             self._built = (source, pipe, None)
-        return _run(self._batches, self._built[0], self.channels_last, self.dataset.root)
+        return self._pass()
+
+    def _pass(self) -> Iterator[tuple[Tensor, Tensor]]:
+        self._finished = False
+        yield from _run(self._batches, self._built[0], self.channels_last, self.dataset.root)
+        self._finished = True
 
     def _batches(self):
         source, pipe, iterator = self._built

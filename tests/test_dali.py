@@ -215,3 +215,11 @@ def test_no_file_is_read_by_python_on_the_training_thread(imagenet, monkeypatch)
     loader = build_data(settings(imagenet, batch_size=2), 0, 1).train
     batches = list(loader.epoch(0))
     assert len(batches) == len(loader) and all(len(y) == 2 for _, y in batches)
+
+
+def test_an_evaluation_left_midway_does_not_shift_the_next_one(imagenet):
+    val = build_data(settings(imagenet, batch_size=2), 0, 2).val
+    whole = [y.clone() for _, y in val]
+    for _ in val:
+        break                                   # a pass left after its first batch
+    assert [y.tolist() for _, y in val] == [y.tolist() for y in whole]
