@@ -215,7 +215,7 @@ class DaliEvalLoader:
         self.sampler = EvalShardSampler(len(dataset), rank, world_size)
         self.threads, self.device_id = max(1, threads), _device_id(device)
         self.channels_last = channels_last and self.device_id is not None
-        self._built = None   # (source, pipeline, iterator): built at the first pass, reused by every later one
+        self._source = self._pipe = self._iterator = None   # built at the first pass, reused by the later ones
         self._finished = True   # the last pass ran to its end (else its reader stands midway: build anew)
 
     def __len__(self) -> int:
@@ -224,26 +224,24 @@ class DaliEvalLoader:
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         if len(self) == 0:
             return iter(())   # more ranks than images: nothing for this one
-        if self._built is None or not self._finished:   # validation has no randomness: one pipeline serves
-            source = _FileBatches(self.dataset.samples, list(self.sampler), self.batch_size, len(self))
-            pipe = _pipeline(source, False, self.preset, self.image_size, self.threads, self.device_id, 0,
-                             self.channels_last)   # every evaluation (a pass left midway: a new one)
-            self._built = (source, pipe, None)
+        if self._pipe is None or not self._finished:   # validation has no randomness: one pipeline serves
+            self._source = _FileBatches(self.dataset.samples, list(self.sampler), self.batch_size, len(self))
+            self._pipe = _pipeline(self._source, False, self.preset, self.image_size, self.threads,
+                                   self.device_id, 0, self.channels_last)   # every evaluation
+            self._iterator = None
         return self._pass()
 
     def _pass(self) -> Iterator[tuple[Tensor, Tensor]]:
         self._finished = False
-        yield from _run(self._batches, self._built[0], self.channels_last, self.dataset.root)
+        yield from _run(self._batches, self._source, self.channels_last, self.dataset.root)
         self._finished = True
 
     def _batches(self):
-        source, pipe, iterator = self._built
-        if iterator is None:
-            iterator = _iterate(pipe)
-            self._built = (source, pipe, iterator)
+        if self._iterator is None:
+            self._iterator = _iterate(self._pipe)
         else:
-            iterator.reset()   # back to the first batch: the reader starts its file list again
-        return iterator
+            self._iterator.reset()   # back to the first batch: the reader starts its file list again
+        return self._iterator
 
 
 def build_dali_data(root: Path, preset: Preset, image_size: int, val_split: str, classes: list[str],

@@ -14,8 +14,10 @@ and the collectives below do nothing, so the same training code runs on one proc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -129,13 +131,12 @@ def setup(settings, log=print) -> DistContext:
         teardown()
 
     report = preflight(settings, log)
-    device = _device(settings)
-    ctx = DistContext(settings.rank, settings.world_size, settings.local_rank, device, None)
+    ctx = DistContext(settings.rank, settings.world_size, settings.local_rank, _device(settings), None)
     if ctx.distributed:
         must_agree = {f: getattr(settings, f) for f in settings_module.MUST_AGREE}
         try:
-            backend = _init_process_group(settings, report, device_facts(settings, device), log)
-            ctx = DistContext(settings.rank, settings.world_size, settings.local_rank, device, backend)
+            backend = _init_process_group(settings, report, device_facts(settings, ctx.device), log)
+            ctx = dataclasses.replace(ctx, backend=backend)   # the backend every rank agreed on
             agree({**must_agree, "backend": backend}, ctx)
         except BaseException as e:  # also KeyboardInterrupt: never leave a half-made process group
             teardown()
@@ -173,8 +174,9 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
         everyone = rendezvous.wait_for_all_ranks(call["store"], settings, log, facts)
     try:
         # Every rank's device, compared before any backend starts: the same backend, or the same error, everywhere
-        backend, note = agree_on_backend(everyone, settings.backend) if everyone else (report["backend"], "")
+        backend, note = report["backend"], ""
         if everyone:
+            backend, note = agree_on_backend(everyone, settings.backend)
             agree_on_precision(everyone, settings.amp)
     except DistSetupError as e:
         if "store" in call and settings.rank == 0:
@@ -297,7 +299,6 @@ def abort_group(reason: str) -> None:
         with contextlib.suppress(Exception):
             group.abort()
         return
-    import socket
     still_open = _tcp_connections() & _group_sockets   # the same fd with the same two ends: not reused
     for fd, _, _ in still_open:
         with contextlib.suppress(OSError):

@@ -28,7 +28,8 @@ def one_rank_group(backend="gloo", device=None):
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        with contextlib.suppress(Exception):   # an aborted group may refuse to be destroyed cleanly
+            dist.destroy_process_group()
 
 
 # -- the link probe with --sync-bn ------------------------------------------------------------------
@@ -339,3 +340,60 @@ def test_dataparallel_with_bf16_runs_bf16_in_every_replica():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(torch.randn(8, 3, 32, 32, device="cuda"))
     assert seen and set(seen) == {torch.bfloat16}, seen
+
+
+# -- gpu-marked twins of the emulated tests above that had none -------------------------------------
+@gpu_only
+def test_commtime_reads_real_cuda_events_after_the_steps_were_queued():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from ddp_utils.commtime import CommTimer
+    device = torch.device("cuda", 0)
+    with one_rank_group("nccl", device):
+        model = DDP(torch.nn.Linear(64, 64).to(device), device_ids=[0])
+        timer = CommTimer(device)
+        timer.attach(model)
+        for _ in range(3):
+            model(torch.randn(8, 64, device=device)).sum().backward()
+            timer.step_done()
+        waited, in_flight = timer.take()
+    assert timer.steps == 3 and 0 <= waited <= in_flight < 10
+
+
+@gpu_only
+def test_the_scaled_step_tells_a_skipped_fp16_step_on_a_gpu():
+    from ddp_utils.optim import ScaledStep, make_scaler
+    model = torch.nn.Linear(4, 1).cuda()
+    stepper = ScaledStep(torch.optim.SGD(model.parameters(), lr=0.1), make_scaler(torch.float16, torch.device("cuda")))
+    stepper.scaler.scale(model(torch.ones(2, 4, device="cuda")).sum() * float("inf")).backward()
+    assert stepper() is False and stepper.in_a_row == 1
+    stepper.optimizer.zero_grad()
+    stepper.scaler.scale(model(torch.ones(2, 4, device="cuda")).sum()).backward()
+    assert stepper() is True and stepper.in_a_row == 0 and stepper.skipped == 1
+
+
+@gpu_only
+def test_the_watchs_abort_ends_an_nccl_group():
+    """What the watch does on nccl (heartbeat.py -> distributed.abort_group): afterwards no collective waits."""
+    from ddp_utils import distributed
+    device = torch.device("cuda", 0)
+    with one_rank_group("nccl", device):
+        distributed.abort_group("test")
+        with pytest.raises(Exception):
+            t = torch.ones(1, device=device)
+            dist.all_reduce(t)
+            torch.cuda.synchronize()
+    distributed._aborted = None
+
+
+@gpu_only
+def test_a_dataparallel_process_samples_every_gpu_with_real_nvml():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from ddp_utils.gpu_monitor import GpuMonitor
+    from ddp_utils.model import devices_used
+    devices = devices_used("dp", DistContext(0, 1, 0, torch.device("cuda", 0), None))
+    with GpuMonitor(devices, interval=3600) as gpu:
+        x = [torch.randn(1024, 1024, device=d) for d in devices]
+        assert gpu.sample_once()
+    assert len(devices) == torch.cuda.device_count() and gpu.summary()["gpu_mem_peak_mb"] > 0
+    del x
