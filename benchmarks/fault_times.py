@@ -5,7 +5,7 @@
 Each case starts two ranks (gloo) as the fault suite does (tests/fault_scenarios.py, tests/test_faults.py),
 makes one fail, and prints the seconds from the fault to each rank's exit, with each rank's last line.
 The frozen, killed and lost-link cases run at the default --collective-timeout (60 s) and at 600 s, where only
-the kit's own watch (ddp_utils/heartbeat.py) can stop a rank within seconds.
+the kit's own watch (ddp_utils/robust/heartbeat.py) can stop a rank within seconds.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ process on one thread (DataLoader workers=0, DALI num_threads=1), each up to wha
   course             Pillow decodes the whole JPEG; RandomResizedCrop, flip, ToTensor, Normalize per image:
                      normalised float32 batches
   kit workers        torchvision.io.decode_jpeg (libjpeg-turbo); v2 crop, resize and flip on uint8: uint8 batches,
-                     normalised afterwards on the GPU (what --loader workers does for ImageNet, ddp_utils/fastjpeg.py)
+                     normalised afterwards on the GPU (what --loader workers does for ImageNet, ddp_utils/speed/fastjpeg.py)
   ... + normalise    the same with the batch normalisation on this CPU too, as in a CPU-only run
   Pillow draft       Pillow decodes at 1/2, 1/4 or 1/8 scale when the crop is still at least 224 px there (draft()),
                      crops and resizes with Pillow: uint8 batches

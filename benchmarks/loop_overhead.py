@@ -96,7 +96,7 @@ def part_loop(rounds: int, steps: int, batch: int, arch: str, threads: int) -> d
 
 def part_scaling(epochs: int) -> dict:
     """The demo's two runs (same flags as ``python -m ddp_utils demo``), 2 ranks and then 1."""
-    from ddp_utils.demo import free_port, launch, train_cmd
+    from ddp_utils.tools.demo import free_port, launch, train_cmd
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for ws in (2, 1):

@@ -13,9 +13,7 @@ benchmarks all call: see job.py for its steps, each one a function of its own mo
 """
 
 # The public API as ``ddp_utils.Settings`` / ``from ddp_utils import fit``, imported on first use so that
-# ``import ddp_utils`` (and ``python -m ddp_utils --help``) does not load torch. ``preflight`` is left
-# out on purpose: it is also a submodule name, and ``from ddp_utils import preflight`` must keep giving
-# the module (use ``ddp_utils.preflight.preflight``).
+# ``import ddp_utils`` (and ``python -m ddp_utils --help``) does not load torch.
 __all__ = ["Settings", "agree", "build_data", "build_model", "check_data", "describe_batch", "evaluate", "fit",
            "make_logger", "prepare", "prepare_demo", "prepare_model", "read_scalars", "run_job", "session",
            "setup", "teardown", "unwrap"]

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import distributed
-from .files import atomic_write
+from .robust.files import atomic_write
 from .model import unwrap
 
 

@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .datasets import (Data, EpochLoader, EvalShardSampler, ImageFolderDataset, check_batch_fits, check_data,
                        close_inherited_listeners, eval_transform, fake_dataset, load_preset, train_transform)
-from . import fastjpeg
-from .dali import build_dali_data, check_dali_dataset
-from .memdata import build_memory_data, check_memory_dataset
+from .speed import fastjpeg
+from .speed.dali import build_dali_data, check_dali_dataset
+from .speed.memdata import build_memory_data, check_memory_dataset
 
 __all__ = ["build_data"]
 

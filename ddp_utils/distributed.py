@@ -26,10 +26,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import rendezvous
+from .robust import rendezvous
 from . import settings as settings_module
-from .devices import agree_on_backend, agree_on_precision, device_facts
-from .preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
+from .robust.devices import agree_on_backend, agree_on_precision, device_facts
+from .robust.preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
 
 __all__ = ["DistContext", "DistSetupError", "PeerLost", "SettingsMismatch", "agree", "all_reduce_sum", "barrier",
            "broadcast_object", "sync_buffers", "choose_interface", "port_holder", "preflight", "resolve_backend",

@@ -18,14 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-from . import autoresume, checkpoint, comm, distributed, linkprobe
+from .robust import autoresume
+from . import checkpoint, distributed
+from .speed import comm, linkprobe
 from .data import build_data
 from .datasets import Data
-from .commtime import CommTimer
+from .speed.commtime import CommTimer
 from .model import build_model, ddp_of, describe_parallel, parallel_mode, prepare_model
 from .runlog import NullLogger, RunLogger, default_run_dir, make_logger
 from .optim import use_fast_gpu_kernels
-from .threads import set_threads
+from .robust.threads import set_threads
 from .train import evaluate_only, fit, kept_checkpoint
 
 

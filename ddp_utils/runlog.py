@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from .files import atomic_write_text, remove_leftovers
+from .robust.files import atomic_write_text, remove_leftovers
 
 from .summary import model_summary as _model_summary_text
 

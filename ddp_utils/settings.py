@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .slurm import first_host
 from .presets import LR_REFERENCE_BATCH, PRESETS
 
 DATASETS = tuple(PRESETS)
@@ -268,7 +269,6 @@ class Settings:
                     except ValueError:
                         raise ValueError(f"Environment variable {var}={env[var]!r} is not a valid {name}") from None
             if "master_addr" not in values and "master_addr" not in overrides and env.get("SLURM_JOB_NODELIST"):
-                from .slurm import first_host
                 values["master_addr"] = first_host(env["SLURM_JOB_NODELIST"])
         values.update(overrides)
         return cls.from_dict(values)

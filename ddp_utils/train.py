@@ -14,16 +14,16 @@ import torch.nn.functional as F
 
 from . import checkpoint, distributed
 from .datasets import DataError
-from .gpu_monitor import GpuMonitor, reduce_summaries
-from .gpu_monitor import describe as describe_gpu
-from .heartbeat import Heartbeat
+from .speed.gpu_monitor import GpuMonitor, reduce_summaries
+from .speed.gpu_monitor import describe as describe_gpu
+from .robust.heartbeat import Heartbeat
 from .metrics import Meter
 from .model import devices_used, unwrap
-from .comm import forget_overflow
+from .speed.comm import forget_overflow
 from .optim import ScaledStep, amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, to_device
 from .progress import Progress
 from .runlog import TIME_PARTS, summarize
-from .threads import machine_id
+from .robust.threads import machine_id
 from .settings import describe_batch
 
 # ---------------------------------------------------------------------------------------------

@@ -216,7 +216,7 @@ def test_an_interrupted_write_leaves_one_temporary_file_per_target_that_the_next
     def killed_midway(f):
         f.write(b"half a checkpoint")
         raise Killed
-    from ddp_utils import files
+    from ddp_utils.robust import files
     for _ in range(3):   # killed three times: still one name per target, never one per process
         with pytest.raises(Killed):
             files.atomic_write(run / "last.pt", killed_midway)
@@ -246,7 +246,7 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_names_the_folder_and_the_sizes_and_keeps_the_previous_checkpoint(small_disk):
-    from ddp_utils.files import DiskFull
+    from ddp_utils.robust.files import DiskFull
     save_checkpoint(small_disk / "last.pt", {"w": torch.zeros(50_000)})      # 200 KB: fits
     with pytest.raises(DiskFull) as err:
         save_checkpoint(small_disk / "last.pt", {"w": torch.ones(400_000)})  # 1.6 MB: does not

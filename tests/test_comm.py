@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from ddp_utils import comm
+from ddp_utils.speed import comm
 from ddp_utils.settings import Settings
 from tests.procs import base_env, describe, free_port, python, run_all
 
@@ -93,7 +93,7 @@ def test_auto_on_loopback_sends_exact_gradients_and_records_why(tmp_path):
 def test_a_hook_that_waits_for_each_bucket_has_all_its_time_counted_as_waited_for():
     import torch
 
-    from ddp_utils.commtime import CommTimer
+    from ddp_utils.speed.commtime import CommTimer
     serial = comm.hook_for("powersgd", Settings(comm="powersgd"), backend="gloo")[0]
     assert getattr(serial, "blocking", False)   # gloo: one bucket at a time (see comm.one_bucket_at_a_time)
     assert not getattr(comm.hook_for("powersgd", Settings(comm="powersgd"), backend="nccl")[0], "blocking", False)

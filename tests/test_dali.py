@@ -1,4 +1,4 @@
-"""ddp_utils.dali: loader='dali' on DALI's CPU pipeline (no GPU needed) keeps the kit's shards, steps and
+"""ddp_utils.speed.dali: loader='dali' on DALI's CPU pipeline (no GPU needed) keeps the kit's shards, steps and
 exact evaluation, since the kit's own samplers feed it the files.
 
 DALI comes with requirements-dev.txt (``nvidia-dali-cuda120``), so these tests run everywhere the suite does.
@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ddp_utils import datasets as data_mod
-from ddp_utils.dali import DaliEvalLoader, DaliTrainLoader
+from ddp_utils.speed.dali import DaliEvalLoader, DaliTrainLoader
 from ddp_utils.data import build_data
 from ddp_utils.datasets import DataError
 from ddp_utils.settings import Settings
@@ -141,7 +141,7 @@ def test_missing_dali_is_a_paragraph_naming_what_to_install(tmp_path, monkeypatc
 
 def test_check_with_loader_dali_says_whether_dali_imports(imagenet, monkeypatch):
     """`check --loader dali` on a node: READY with DALI's version, else NOT READY with what to install."""
-    from ddp_utils.check import run_check
+    from ddp_utils.tools.check import run_check
     lines = []
     assert run_check(settings(imagenet), log=lines.append) is True
     assert any(line.startswith("loader dali: NVIDIA DALI ") for line in lines), lines
@@ -191,7 +191,7 @@ def test_on_a_gpu_dali_decodes_with_nvjpeg_into_cuda_batches_close_to_the_cpu_pi
 def test_every_evaluation_reuses_one_pipeline_and_gives_the_same_batches(imagenet, monkeypatch):
     """Validation has no randomness: the pipeline is built once, not at every evaluation (a build costs
     DALI's threads and, on a GPU, nvJPEG's state)."""
-    from ddp_utils import dali
+    from ddp_utils.speed import dali
     builds = []
     real = dali._pipeline
     monkeypatch.setattr(dali, "_pipeline", lambda *a, **k: (builds.append(1), real(*a, **k))[1])

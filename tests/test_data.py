@@ -298,7 +298,7 @@ def test_without_workers_the_loader_leaves_the_training_rng_alone(demo_dir, monk
 
 
 def test_both_loaders_take_their_seed_from_the_one_recipe():
-    from ddp_utils import memdata
+    from ddp_utils.speed import memdata
     from ddp_utils.datasets import augmentation_seed
     seeds = {augmentation_seed(0, rank, epoch) for rank in range(8) for epoch in range(50)}
     assert len(seeds) == 400
@@ -523,7 +523,7 @@ def test_loader_workers_do_not_keep_rank_0s_listening_port(demo_dir):
 
 def test_check_verify_images_finds_every_unreadable_file_that_the_quick_check_skips(imagenet, monkeypatch):
     """Big splits get one image per class checked; --verify-images decodes all of them, on every core."""
-    from ddp_utils.check import run_check
+    from ddp_utils.tools.check import run_check
     monkeypatch.setattr(data_mod, "VERIFY_ALL_UP_TO", 0)   # as if the split were ImageNet-sized
     bad = [imagenet / "train" / WNIDS[0] / f"{WNIDS[0]}_1002.JPEG", imagenet / "val" / WNIDS[1] / "broken.JPEG"]
     bad[0].write_bytes(b"broken")

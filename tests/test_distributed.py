@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_utils import distributed, preflight, rendezvous
+from ddp_utils import distributed
+from ddp_utils.robust import preflight, rendezvous
 from ddp_utils.settings import Settings
 from tests import netns
 from tests.procs import base_env, describe, free_port, python, run_all
@@ -269,7 +270,7 @@ def test_a_rank_that_makes_no_step_says_so_and_names_the_silent_peer(monkeypatch
     """During training a wait inside a collective is never mute: every ~30 s (here 0.5 s) a line says so."""
     import time as _time
 
-    from ddp_utils.heartbeat import Heartbeat
+    from ddp_utils.robust.heartbeat import Heartbeat
     monkeypatch.setattr(distributed, "_store", dist.HashStore())
     ctx = distributed.DistContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
     lines = []
@@ -303,7 +304,7 @@ def beat_for(store, rank, seconds, every=0.1, value=None):
 
 def test_the_watch_aborts_the_group_when_a_rank_goes_silent_and_names_it(watched):
     """The primary path on every backend: no beat from rank 2 for silent_after s -> abort, naming rank 2 only."""
-    from ddp_utils.heartbeat import Heartbeat
+    from ddp_utils.robust.heartbeat import Heartbeat
     ctx, aborted = watched
     with Heartbeat(ctx, log=lambda *_: None, every=0.1, silent_after=1.0) as beat:
         beat_for(distributed._store, 1, 2.0)   # rank 1 keeps beating, rank 2 never does
@@ -313,7 +314,7 @@ def test_the_watch_aborts_the_group_when_a_rank_goes_silent_and_names_it(watched
 
 
 def test_the_watch_aborts_the_group_with_the_reason_another_rank_reported(watched):
-    from ddp_utils.heartbeat import Heartbeat
+    from ddp_utils.robust.heartbeat import Heartbeat
     import time as _time
     ctx, aborted = watched
     with Heartbeat(ctx, log=lambda *_: None, every=0.1, silent_after=30.0) as beat:
@@ -325,7 +326,7 @@ def test_the_watch_aborts_the_group_with_the_reason_another_rank_reported(watche
 
 
 def test_a_rank_that_finished_is_never_judged_silent(watched):
-    from ddp_utils.heartbeat import Heartbeat
+    from ddp_utils.robust.heartbeat import Heartbeat
     ctx, aborted = watched
     distributed._store.set("watch/1/alive/1", "done")
     distributed._store.set("watch/1/alive/2", "done")
@@ -337,7 +338,7 @@ def test_a_rank_that_finished_is_never_judged_silent(watched):
 
 def test_a_rank_that_lost_rank_0s_store_names_rank_0(watched, monkeypatch):
     """A cut link seen from rank 1: every store call fails; the verdict names rank 0 (the store's host)."""
-    from ddp_utils.heartbeat import Heartbeat
+    from ddp_utils.robust.heartbeat import Heartbeat
     ctx, aborted = watched
     ctx = distributed.DistContext(rank=1, world_size=3, local_rank=0, device=torch.device("cpu"), backend="gloo")
 

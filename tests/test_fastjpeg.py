@@ -1,4 +1,4 @@
-"""ddp_utils.fastjpeg: ImageNet's workers path sends uint8 and normalises after, with the classic path's
+"""ddp_utils.speed.fastjpeg: ImageNet's workers path sends uint8 and normalises after, with the classic path's
 shards, steps, crops and validation tensors (within the rounding of two antialiased resizes).
 
 The classic path is the course's: Pillow decodes, ``datasets.train_transform`` / ``eval_transform``
@@ -19,11 +19,11 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddp_utils import fastjpeg
+from ddp_utils.speed import fastjpeg
 from ddp_utils.data import build_data
 from ddp_utils.datasets import (DataError, EpochLoader, EvalShardSampler, ImageFolderDataset, augmentation_seed,
                                 eval_transform, load_preset, train_transform)
-from ddp_utils.memdata import normalize
+from ddp_utils.speed.memdata import normalize
 from ddp_utils.settings import Settings
 from tests.test_data import WNIDS, make_imagenet
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ddp_utils import gpu_monitor
-from ddp_utils.gpu_monitor import MB, GpuMonitor, describe, reduce_summaries
+from ddp_utils.speed import gpu_monitor
+from ddp_utils.speed.gpu_monitor import MB, GpuMonitor, describe, reduce_summaries
 
 CUDA0 = torch.device("cuda", 0)
 QUIET = 3600.0   # an interval the thread never reaches during a test: only sample_once() samples

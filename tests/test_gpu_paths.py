@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_utils import linkprobe
+from ddp_utils.speed import linkprobe
 from ddp_utils.distributed import DistContext
 from ddp_utils.model import build_model
 from ddp_utils.settings import Settings
@@ -118,7 +118,7 @@ def test_gloo_asked_for_with_a_cpu_node_trains_and_says_the_cpu_ranks_set_the_pa
 
 
 def test_the_agreement_is_one_decision_from_every_ranks_facts():
-    from ddp_utils.devices import agree_on_backend
+    from ddp_utils.robust.devices import agree_on_backend
 
     def facts(rank, gpu, machine="m0"):
         return {"rank": rank, "host": f"node{rank}", "machine": machine, "gpu": gpu, "gpu_name": "Tesla T4",
@@ -188,8 +188,8 @@ def test_amp_auto_on_this_gpu_follows_its_capability():
 
 def test_ranks_whose_gpus_would_pick_different_precisions_are_stopped_before_init():
     """amp=auto on an A100 node and a T4 node: bf16 on one, fp16 + scaler on the other."""
-    from ddp_utils.devices import agree_on_precision
-    from ddp_utils.preflight import DistSetupError
+    from ddp_utils.robust.devices import agree_on_precision
+    from ddp_utils.robust.preflight import DistSetupError
     a100 = {"rank": 0, "host": "a", "gpu": "GPU-1", "gpu_name": "NVIDIA A100-SXM4-40GB", "precision": "bf16"}
     t4 = {"rank": 1, "host": "b", "gpu": "GPU-2", "gpu_name": "Tesla T4", "precision": "fp16"}
     with pytest.raises(DistSetupError, match=r"amp=auto gives different precisions on the ranks \(bf16 on rank 0 "
@@ -260,7 +260,7 @@ class FakeEvent:
 def test_commtime_waits_for_every_buckets_end_before_reading_gpu_times(monkeypatch):
     """A blocking hook (PowerSGD on one bucket at a time) leaves the last bucket's "done" event pending when the
     step's first "ready" event has completed: take() must wait for the done events, not only the first one."""
-    from ddp_utils.commtime import CommTimer
+    from ddp_utils.speed.commtime import CommTimer
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     timer = CommTimer(torch.device("cuda", 0))
     timer.blocking = True
@@ -346,7 +346,7 @@ def test_dataparallel_with_bf16_runs_bf16_in_every_replica():
 @gpu_only
 def test_commtime_reads_real_cuda_events_after_the_steps_were_queued():
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from ddp_utils.commtime import CommTimer
+    from ddp_utils.speed.commtime import CommTimer
     device = torch.device("cuda", 0)
     with one_rank_group("nccl", device):
         model = DDP(torch.nn.Linear(64, 64).to(device), device_ids=[0])
@@ -389,7 +389,7 @@ def test_the_watchs_abort_ends_an_nccl_group():
 def test_a_dataparallel_process_samples_every_gpu_with_real_nvml():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from ddp_utils.gpu_monitor import GpuMonitor
+    from ddp_utils.speed.gpu_monitor import GpuMonitor
     from ddp_utils.model import devices_used
     devices = devices_used("dp", DistContext(0, 1, 0, torch.device("cuda", 0), None))
     with GpuMonitor(devices, interval=3600) as gpu:

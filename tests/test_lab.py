@@ -295,7 +295,7 @@ def test_the_jupyter_line_quoted_in_step_4_is_what_start_jupyter_prints():
 
 def test_demo_output_in_the_walkthrough_matches_the_demos_current_settings():
     """Step 0 quotes `python -m ddp_utils demo`: when its batch, lr or epochs change, re-run and re-quote it."""
-    from ddp_utils import demo
+    from ddp_utils.tools import demo
     from ddp_utils.settings import describe_batch
 
     step0 = section(readme(), "0.")

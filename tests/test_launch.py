@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_utils import checkpoint, launch as launch_module, slurm
+from ddp_utils import checkpoint, slurm
+from ddp_utils.tools import launch as launch_module
 from ddp_utils.settings import Settings
 from tests import netns
 from tests.procs import REPO, base_env, describe, free_port, python, run_all

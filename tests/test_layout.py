@@ -1,4 +1,5 @@
-"""The package's shape as a reader meets it: one job per module, said up front, and no import circles."""
+"""The package's shape as a reader meets it: four layers, one job per module said up front, no import
+circles, no module over 600 lines, and the lesson core never importing the tools."""
 from __future__ import annotations
 
 import ast
@@ -10,22 +11,48 @@ import pytest
 from tests.procs import REPO
 
 PACKAGE = Path(REPO) / "ddp_utils"
-MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
+LAYERS = ("robust", "speed", "tools")   # subpackages; the modules directly in ddp_utils/ are the lesson core
+MAX_LINES = 600
+
+
+def _name(path: Path) -> str:
+    """ddp_utils/robust/heartbeat.py -> 'robust.heartbeat'; ddp_utils/train.py -> 'train'."""
+    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+
+
+FILES = {_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if p.name not in ("__init__.py", "__main__.py")}
+MODULES = sorted(FILES)
+
+
+def layer_of(module: str) -> str:
+    return module.split(".")[0] if module.split(".")[0] in LAYERS else "core"
 
 
 def imports_of(module: str) -> set[str]:
     """The ddp_utils modules that ``module`` imports, at the top or inside functions."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    package = module.split(".")[:-1]
     found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                found.add(node.module.split(".")[0])
-            else:
-                found.update(alias.name for alias in node.names)
+    for node in ast.walk(ast.parse(FILES[module].read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+            if node.level - 1 > len(package):
+                continue
+            stem = base + (node.module.split(".") if node.module else [])
+            found.add(".".join(stem))
+            found.update(".".join(stem + [alias.name]) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddp_utils."):
-            found.add(node.module.split(".")[1])
+            stem = node.module.split(".")[1:]
+            found.add(".".join(stem))
+            found.update(".".join(stem + [alias.name]) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".", 1)[1] for a in node.names if a.name.startswith("ddp_utils."))
     return found & set(MODULES)
+
+
+def test_the_modules_are_found_in_every_layer():
+    """Guards the tests below: they see the modules of every layer (not an empty list)."""
+    assert {layer_of(m) for m in MODULES} == {"core", *LAYERS}
+    assert "robust.heartbeat" in imports_of("train") and "distributed" in imports_of("robust.heartbeat")
 
 
 def test_the_import_graph_has_no_cycle():
@@ -47,19 +74,37 @@ def test_the_import_graph_has_no_cycle():
             visit(module, [module])
 
 
+@pytest.mark.parametrize("module", [m for m in MODULES if layer_of(m) != "tools"])
+def test_only_tools_import_tools(module):
+    """The lesson core (and robust/, speed/) never import the command line, demo, launch or report."""
+    assert not {m for m in imports_of(module) if layer_of(m) == "tools"}, module
+
+
 def test_lower_layers_never_import_the_run_assembly():
     """datasets, memdata and distributed are the lesson's building blocks: they know nothing of a run."""
-    for module in ("settings", "presets", "datasets", "memdata", "distributed", "rendezvous", "files"):
-        assert not imports_of(module) & {"job", "train", "cli", "runlog", "data"}, module
+    for module in ("settings", "presets", "datasets", "speed.memdata", "distributed", "robust.rendezvous",
+                   "robust.files"):
+        assert not imports_of(module) & {"job", "train", "tools.cli", "runlog", "data"}, module
 
 
 @pytest.mark.parametrize("module", MODULES)
+def test_no_module_is_over_600_lines(module):
+    lines = len(FILES[module].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module}: {lines} lines; split it by job"
+
+
+@pytest.mark.parametrize("module", MODULES + list(LAYERS))
 def test_every_module_opens_with_a_comment_saying_its_one_job(module):
-    doc = ast.get_docstring(ast.parse((PACKAGE / f"{module}.py").read_text()))
-    assert doc and len(doc.splitlines()[0]) > 20, f"{module}.py needs an opening docstring"
+    path = PACKAGE / module / "__init__.py" if module in LAYERS else FILES[module]
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    assert doc and len(doc.splitlines()[0]) > 20, f"{path} needs an opening docstring"
 
 
-def test_the_readme_file_tree_lists_every_module():
+def test_the_readme_file_tree_lists_every_module_under_its_layer():
     readme = (Path(REPO) / "README.md").read_text()
+    for layer in LAYERS:
+        assert re.search(rf"^  {layer}/\s+\S", readme, re.M), f"README file tree lacks {layer}/"
     for module in MODULES:
-        assert re.search(rf"^\s+{module}\.py\s+\S", readme, re.M), f"README file tree lacks {module}.py"
+        indent = "    " if layer_of(module) != "core" else "  "
+        stem = module.split(".")[-1]
+        assert re.search(rf"^{indent}{stem}\.py\s+\S", readme, re.M), f"README file tree lacks {module}.py"

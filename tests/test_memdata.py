@@ -1,4 +1,4 @@
-"""ddp_utils.memdata: the in-memory loader gives the same shards and evaluation tensors as the workers path.
+"""ddp_utils.speed.memdata: the in-memory loader gives the same shards and evaluation tensors as the workers path.
 
 Small CINIC-10-layout folders of random-noise PNGs are written into tmp_path (noise, so that every crop
 offset and every flip gives a different tensor); the demo set is real handwritten digits.
@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DistributedSampler
 
-from ddp_utils import memdata
+from ddp_utils.speed import memdata
 from ddp_utils.data import build_data
 from ddp_utils.datasets import DataError, check_data
-from ddp_utils.memdata import MemoryLoader, augmentation_generator, crop_flip, decode_split, normalize
+from ddp_utils.speed.memdata import MemoryLoader, augmentation_generator, crop_flip, decode_split, normalize
 from ddp_utils.settings import MUST_AGREE, Settings
 from tests.test_data import CINIC
 from tests.test_training import run_ranks

@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
-from ddp_utils import distributed, preflight
-from ddp_utils.preflight import DistSetupError
+from ddp_utils import distributed
+from ddp_utils.robust import preflight
+from ddp_utils.robust.preflight import DistSetupError
 from ddp_utils.settings import Settings
 from tests.procs import free_port
 

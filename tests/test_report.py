@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from matplotlib.legend import Legend
 
-from ddp_utils import cli, report
+from ddp_utils.tools import cli
+from ddp_utils import report
 from ddp_utils.settings import Settings
 from tests.procs import base_env, describe, python, run_all
 

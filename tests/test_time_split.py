@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from ddp_utils import checkpoint, commtime
+from ddp_utils import checkpoint
+from ddp_utils.speed import commtime
 from ddp_utils.runlog import read_scalars
 from ddp_utils.settings import Settings
 from tests.procs import base_env, describe, free_port, python, run_all
@@ -172,13 +173,13 @@ def test_seeds_run_the_same_configuration_into_sibling_folders(tmp_path):
 
 @pytest.mark.parametrize("text", ["2,x", "2,2", ","])
 def test_bad_seed_lists_are_refused_with_an_example(text, capsys):
-    from ddp_utils import cli
+    from ddp_utils.tools import cli
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["train", "--seeds", text])
     assert "e.g. 2,4,42" in capsys.readouterr().err
 
 
 def test_seeds_and_resume_together_are_refused(capsys):
-    from ddp_utils import cli
+    from ddp_utils.tools import cli
     assert cli.main(["train", "--seeds", "2,4", "--resume", "x/last.pt"]) == 2
     assert "--seed N instead of --seeds" in capsys.readouterr().err

@@ -285,7 +285,7 @@ def test_progress_steps_prints_a_line_per_log_point(tmp_path):
     (2, {"OMP_NUM_THREADS": "3"}, (2, "the threads setting")),
 ])
 def test_threads_are_the_setting_else_omp_num_threads_else_a_share_of_the_cores(setting, env, expected):
-    from ddp_utils.threads import choose_threads
+    from ddp_utils.robust.threads import choose_threads
     assert choose_threads(setting, cores=2, ranks_here=2, environ=env) == expected
     assert choose_threads(0, cores=1, ranks_here=4, environ={})[0] == 1
 

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from ddp_utils import autoresume, report
+from ddp_utils.robust import autoresume
+from ddp_utils import report
 from ddp_utils.settings import Settings
 from tests.procs import REPO, base_env, describe, free_port
 from tests.test_training import run_ranks, train_cmd, weights

@@ -8,7 +8,7 @@ Command line, with torchrun's flag names followed by the ``train`` flags::
 
 From a notebook (processes, not a fork of the kernel, which may have initialised CUDA)::
 
-    from ddp_utils.launch import launch
+    from ddp_utils.tools.launch import launch
     results = launch(settings, nproc_per_node=2)   # rank 0's lines appear as they come; rank 0's results
 
 Every process is a plain ``python -m ddp_utils train`` with ``rank = node_rank x nproc + local_rank``,
@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import settings as settings_module
+from .. import settings as settings_module
 
 GRACE_S = 5.0    # after a failure: how long the others may take to stop by themselves (they were told)
 TERM_S = 10.0    # after SIGTERM: how long before SIGKILL
@@ -48,8 +48,8 @@ IDENTITY_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
 SET_BY_LAUNCH = ("rank", "world_size", "local_rank", "init_method")
 # A child starts like ``python -m ddp_utils train ...``, after asking to die with the launcher.
-BOOT = "import sys; from ddp_utils.launch import as_child; as_child(); from ddp_utils.cli import main; sys.exit(main())"
-PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+BOOT = "import sys; from ddp_utils.tools.launch import as_child; as_child(); from ddp_utils.tools.cli import main; sys.exit(main())"
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])   # the folder holding ddp_utils/
 
 
 class LaunchError(RuntimeError):

@@ -18,7 +18,7 @@ import signal
 import sys
 import traceback
 
-from . import settings as settings_module
+from .. import settings as settings_module
 
 # Errors whose message already says what is wrong and what to do: no traceback for these.
 CLEAR_ERRORS = (ValueError, FileExistsError, FileNotFoundError, RuntimeError)
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _terminate)   # without it SIGTERM ends the process with no word to the others
     try:
         if args.command == "train":
-            from .job import run_job, run_seeds
+            from ..job import run_job, run_seeds
             if args.seeds:
                 if args.resume:
                     raise ValueError("--seeds starts new runs; to continue one seed's run, pass --resume "
@@ -138,13 +138,13 @@ def main(argv=None) -> int:
             run_demo(epochs=args.epochs, world_size=args.world_size, run_dir=args.run_dir, port=args.master_port,
                      price_per_hour=args.price_per_hour)
         elif args.command == "report":
-            from .report import report_dir, results_table, write_report
+            from ..report import report_dir, results_table, write_report
             out = report_dir(args.out, kit_images=args.kit_images)   # a refusal comes before any output
             print(results_table(args.run_dirs, baseline=args.baseline))
             for path in write_report(args.run_dirs, out, baseline=args.baseline, kit_images=args.kit_images):
                 print(f"wrote {path}")
         elif args.command == "compare":
-            from .report import compare_table
+            from ..report import compare_table
             print(compare_table(args.run_dirs))
         return 0
     except KeyboardInterrupt as exc:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 
-from . import distributed
+from .. import distributed
 
 SILENT_AFTER = 15.0   # seconds without a beat before a rank counts as gone (beats come every 2 s)
 

@@ -33,7 +33,7 @@ from torch import Tensor
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
-from .datasets import EpochLoader, Preset, load_rgb
+from ..datasets import EpochLoader, Preset, load_rgb
 from .memdata import normalize
 
 try:

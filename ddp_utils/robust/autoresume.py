@@ -18,7 +18,7 @@ import json
 import time
 from pathlib import Path
 
-from .settings import MUST_AGREE
+from ..settings import MUST_AGREE
 
 # What must be equal for a folder to be the same run (the port and the folder itself may change).
 RUN_SETTINGS = tuple(name for name in MUST_AGREE if name != "master_port") + ("data_dir",)

@@ -21,7 +21,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .optim import precision_name
+from ..optim import precision_name
 from .preflight import DistSetupError
 from .threads import machine_id
 

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .settings import Settings
+from ..settings import Settings
 
 # The demo preset's recipe (presets.py) for everything else.
 DEMO = Settings(dataset="demo", data_dir="data/demo", workers=0, wandb="disabled", backend="gloo", threads=1,
@@ -55,8 +55,8 @@ def launch(cmds: list[list[str]], timeout: float, quiet: bool = False) -> None:
 
 def run_demo(epochs: int | None = None, world_size: int = 2, run_dir: str = "runs/demo", port: int = 0,
              price_per_hour: float = 0.0) -> str:
-    from .demo_data import prepare_demo
-    from .report import results_table
+    from ..demo_data import prepare_demo
+    from ..report import results_table
 
     epochs = epochs or DEMO.epochs
     prepare_demo("data/demo")   # once, before the ranks start, so they do not race to write it

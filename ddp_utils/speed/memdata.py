@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import transforms as T
 
-from .datasets import Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, augmentation_seed, check_batch_fits
+from ..datasets import Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, augmentation_seed, check_batch_fits
 
 __all__ = ["MEMORY_DATASETS", "MemorySplit", "MemoryLoader", "MemoryEvalLoader", "decode_split",
            "crop_flip", "normalize", "augmentation_generator", "check_memory_dataset",

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
-from .datasets import (Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, augmentation_seed,
+from ..datasets import (Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, augmentation_seed,
                        check_batch_fits, load_rgb)
 
 __all__ = ["DALI_DATASETS", "require_dali", "check_dali_dataset", "DaliTrainLoader", "DaliEvalLoader",

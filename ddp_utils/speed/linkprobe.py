@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import distributed
-from .model import unwrap
-from .optim import amp_dtype, autocast
+from .. import distributed
+from ..model import unwrap
+from ..optim import amp_dtype, autocast
 
 BUDGET_S = 3.0   # time the all-reduce timing may take, after one warm-up round
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import socket
 import time
 
-from . import datasets
-from .datasets import DataError, check_data
-from .progress import interactive
-from .distributed import DistSetupError
-from .preflight import preflight
+from .. import datasets
+from ..datasets import DataError, check_data
+from ..progress import interactive
+from ..distributed import DistSetupError
+from ..robust.preflight import preflight
 
 HELLO = b"ddp_utils-check rank="
 
@@ -39,7 +39,7 @@ def run_check(settings, log=print, verify_images: bool = False) -> bool:
                            for name, s in summary["splits"].items())
         log(f"data {settings.dataset} at {settings.data_dir}: {splits}")
         if settings.loader == "dali":   # training would stop at its first batch without it
-            from .dali import check_dali_dataset
+            from ..speed.dali import check_dali_dataset
             log(f"loader dali: NVIDIA DALI {check_dali_dataset(settings.dataset)}")
         if verify_images:
             checked, bad = datasets.verify_images(settings, progress=interactive())
