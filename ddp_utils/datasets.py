@@ -1,14 +1,16 @@
 """Data sets for DDP training: presets with statistics, transforms, folder checks, samplers, loaders.
 
-Everything ``data.build_data`` assembles, and nothing that decides between the two loaders:
+Everything ``data.build_loaders`` assembles, and nothing that decides between the loaders:
 
 - ``load_preset`` gives a data set's preset (``presets.py``) with its statistics, so ImageNet is
   never normalised with CINIC-10 statistics and its validation images are always centre-cropped;
 - ``check_data`` checks the folders before anything is loaded (each node reads its own copy: there
   is no shared file system), and ``Data.fingerprint()`` lets the ranks compare what they found;
-- ``EvalShardSampler`` gives exact evaluation, ``EpochLoader`` the workers path's training batches;
-- ``TrainLoader`` is the protocol every training loader keeps (this one, ``fastjpeg.NormalizedEpochLoader``,
-  ``memdata.MemoryLoader``, ``dali.DaliTrainLoader``);
+- ``TrainLoader`` is the training-loader protocol, written once: this rank's DistributedSampler, its
+  ``set_epoch``, the steps per epoch. Every training loader is one (``EpochLoader`` for the workers path,
+  ``fastjpeg.NormalizedEpochLoader``, ``memdata.MemoryLoader``, ``dali.DaliTrainLoader``): each only
+  says how it makes the batches of an epoch;
+- ``EvalShardSampler`` gives exact evaluation;
 - ``augmentation_seed`` is the one seeding recipe of all of them.
 
 Rank and world size are plain arguments: nothing here touches ``torch.distributed``.
@@ -21,14 +23,14 @@ import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol, Sized
+from typing import Iterator, Sized
 
 import numpy as np
 
 import torch
 from PIL import Image
 from torch import Tensor
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from torchvision import transforms as T
 from torchvision.datasets import FakeData, ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
@@ -37,7 +39,7 @@ from .demo_data import DEMO_JSON, prepare_demo, read_demo_info
 from .presets import PRESETS, Preset
 
 __all__ = ["DataError", "Preset", "PRESETS", "load_preset", "train_transform", "eval_transform",
-           "check_data", "Data", "TrainLoader", "EpochLoader", "EvalShardSampler", "ImageFolderDataset",
+           "check_data", "Data", "TrainLoader", "EpochLoader", "train_sampler", "EvalShardSampler", "ImageFolderDataset",
            "augmentation_seed", "check_batch_fits"]
 
 # A split with at most this many images has every image decoded by check_data (a few seconds);
@@ -387,29 +389,70 @@ def close_inherited_listeners(worker_id: int = 0) -> None:
                 pass
 
 
-class TrainLoader(Protocol):
-    """What the training loop needs from a loader (``EpochLoader``, ``memdata.MemoryLoader``, ``dali.DaliTrainLoader``).
+def train_sampler(size: int, rank: int, world_size: int, seed: int) -> DistributedSampler:
+    """DDP: this rank's share of a training split of ``size`` images.
 
-    ``epoch(e)`` yields this rank's batches of epoch ``e`` (0, 1, ...): images float32 (B, 3, S, S),
-    normalised, and labels int64 (B,), every batch full. The order is DistributedSampler's for
-    (seed, e, rank, world size), the random crops come from ``augmentation_seed(seed, rank, e)``: a
-    re-run of epoch e gives the same batches. ``len(loader)`` is the steps per epoch, the same on every
-    rank, which is what keeps the ranks' collectives in step.
+    Every epoch the whole split is shuffled with ``seed + epoch`` (the same order on every rank) and
+    rank r gets every world_size-th index of it from r on: the ranks' shares are disjoint, of equal
+    size (``drop_last`` leaves out the few that do not divide evenly) and together cover the epoch.
     """
-    batch_size: int
-
-    def epoch(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]: ...
-
-    def __len__(self) -> int: ...
+    return DistributedSampler(range(size), num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                              drop_last=True)
 
 
-class EpochLoader:
-    """One rank's training batches, reshuffled every epoch.
+class TrainLoader:
+    """One rank's training batches, reshuffled every epoch: the protocol every training loader keeps.
 
-    ``for images, labels in loader.epoch(epoch)``: images float32 (B, 3, S, S), normalised;
-    labels int64 (B,). B = settings.batch_size (per rank); every batch is full (drop_last).
-    ``epoch()`` calls ``sampler.set_epoch(epoch)`` itself: without it DistributedSampler
-    repeats the same order every epoch. There is deliberately no plain ``iter(loader)``.
+    ``for images, labels in loader.epoch(e)`` yields this rank's batches of epoch ``e`` (0, 1, ...):
+    images float32 (B, 3, S, S), normalised, and labels int64 (B,), every batch full. The order is
+    the DistributedSampler's for (seed, e, rank, world size), and the random crops come from
+    ``augmentation_seed(seed, rank, e)``: a re-run of epoch e gives the same batches.
+    ``len(loader)`` is the steps per epoch, the same on every rank, which keeps the ranks' collectives
+    in step. ``epoch()`` calls ``sampler.set_epoch(e)`` itself: without it a DistributedSampler repeats
+    the first epoch's order every epoch. There is deliberately no plain ``iter(loader)``.
+
+    A loader subclasses this and says how it makes the batches (``_batches``), reading
+    ``self.sampler`` for this rank's indices of the epoch.
+    """
+
+    def __init__(self, sampler: DistributedSampler, batch_size: int, seed: int = 0, rank: int = 0,
+                 max_steps: int = 0):
+        self.sampler = sampler          # DDP: this rank's share of every epoch (train_sampler)
+        self.batch_size = batch_size    # per rank
+        self.seed, self.rank = seed, rank
+        self.max_steps = max_steps      # 0 = whole epochs
+
+    def __len__(self) -> int:
+        """Steps (batches) per epoch on this rank, the same on every rank."""
+        steps = len(self.sampler) // self.batch_size
+        return min(steps, self.max_steps) if self.max_steps > 0 else steps
+
+    def epoch(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """The batches of epoch ``epoch`` (0, 1, ...): same order and crops on a re-run, new ones each epoch."""
+        self._shuffle(epoch)
+        return self._batches(epoch)
+
+    def indices(self, epoch: int) -> list[int]:
+        """This rank's image indices for ``epoch``, in training order."""
+        self._shuffle(epoch)
+        return list(self.sampler)
+
+    def _shuffle(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)   # DDP: seed + epoch -> one shuffle shared by all ranks
+
+    def _batches(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
+        raise NotImplementedError
+
+    def __iter__(self):
+        raise TypeError("Iterate over loader.epoch(epoch), not the loader itself: the epoch number "
+                        "sets the shuffle (DistributedSampler.set_epoch).")
+
+
+class EpochLoader(TrainLoader):
+    """The workers path: a DataLoader (whose sampler is this rank's DistributedSampler) as a TrainLoader.
+
+    Its worker processes decode and augment; each epoch they seed their random crops from the
+    DataLoader's generator, which ``epoch()`` seeds with ``augmentation_seed(seed, rank, epoch)``.
     """
 
     def __init__(self, loader: DataLoader, max_steps: int = 0, seed: int = 0, rank: int = 0):
@@ -417,27 +460,16 @@ class EpochLoader:
             raise TypeError("EpochLoader needs a DataLoader whose sampler has set_epoch (a DistributedSampler)")
         if loader.generator is None:
             raise TypeError("EpochLoader needs a DataLoader with a generator: it seeds the workers' augmentation")
+        if not loader.drop_last:
+            raise TypeError("EpochLoader needs a DataLoader with drop_last=True: every rank the same full batches")
+        super().__init__(loader.sampler, loader.batch_size, seed, rank, max_steps)
         self.loader = loader
-        self.sampler = loader.sampler
-        self.max_steps = max_steps  # 0 = whole epoch
-        self.seed, self.rank = seed, rank
 
     @property
     def dataset(self):
         return self.loader.dataset
 
-    @property
-    def batch_size(self) -> int:
-        return self.loader.batch_size
-
-    def __len__(self) -> int:
-        """Steps (batches) per epoch on this rank, the same on every rank."""
-        steps = len(self.loader)
-        return min(steps, self.max_steps) if self.max_steps > 0 else steps
-
-    def epoch(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        """The batches of epoch ``epoch`` (0, 1, ...): same order on a re-run, new order each epoch."""
-        self.sampler.set_epoch(epoch)  # DDP: seed + epoch -> one shuffle shared by all ranks
+    def _batches(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
         seed = augmentation_seed(self.seed, self.rank, epoch)
         if self.loader.num_workers > 0:
             # Each worker process seeds its random crops from this generator (train workers start
@@ -445,10 +477,6 @@ class EpochLoader:
             self.loader.generator.manual_seed(seed)
             return itertools.islice(self.loader, len(self))
         return _with_own_rng(itertools.islice(self.loader, len(self)), seed)
-
-    def __iter__(self):
-        raise TypeError("Iterate over loader.epoch(epoch), not the loader itself: the epoch number "
-                        "sets the shuffle (DistributedSampler.set_epoch).")
 
 
 def _with_own_rng(batches: Iterator, seed: int) -> Iterator:

@@ -1,7 +1,7 @@
 """loader='dali': NVIDIA DALI decodes and augments ImageNet, fed the kit's own sampler indices.
 
     settings = Settings(dataset="imagenet", data_dir="/data/imagenet", loader="dali")
-    data = build_data(settings, rank, world_size, device)    # the same Data as the workers path
+    data = build_loaders(settings, rank, world_size, device)    # the same Data as the workers path
 
 Why: on a GPU node with few CPU cores the JPEG decode is the wall. With a GPU, DALI's "mixed" decoder runs
 nvJPEG (the hardware JPEG decoder on A100/H100) and the crop, resize, flip and normalisation run as GPU
@@ -30,10 +30,9 @@ from typing import Iterator
 
 import torch
 from torch import Tensor
-from torch.utils.data import DistributedSampler
 
-from ..datasets import (Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, augmentation_seed,
-                       check_batch_fits, load_rgb)
+from ..datasets import (Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, TrainLoader,
+                        augmentation_seed, check_batch_fits, load_rgb, train_sampler)
 
 __all__ = ["DALI_DATASETS", "require_dali", "check_dali_dataset", "DaliTrainLoader", "DaliEvalLoader",
            "build_dali_data"]
@@ -157,8 +156,8 @@ def _device_id(device) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-class DaliTrainLoader:
-    """One rank's training batches from DALI; the ``datasets.TrainLoader`` interface.
+class DaliTrainLoader(TrainLoader):
+    """One rank's training batches from DALI; a ``datasets.TrainLoader``.
 
     ``for images, labels in loader.epoch(epoch)``: images float32 (B, 3, S, S), normalised, on the GPU
     (channels_last when asked) or the CPU; labels int64 (B,). Every batch is full (drop_last). The order
@@ -174,33 +173,17 @@ class DaliTrainLoader:
     def __init__(self, dataset: ImageFolderDataset, preset: Preset, image_size: int, batch_size: int, rank: int,
                  world_size: int, seed: int = 0, max_steps: int = 0, threads: int = 1, device=None,
                  channels_last: bool = False):
-        self.dataset, self.preset, self.image_size, self.batch_size = dataset, preset, image_size, batch_size
-        self.sampler = DistributedSampler(range(len(dataset)), num_replicas=world_size, rank=rank, shuffle=True,
-                                          seed=seed, drop_last=True)
-        self.rank, self.seed, self.max_steps, self.threads = rank, seed, max_steps, max(1, threads)
+        super().__init__(train_sampler(len(dataset), rank, world_size, seed), batch_size, seed, rank, max_steps)
+        self.dataset, self.preset, self.image_size = dataset, preset, image_size
+        self.threads = max(1, threads)
         self.device_id = _device_id(device)
         self.channels_last = channels_last and self.device_id is not None
 
-    def __len__(self) -> int:
-        """Steps (batches) per epoch on this rank, the same on every rank."""
-        steps = len(self.sampler) // self.batch_size
-        return min(steps, self.max_steps) if self.max_steps > 0 else steps
-
-    def indices(self, epoch: int) -> list[int]:
-        """This rank's image indices for ``epoch``, in training order."""
-        self.sampler.set_epoch(epoch)   # DDP: seed + epoch -> one shuffle shared by all ranks
-        return list(self.sampler)
-
-    def epoch(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        """The batches of epoch ``epoch`` (0, 1, ...): same order and crops on a re-run, new ones each epoch."""
-        source = _FileBatches(self.dataset.samples, self.indices(epoch), self.batch_size, len(self))
+    def _batches(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
+        source = _FileBatches(self.dataset.samples, list(self.sampler), self.batch_size, len(self))
         pipe = _pipeline(source, True, self.preset, self.image_size, self.threads, self.device_id,
                          augmentation_seed(self.seed, self.rank, epoch), self.channels_last)
         return _run(lambda: _iterate(pipe), source, self.channels_last, self.dataset.root)
-
-    def __iter__(self):
-        raise TypeError("Iterate over loader.epoch(epoch), not the loader itself: the epoch number "
-                        "sets the shuffle (DistributedSampler.set_epoch).")
 
 
 class DaliEvalLoader:
@@ -247,7 +230,7 @@ class DaliEvalLoader:
 def build_dali_data(root: Path, preset: Preset, image_size: int, val_split: str, classes: list[str],
                     batch_size: int, seed: int, max_steps: int, threads: int, rank: int, world_size: int,
                     device=None, channels_last: bool = False) -> Data:
-    """build_data's ``loader="dali"`` branch: list the splits' files, DALI pipelines built per pass.
+    """build_loaders's ``loader="dali"`` branch: list the splits' files, DALI pipelines built per pass.
 
     ``threads``: DALI's CPU threads (the ``workers`` setting, at least 1). ``device``: a CUDA device runs
     the mixed (GPU) pipeline, anything else the CPU pipeline. Returns the same Data as the workers path.

@@ -1,10 +1,10 @@
 """ImageNet through DataLoader workers, fast: libjpeg-turbo decode, crop on uint8, normalise batched on the device.
 
-    data = build_data(Settings(dataset="imagenet", data_dir="/data/imagenet"), rank, world_size, device)
+    data = build_loaders(Settings(dataset="imagenet", data_dir="/data/imagenet"), rank, world_size, device)
 
 Why: the course's ImageNet path (Pillow decodes the JPEG, RandomResizedCrop, ToTensor and Normalize in
 every worker, float32 through the worker queues) fed a T4 about 300 img/s against the ~900 it sustains.
-``build_data`` uses this path for ImageNet's ``loader="workers"``. In each worker, per image:
+``build_loaders`` uses this path for ImageNet's ``loader="workers"``. In each worker, per image:
 
 - decode with ``torchvision.io.decode_jpeg`` (libjpeg-turbo, the very same pixels as Pillow's decoder,
   faster); Pillow for what it cannot read (ImageNet has a PNG and some CMYK files named .JPEG), so an
@@ -106,7 +106,7 @@ class DeviceNormalize:
 class NormalizedEpochLoader(EpochLoader):
     """``EpochLoader`` whose workers send uint8 crops: ``epoch(e)`` yields them normalised on the device.
 
-    Shards, ``set_epoch``, ``len`` and the per-(seed, rank, epoch) seeding are EpochLoader's own.
+    Shards, ``set_epoch``, ``len`` and the per-(seed, rank, epoch) seeding are EpochLoader's (TrainLoader's) own.
     ``self.loader`` is the DataLoader of uint8 batches.
     """
 
@@ -114,8 +114,8 @@ class NormalizedEpochLoader(EpochLoader):
         super().__init__(loader, max_steps, seed=seed, rank=rank)
         self.to_device = to_device
 
-    def epoch(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        return self.to_device(super().epoch(epoch))
+    def _batches(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
+        return self.to_device(super()._batches(epoch))
 
 
 class NormalizedLoader:

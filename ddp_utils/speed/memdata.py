@@ -1,7 +1,7 @@
 """In-memory data for the small-image presets (cinic10, demo): decode once, augment whole batches.
 
     settings = Settings(dataset="cinic10", data_dir="data/cinic10", loader="memory")
-    data = build_data(settings, rank, world_size, device)    # the same Data as the workers path
+    data = build_loaders(settings, rank, world_size, device)    # the same Data as the workers path
 
 Why: the workers path opens and decodes every PNG again each epoch, in DataLoader worker processes.
 CINIC-10's 90,000 training images are only 276 MB as uint8 (3 x 32 x 32 bytes each), so this path
@@ -32,10 +32,11 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
-from ..datasets import Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, augmentation_seed, check_batch_fits
+from ..datasets import (Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, TrainLoader, augmentation_seed,
+                        check_batch_fits, train_sampler)
 
 __all__ = ["MEMORY_DATASETS", "MemorySplit", "MemoryLoader", "MemoryEvalLoader", "decode_split",
            "crop_flip", "normalize", "augmentation_generator", "check_memory_dataset",
@@ -142,50 +143,33 @@ def _stats(preset: Preset, device) -> tuple[Tensor, Tensor]:
 # --------------------------------------------------------------------------------------------
 # Loaders with the interfaces train.py consumes
 # --------------------------------------------------------------------------------------------
-class MemoryLoader:
-    """One rank's training batches from a split held in memory; the EpochLoader interface.
+class MemoryLoader(TrainLoader):
+    """One rank's training batches from a split held in memory (a ``datasets.TrainLoader``).
 
     ``for images, labels in loader.epoch(epoch)``: images float32 (B, 3, S, S), normalised, and
     labels int64 (B,), on the split's device. B = batch_size; every batch is full (drop_last).
-    The order is DistributedSampler's for (seed, epoch, rank, world_size, drop_last=True).
+    The crops and flips are drawn batched, from ``augmentation_generator(seed, rank, epoch)``.
     """
 
     def __init__(self, split: MemorySplit, preset: Preset, batch_size: int, rank: int, world_size: int,
                  seed: int = 0, max_steps: int = 0):
+        super().__init__(train_sampler(len(split), rank, world_size, seed), batch_size, seed, rank, max_steps)
         self.dataset = split
-        self.batch_size = batch_size
-        self.sampler = DistributedSampler(range(len(split)), num_replicas=world_size, rank=rank, shuffle=True,
-                                          seed=seed, drop_last=True)
-        self.rank, self.seed, self.max_steps = rank, seed, max_steps
         self.pad = split.images.shape[-1] // 8              # 4 px at 32, as train_transform
         self.flip = preset.hflip
         self.mean, self.std = _stats(preset, split.images.device)
 
-    def __len__(self) -> int:
-        """Steps (batches) per epoch on this rank, the same on every rank."""
-        steps = len(self.sampler) // self.batch_size
-        return min(steps, self.max_steps) if self.max_steps > 0 else steps
-
     def indices(self, epoch: int) -> Tensor:
         """This rank's image indices for ``epoch``, in training order (int64, on the split's device)."""
-        self.sampler.set_epoch(epoch)   # DDP: seed + epoch -> one shuffle shared by all ranks
-        return torch.tensor(list(self.sampler), dtype=torch.int64, device=self.dataset.images.device)
+        return torch.tensor(super().indices(epoch), dtype=torch.int64, device=self.dataset.images.device)
 
-    def epoch(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        """The batches of epoch ``epoch`` (0, 1, ...): same order and crops on a re-run, new ones each epoch."""
-        order = self.indices(epoch)
+    def _batches(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
+        order = torch.tensor(list(self.sampler), dtype=torch.int64, device=self.dataset.images.device)
         generator = augmentation_generator(self.seed, self.rank, epoch, self.dataset.images.device)
-        return self._batches(order, generator)
-
-    def _batches(self, order: Tensor, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor]]:
         for step in range(len(self)):
             idx = order[step * self.batch_size:(step + 1) * self.batch_size]
             images = crop_flip(self.dataset.images[idx], self.pad, self.flip, generator)
             yield normalize(images, self.mean, self.std), self.dataset.labels[idx]
-
-    def __iter__(self):
-        raise TypeError("Iterate over loader.epoch(epoch), not the loader itself: the epoch number "
-                        "sets the shuffle (DistributedSampler.set_epoch).")
 
 
 class MemoryEvalLoader:
@@ -225,7 +209,7 @@ def check_memory_dataset(dataset: str) -> None:
 def build_memory_data(root: Path, preset: Preset, image_size: int, val_split: str, classes: list[str],
                       batch_size: int, seed: int, max_steps: int, workers: int, rank: int, world_size: int,
                       device=None) -> Data:
-    """build_data's ``loader="memory"`` branch: decode both splits once, keep them on ``device``.
+    """build_loaders's ``loader="memory"`` branch: decode both splits once, keep them on ``device``.
 
     ``preset`` is the loaded preset (demo statistics read), ``classes`` the class folders that
     check_data found, ``workers`` the processes that share decoding a big split. Returns the same
