@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_utils.data import build_data  # noqa: E402
+from ddp_utils.data import build_loaders  # noqa: E402
 from ddp_utils.demo_data import prepare_demo  # noqa: E402
 from ddp_utils.runlog import cpu_name  # noqa: E402
 from ddp_utils.settings import Settings  # noqa: E402
@@ -50,7 +50,7 @@ def main():
     for name, changes in (("workers 0", dict(workers=0)), ("workers 2", dict(workers=2)),
                           ("memory", dict(loader="memory", workers=2))):
         t = time.perf_counter()
-        loaders[name] = build_data(base.replace(**changes), 0, 1, "cpu").train
+        loaders[name] = build_loaders(base.replace(**changes), 0, 1, "cpu").train
         if name == "memory":
             decode_s = time.perf_counter() - t   # includes check_data, as the workers loaders' builds do
     images = len(loaders["memory"]) * args.batch_size

@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_utils import fastjpeg  # noqa: E402
-from ddp_utils.data import build_data  # noqa: E402
+from ddp_utils.data import build_loaders  # noqa: E402
 from ddp_utils.datasets import EpochLoader, ImageFolderDataset, load_preset, train_transform  # noqa: E402
 from ddp_utils.runlog import cpu_name  # noqa: E402
 from ddp_utils.settings import Settings  # noqa: E402
@@ -180,7 +180,7 @@ def main():
     copy = resized_copy(original, root / "resized-288")
 
     def kit(data_dir, loader="workers"):
-        return build_data(Settings(dataset="imagenet", data_dir=str(data_dir), workers=1 if loader == "dali" else 0,
+        return build_loaders(Settings(dataset="imagenet", data_dir=str(data_dir), workers=1 if loader == "dali" else 0,
                                    batch_size=args.batch_size, loader=loader), 0, 1, "cpu").train
 
     def uint8(data_dir):   # the kit's workers path up to its uint8 batches: on a GPU node the GPU normalises

@@ -3,24 +3,29 @@
 The calls a notebook makes, in order (``# DDP:`` marks what a one-GPU script would not need)::
 
     settings = Settings(dataset="demo", world_size=2, rank=0, master_addr="10.0.0.1")
-    job = prepare(settings)        # DDP: pre-flight + process group; data, model (DDP-wrapped), run folder
-    with job:                      # closes the logs; after an error also leaves the process group
-        results = fit(job)         # train, evaluate exactly, checkpoint; the same results on every rank
-    teardown()                     # DDP: leave the process group
+    ctx = setup(settings)                      # DDP: join the process group (init_process_group)
+    data = build_data(settings, ctx)           # DDP: this rank's share of the data (DistributedSampler)
+    model = prepare_model(build_model(settings.arch, data.num_classes, settings.seed), settings, ctx)
+                                               # DDP: DistributedDataParallel(model)
+    job = open_run(settings, ctx, data, model) # DDP: rank 0 writes the run folder, the others do not
+    with job:                                  # closes the logs; after an error also leaves the group
+        results = fit(job)                     # train, evaluate exactly, checkpoint; the same on every rank
+    teardown()                                 # DDP: leave the process group
 
-``prepare`` is what the command line (``python -m ddp_utils train``), the notebooks, the labs and the
-benchmarks all call: see job.py for its steps, each one a function of its own module.
+``prepare(settings)`` makes the same calls in one (job.py): the command line (``python -m ddp_utils
+train``), the labs and the benchmarks use it. The lesson is the modules directly in this folder;
+``robust/``, ``speed/`` and ``tools/`` hold what real nodes, speed and the commands add.
 """
 
 # The public API as ``ddp_utils.Settings`` / ``from ddp_utils import fit``, imported on first use so that
 # ``import ddp_utils`` (and ``python -m ddp_utils --help``) does not load torch.
-__all__ = ["Settings", "agree", "build_data", "build_model", "check_data", "describe_batch", "evaluate", "fit",
-           "make_logger", "prepare", "prepare_demo", "prepare_model", "read_scalars", "run_job", "session",
+__all__ = ["Settings", "agree", "build_data", "build_loaders", "build_model", "check_data", "describe_batch", "evaluate", "fit",
+           "make_logger", "open_run", "prepare", "prepare_demo", "prepare_model", "read_scalars", "run_job", "session",
            "setup", "teardown", "unwrap"]
 _FROM = {"settings": "Settings describe_batch", "distributed": "setup teardown session agree",
-         "data": "build_data", "datasets": "check_data", "demo_data": "prepare_demo",
+         "data": "build_data build_loaders", "datasets": "check_data", "demo_data": "prepare_demo",
          "model": "build_model prepare_model unwrap", "runlog": "make_logger read_scalars",
-         "train": "fit evaluate", "job": "prepare run_job"}
+         "train": "fit evaluate", "job": "open_run prepare run_job"}
 _API = {name: module for module, names in _FROM.items() for name in names.split()}
 
 

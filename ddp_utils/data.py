@@ -1,11 +1,17 @@
 """``build_data``: this rank's train and validation loaders, checked once, built once.
 
-    data = build_data(settings, rank, world_size, device)
+    data = build_data(settings, ctx)                      # DDP: this rank's share of every epoch
     for epoch in range(settings.epochs):
-        for images, labels in data.train.epoch(epoch):   # reshuffles itself: no set_epoch to forget
+        for images, labels in data.train.epoch(epoch):   # DDP: calls sampler.set_epoch(epoch) itself
             ...                                           # images (B, 3, H, W) float32, labels (B,) int64
         for images, labels in data.val:                   # this rank's share; all ranks together see
             ...                                           # every validation image exactly once
+
+Every training loader draws its indices from a ``DistributedSampler(num_replicas=world_size,
+rank=rank, seed=seed, drop_last=True)``: each epoch it shuffles the whole split with ``seed + epoch``
+(the same order on every rank) and gives rank r every world_size-th index from r on, so the ranks'
+shares are disjoint and of equal size. ``set_epoch(epoch)`` picks the epoch's shuffle; without it
+every epoch would repeat the first one. ``datasets.TrainLoader`` does both, once for every loader.
 
 It checks the folders (``datasets.check_data``), then picks one of three loader pairs with the same
 shards and steps: ``workers`` (DataLoader worker processes decode each epoch, any preset; for ImageNet
@@ -19,18 +25,37 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
+from . import distributed
 from .datasets import (Data, EpochLoader, EvalShardSampler, ImageFolderDataset, check_batch_fits, check_data,
-                       close_inherited_listeners, eval_transform, fake_dataset, load_preset, train_transform)
+                       close_inherited_listeners, eval_transform, fake_dataset, load_preset, train_sampler,
+                       train_transform)
 from .speed import fastjpeg
 from .speed.dali import build_dali_data, check_dali_dataset
+from .robust.threads import set_threads
 from .speed.memdata import build_memory_data, check_memory_dataset
 
-__all__ = ["build_data"]
+__all__ = ["build_data", "build_loaders"]
 
 
-def build_data(settings, rank: int, world_size: int, device: torch.device | str | None = None) -> Data:
+def build_data(settings, ctx, log=print) -> Data:
+    """This rank's loaders (``build_loaders``), and the ranks' agreement that they read the same data.
+
+    Each node reads its own copy from its own disk, so after building the ranks compare what they
+    found (classes, image counts, statistics: ``Data.fingerprint``) and stop with a paragraph if a
+    node's copy differs. On an error every rank is told and the process group is left.
+    """
+    with distributed.leaving_on_error(ctx, "reading the data"):
+        set_threads(settings, ctx, log)       # ranks sharing a machine share its cores
+        data = build_loaders(settings, ctx.rank, ctx.world_size, ctx.device)   # DDP: a DistributedSampler each
+        # DDP: reading the data can take minutes on one node (a cold disk): wait for it explicitly
+        distributed.wait_for_all("reading the data", ctx, settings.init_timeout, log)
+        distributed.agree(data.fingerprint(), ctx, what="data")   # DDP: the same data on every node
+    return data
+
+
+def build_loaders(settings, rank: int, world_size: int, device: torch.device | str | None = None) -> Data:
     """Check the data (``check_data``) and build this rank's train and validation loaders.
 
     Train: DistributedSampler (shuffle with ``settings.seed``, drop_last), so each rank gets a
@@ -77,8 +102,7 @@ def build_data(settings, rank: int, world_size: int, device: torch.device | str 
     loader_args = dict(batch_size=settings.batch_size, num_workers=settings.workers,
                        pin_memory=cuda,                             # faster host-to-GPU copies
                        worker_init_fn=close_inherited_listeners)    # workers must not keep master_port
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=settings.seed, drop_last=True)
+    sampler = train_sampler(len(train_set), rank, world_size, settings.seed)   # DDP: a DistributedSampler
     # The generator seeds the workers' augmentation; EpochLoader reseeds it every epoch with
     # datasets.augmentation_seed(seed, rank, epoch). Train workers are not persistent, so they
     # pick up the new seeds each epoch.

@@ -1,4 +1,4 @@
-"""The process group: set it up, check that every rank agrees, tear it down; plus four collectives.
+"""The process group: set it up, check that every rank agrees, tear it down; and the collectives the kit uses.
 
 In a notebook or script::
 
@@ -109,7 +109,21 @@ _aborted: str | None = None
 
 # -- setup and teardown -----------------------------------------------------------------------
 def setup(settings, log=print) -> DistContext:
-    """Pre-flight checks, ``init_process_group`` over ``settings.url``, then a settings agreement.
+    """Join the process group: this rank's device, then ``init_process_group``, then a settings agreement.
+
+    A plain script (pytorch/examples ``imagenet/main.py``) joins with::
+
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=rank, world_size=world_size)
+
+    ``init_method="tcp://..."`` makes a ``TCPStore`` on master_addr:master_port (rank 0 listens, the
+    others connect) and builds the group on it. The kit does exactly that, in two visible steps: it
+    opens the store itself (``robust/rendezvous.py``), then calls ``init_process_group(backend,
+    store=store, rank=rank, world_size=world_size)`` (``_init_process_group`` below). Its own store
+    listens on master_addr only, can be opened again when a notebook cell is re-run, and carries the
+    ranks' failure messages and explicit waits. Around it: pre-flight network checks
+    (``robust/preflight.py``), one backend agreed by every rank (``robust/devices.py``), and after it
+    ``agree`` on the settings that must match.
 
     Safe to call again: the same settings return the existing context without re-initialising;
     changed settings tear the old process group down first. Raises DistSetupError (or
@@ -189,6 +203,7 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
         _set_nccl_env(log)
     try:
         before = _tcp_connections()
+        # DDP: the process group. With the kit's store this is what init_method="tcp://ADDR:PORT" does.
         dist.init_process_group(backend, rank=settings.rank, world_size=settings.world_size,
                                 timeout=timeout, **call)
         # NCCL connects lazily: a first collective makes its network problems show up here.
@@ -435,6 +450,30 @@ def report_failure(ctx: DistContext, text: str) -> None:
     if ctx.distributed and _store is not None:
         with contextlib.suppress(Exception):
             _store.set(f"failed/{ctx.rank}", text)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """``KeyboardInterrupt (Stop pressed, or Ctrl-C)`` or ``DataError: /data/...`` (first line only)."""
+    if getattr(exc, "description", None):   # cli.Terminated says what it is itself
+        return exc.description
+    if isinstance(exc, KeyboardInterrupt):
+        return "KeyboardInterrupt (Stop pressed in the notebook, or Ctrl-C)"
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+@contextlib.contextmanager
+def leaving_on_error(ctx: DistContext, what: str):
+    """Run one step of preparing a run (a notebook cell); on any error, also an interrupt, tell the
+    other ranks why and leave the process group, so that they stop now instead of waiting in their
+    next collective, and running the cells again starts cleanly."""
+    try:
+        yield
+    except BaseException as exc:
+        if not isinstance(exc, PeerLost):   # this rank's own failure: tell the others
+            report_failure(ctx, f"rank {ctx.rank} stopped while {what}: {describe_failure(exc)}")
+        teardown(abort=True)
+        raise
 
 
 def peer_failure(ctx: DistContext) -> str | None:

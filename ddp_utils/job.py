@@ -1,13 +1,16 @@
-"""``prepare()``: everything a run needs, made in one order by every entry point.
+"""``prepare()``: the notebook's steps in one call, for the command line, the labs and the benchmarks.
 
-The command line, the three notebooks, the labs and the benchmarks all call it, so a resume, the
-TensorBoard purge or a lost peer behave the same everywhere::
+``main.ipynb`` makes a run in four visible cells; ``prepare`` makes the same calls in the same order
+(a test keeps them in step), so a resume, the TensorBoard purge or a lost peer behave alike everywhere::
 
-    job = prepare(settings, resume=None)    # process group, threads, data, resume state, model, run folder
-    with job:                               # closes the logs; after an error also leaves the group
-        results = fit(job)                  # train.fit: the epochs
+    ctx = setup(settings)                                      # DDP: join the process group
+    data = build_data(settings, ctx)                           # DDP: this rank's share (DistributedSampler)
+    model = prepare_model(build_model(settings.arch, data.num_classes, settings.seed), settings, ctx)   # DDP: wrap
+    job = open_run(settings, ctx, data, model, resume)         # DDP: rank 0 writes the run folder
+    with job:                                                  # closes the logs; after an error leaves the group
+        results = fit(job)                                     # train.fit: the epochs
 
-``run_job(settings)`` does both and always leaves the process group: ``python -m ddp_utils train``.
+``run_job(settings)`` does all of it and always leaves the process group: ``python -m ddp_utils train``.
 """
 from __future__ import annotations
 
@@ -18,22 +21,23 @@ from dataclasses import dataclass
 
 import torch
 
-from .robust import autoresume
 from . import checkpoint, distributed
-from .speed import comm, linkprobe
 from .data import build_data
 from .datasets import Data
-from .speed.commtime import CommTimer
-from .model import build_model, ddp_of, describe_parallel, parallel_mode, prepare_model
+from .distributed import describe_failure, setup
+from .model import build_model, parallel_mode, prepare_model
+from .robust import autoresume
 from .runlog import NullLogger, RunLogger, default_run_dir, make_logger
-from .optim import use_fast_gpu_kernels
-from .robust.threads import set_threads
+from .speed.comm import Communication
 from .train import evaluate_only, fit, kept_checkpoint
+
+
+EVALUATE_NEEDS_A_CHECKPOINT = "--evaluate needs --resume PATH: the checkpoint whose weights to evaluate"
 
 
 @dataclass
 class Job:
-    """What ``prepare`` made: pass it to ``fit`` (or ``evaluate_only``)."""
+    """What ``open_run`` (or ``prepare``) made: pass it to ``fit`` (or ``evaluate_only``)."""
     settings: object                  # the Settings of the run (run_dir filled in on a resume)
     ctx: distributed.DistContext      # rank, world size, device, backend
     data: Data                        # this rank's loaders
@@ -42,11 +46,9 @@ class Job:
     state: dict | None = None         # the checkpoint to continue from (or to evaluate), on every rank
     resume: str | None = None         # its path on rank 0
     model_table: str = ""             # the layer table (rank 0), also in model_summary.txt
-    comm: object = None               # commtime.CommTimer on the DDP model (None with one rank)
-    probe: dict | None = None         # linkprobe.probe's figures: link bandwidth, predicted speed-up
     parallel: str = "none"            # what runs: ddp, dp or none (model.parallel_mode)
-    comm_choice: str = "none"         # the gradient communication used: none, fp16, bf16, powersgd (comm.py)
-    comm_reason: str = ""             # why (comm=auto says what the probe predicted)
+    communication: Communication | None = None   # how the gradients travel: fit decides it before the first step
+    log: object = print               # where the run's own notes go (rank 0)
 
     def __enter__(self) -> "Job":
         return self
@@ -71,16 +73,6 @@ class Job:
         distributed.teardown(abort=True)   # DDP: the other ranks' collectives fail now, not at a timeout
 
 
-def describe_failure(exc: BaseException) -> str:
-    """``KeyboardInterrupt (Stop pressed, or Ctrl-C)`` or ``DataError: /data/...`` (first line only)."""
-    if getattr(exc, "description", None):   # cli.Terminated says what it is itself
-        return exc.description
-    if isinstance(exc, KeyboardInterrupt):
-        return "KeyboardInterrupt (Stop pressed in the notebook, or Ctrl-C)"
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
 def release_group(model) -> None:
     """Make a DDP model let go of its process group, so that tearing the group down closes its
     connections now. Otherwise the model (still referenced by the notebook and by the traceback of
@@ -98,61 +90,54 @@ def release_group(model) -> None:
 
 
 def prepare(settings, resume: str | None = None, evaluate: bool = False, log=print) -> Job:
-    """Set up the process group and build the data, model and logger of a run, on this rank.
+    """Join the process group and build the data, model and run folder of a run, on this rank: the
+    notebook's cells in one call (the same calls, in the same order; tests/test_notebooks.py).
+
+    ``resume``: rank 0's path to a last.pt / best.pt, or ``"auto"`` (see ``open_run``). With
+    ``evaluate`` its weights are only evaluated, into a new run folder. Every rank must call this
+    with the same settings; on an error the process group is left, so that calling it again starts
+    cleanly.
+    """
+    if evaluate and (not resume or resume == "auto"):   # before joining: a wrong command fails at once
+        raise ValueError(EVALUATE_NEEDS_A_CHECKPOINT)
+    ctx = setup(settings, log)   # DDP: pre-flight, init_process_group, settings agreement
+    data = build_data(settings, ctx, log)   # DDP: DistributedSampler shards; the ranks agree on the data
+    model = prepare_model(build_model(settings.arch, data.num_classes, settings.seed), settings, ctx, log)   # DDP: wrap
+    return open_run(settings, ctx, data, model, resume, evaluate, log)   # DDP: rank 0 writes the run folder
+
+
+def open_run(settings, ctx, data: Data, model, resume: str | None = None, evaluate: bool = False,
+             log=print) -> Job:
+    """Open the run folder (rank 0 writes it; the other ranks get a NullLogger) and find where the
+    run starts: a new run, or a resume.
 
     ``resume``: rank 0's path to a last.pt / best.pt; training continues after its epoch, in its
     folder (unless ``settings.run_dir`` says otherwise). ``"auto"``: continue the unfinished run of
-    these settings if rank 0 has one (``autoresume.py``), else start a new one; it says which.
-    With ``evaluate`` its weights are only evaluated, into a new run folder. Every rank must call
-    this with the same settings; on an
-    error the process group is left, so that calling it again starts cleanly.
+    these settings if rank 0 has one (``robust/autoresume.py``), else start a new one; it says
+    which. With ``evaluate`` the checkpoint's weights are only evaluated, into a new run folder.
     """
-    if evaluate and (not resume or resume == "auto"):
-        raise ValueError("--evaluate needs --resume PATH: the checkpoint whose weights to evaluate")
-    if resume and resume != "auto" and not evaluate and not settings.run_dir:
-        # Continue writing into the folder the checkpoint came from (evaluation gets a new folder).
-        settings = settings.replace(run_dir=os.path.dirname(os.path.abspath(resume)))
-    ctx = distributed.setup(settings, log)   # DDP: pre-flight, process group, settings agreement
-    try:
+    with distributed.leaving_on_error(ctx, "opening the run"):
+        if evaluate and (not resume or resume == "auto"):
+            raise ValueError(EVALUATE_NEEDS_A_CHECKPOINT)
+        if resume and resume != "auto" and not evaluate and not settings.run_dir:
+            # Continue writing into the folder the checkpoint came from (evaluation gets a new folder).
+            settings = settings.replace(run_dir=os.path.dirname(os.path.abspath(resume)))
         if resume == "auto":   # DDP: rank 0 has the run folders; it decides for every rank
             resume, run_dir, why = distributed.broadcast_object(autoresume.decide(settings) if ctx.is_main else None,
                                                                 ctx)
             if ctx.is_main:
                 log(f"resume auto: {why}")
             settings = settings.replace(run_dir=run_dir)
-        set_threads(settings, ctx, log)       # ranks sharing a machine share its cores
-        data = build_data(settings, ctx.rank, ctx.world_size, ctx.device)
-        # DDP: reading the data can take minutes on one node (a cold disk): wait for it explicitly
-        distributed.wait_for_all("reading the data", ctx, settings.init_timeout, log)
-        distributed.agree(data.fingerprint(), ctx, what="data")   # DDP: same data on every node
         # DDP: loading is a collective (rank 0 reads its file and sends it), so all resume or none.
         distributed.agree({"resume": bool(resume)}, ctx, what="whether to resume")
         state = checkpoint.load_state(resume, ctx, settings.init_timeout) if resume else None
         if state is not None:
             checkpoint.check_matches(state, settings, resume)   # not an 8 KB key dump from load_state_dict
-        torch.manual_seed(settings.seed)      # reproducible initial weights; DDP then copies rank 0's to all
-        model = prepare_model(build_model(settings.arch, data.num_classes), settings, ctx)   # DDP: wrap
-        use_fast_gpu_kernels(ctx.device)
-        if ctx.is_main:
-            log(describe_parallel(settings, ctx))
-        probe = linkprobe.probe(model, settings, ctx, data.num_classes, data.image_size, log)   # DDP: the link
-        choice, why = comm.choose(settings, probe) if ctx.distributed else ("none", "one process: nothing to send")
-        timer = None
-        if ctx.distributed:   # DDP: the gradient all-reduce (or its compressed form), timed
-            timer = CommTimer(ctx.device)
-            timer.attach(ddp_of(model), *comm.hook_for(choice, settings, ctx.backend))
-            if ctx.is_main:
-                log(f"gradient communication: {choice} ({why}); buckets of {settings.bucket_mb:g} MB")
         continuing = state is not None and not evaluate
-        # On a resume, TensorBoard drops what the interrupted run logged after its checkpoint.
+        # DDP: rank 0 writes the run folder, the other ranks a NullLogger. On a resume, TensorBoard drops
+        # what the interrupted run logged after its checkpoint.
         logger = make_logger(settings, ctx.rank, resume=continuing, resume_step=state["step"] if continuing else None)
-        job = Job(settings, ctx, data, model, logger, state, resume, comm=timer, probe=probe,
-                  parallel=parallel_mode(settings, ctx), comm_choice=choice, comm_reason=why)
-    except BaseException as exc:   # also KeyboardInterrupt: never leave a half-made process group
-        if not isinstance(exc, distributed.PeerLost):   # this rank's own failure: tell the others
-            distributed.report_failure(ctx, f"rank {ctx.rank} stopped while preparing the run: {describe_failure(exc)}")
-        distributed.teardown(abort=True)
-        raise
+    job = Job(settings, ctx, data, model, logger, state, resume, parallel=parallel_mode(settings, ctx), log=log)
     with _failing(job):
         job.model_table = logger.model_summary(model, (3, data.image_size, data.image_size))
         # DDP: rank 0 may take a while to start W&B; the others wait here, not in the first all-reduce

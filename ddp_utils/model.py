@@ -5,7 +5,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .optim import amp_dtype
+from . import distributed
+from .optim import amp_dtype, use_fast_gpu_kernels
 
 
 def _conv_block(c_in: int, c_out: int, norm: str) -> nn.Sequential:
@@ -38,8 +39,13 @@ def resnet18_cifar(num_classes: int) -> nn.Module:
     return model
 
 
-def build_model(arch: str, num_classes: int) -> nn.Module:
-    """A freshly initialised classifier by name: convnet, convnet_gn, resnet18_cifar or any torchvision model."""
+def build_model(arch: str, num_classes: int, seed: int | None = None) -> nn.Module:
+    """A freshly initialised classifier by name: convnet, convnet_gn, resnet18_cifar or any torchvision model.
+
+    ``seed``: seeds PyTorch's global generator first (``torch.manual_seed``), so that the initial
+    weights are reproducible; under DDP every rank then starts from rank 0's copy anyway."""
+    if seed is not None:
+        torch.manual_seed(seed)
     if arch in ("convnet", "convnet_gn"):
         return convnet(num_classes, norm="gn" if arch == "convnet_gn" else "bn")
     if arch == "resnet18_cifar":
@@ -109,13 +115,23 @@ def describe_parallel(settings, ctx) -> str:
     return f"parallel: none, one process on {ctx.device}"
 
 
-def prepare_model(model: nn.Module, settings, ctx) -> nn.Module:
-    """Move to the device, apply the speed settings and, with several ranks, wrap in DDP (buckets of
-    ``bucket_mb``; its communication hook is registered by ``job.prepare`` after the link probe);
-    DataParallel for parallel=dp on a node with several GPUs.
+def prepare_model(model: nn.Module, settings, ctx, log=print) -> nn.Module:
+    """Move to the device, apply the speed settings and, with several ranks, wrap in
+    ``DistributedDataParallel`` (buckets of ``bucket_mb``; how its gradients travel is decided when
+    training starts: ``train.fit``); DataParallel for parallel=dp on a node with several GPUs.
 
-    Returns the module to train with; ``unwrap(result)`` gives back the plain model.
+    Returns the module to train with; ``unwrap(result)`` gives back the plain model. Rank 0 says
+    what runs (``describe_parallel``). On an error every rank is told and the process group is left.
     """
+    with distributed.leaving_on_error(ctx, "building the model"):
+        model = _place(model, settings, ctx)
+        use_fast_gpu_kernels(ctx.device)   # cuDNN's autotuner and TF32 on a GPU
+        if ctx.is_main:
+            log(describe_parallel(settings, ctx))
+    return model
+
+
+def _place(model: nn.Module, settings, ctx) -> nn.Module:
     if settings.sync_bn and ctx.distributed:
         if ctx.device.type != "cuda":
             raise ValueError("sync_bn needs GPUs: PyTorch's SyncBatchNorm has no CPU implementation. "
@@ -125,7 +141,8 @@ def prepare_model(model: nn.Module, settings, ctx) -> nn.Module:
     if settings.channels_last and ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     if ctx.distributed:
-        # DDP: one all-reduce of gradients per bucket, overlapped with the backward pass.
+        # DDP: the wrap. It copies rank 0's weights to every rank now, then during each backward pass
+        # all-reduces (averages) the gradients in buckets, overlapped with the rest of the backward.
         # gradient_as_bucket_view lets gradients live inside the communication buffers (no copy).
         # static_graph: the same layers run every step, so DDP can skip per-step bookkeeping.
         model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,

@@ -29,10 +29,10 @@ COMM_MODES = ("auto", "none", "fp16", "bf16", "powersgd")
 PROGRESS_MODES = ("auto", "steps", "bar", "off")
 PARALLEL_MODES = ("ddp", "dp", "none")
 
-# Fields that every rank must share, or the ranks would silently train different things.
 # The fields a preset's recipe fills in when they are left out (None).
 RECIPE_FIELDS = ("arch", "batch_size", "epochs", "lr", "warmup_epochs")
 
+# Fields that every rank must share, or the ranks would silently train different things.
 MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_reference_batch",
               "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
@@ -53,7 +53,7 @@ class Settings:
     val_split: str = _f("", "split to evaluate on; empty = the preset's (val for imagenet, valid for cinic10)")
     image_size: int = _f(0, "training crop in pixels; 0 = the preset's (224 imagenet, 32 cinic10/demo)")
     workers: int = _f(2, "DataLoader worker processes per rank (the course used 2 per GPU)")
-    # Not in MUST_AGREE, like workers: both loaders give a rank the same shard, steps and
+    # Not in MUST_AGREE, like workers: every loader gives a rank the same shard, steps and
     # validation tensors; only the random crop/flip draws differ, and those differ per rank anyway.
     loader: str = _f("workers", "workers: DataLoader worker processes decode images each epoch (for imagenet "
                                 "they send uint8 crops, normalised per batch on the device); memory: decode the "

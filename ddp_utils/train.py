@@ -19,7 +19,7 @@ from .speed.gpu_monitor import describe as describe_gpu
 from .robust.heartbeat import Heartbeat
 from .metrics import Meter
 from .model import devices_used, unwrap
-from .speed.comm import forget_overflow
+from .speed.comm import forget_overflow, gradient_communication
 from .optim import ScaledStep, amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, to_device
 from .progress import Progress
 from .runlog import TIME_PARTS, summarize
@@ -211,13 +211,17 @@ def fit(job) -> dict:
     percent), the same on every rank. When another rank stops answering, raises
     ``distributed.PeerLost`` with a paragraph that says what was saved and how to resume.
     """
-    heartbeat = Heartbeat(job.ctx, log=print)
+    heartbeat = Heartbeat(job.ctx, log=print)   # the watch over the other ranks (robust/heartbeat.py)
     try:
         with heartbeat, GpuMonitor(devices_used(job.parallel, job.ctx)) as gpu:   # dp: every GPU it drives
+            if job.communication is None:   # DDP: how the gradients travel (all_reduce, or compressed), timed
+                job.communication = gradient_communication(job.model, job.settings, job.ctx, job.data.num_classes,
+                                                           job.data.image_size, job.log)
+            comm = job.communication
             return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,
-                        job.comm, job.probe, gpu, {"parallel": job.parallel, "comm": job.comm_choice,
-                                                   "comm_reason": job.comm_reason,
-                                                   "resumed_from": job.resume if job.state is not None else None})
+                        comm.timer, comm.probe, gpu, {"parallel": job.parallel, "comm": comm.choice,
+                                                      "comm_reason": comm.reason,
+                                                      "resumed_from": job.resume if job.state is not None else None})
     except Exception as exc:
         if job.ctx.distributed and heartbeat.verdict:   # the watch ended the group: whatever broke next, this is why
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)
@@ -412,6 +416,6 @@ def evaluate_only(job) -> dict:
     logger.info(f"evaluated {resume} on {val['count']} images: loss {val['loss']:.4f} "
                 f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}")
     results = summarize(settings, ctx, val, [], 0.0, val["acc1"],
-                        extra={"parallel": job.parallel, "comm": job.comm_choice, "resumed_from": None, "cost": None})
+                        extra={"parallel": job.parallel, "comm": "none", "resumed_from": None, "cost": None})
     logger.results(results)
     return results

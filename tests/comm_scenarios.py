@@ -48,8 +48,8 @@ def with_overflow(spec: dict) -> None:
     Overflow.at, Overflow.start = tuple(spec.get("at", ())), spec.get("from")
     real = job.build_model
 
-    def build_model(arch, classes):
-        model = real(arch, classes)
+    def build_model(arch, classes, seed=None):
+        model = real(arch, classes, seed)
         return torch.nn.Sequential(*model[:-1], OverflowLayer(), model[-1])
     job.build_model = build_model
 

@@ -18,7 +18,7 @@ from torch.utils.data import DistributedSampler
 
 from ddp_utils import datasets as data_mod
 from ddp_utils.speed.dali import DaliEvalLoader, DaliTrainLoader
-from ddp_utils.data import build_data
+from ddp_utils.data import build_loaders
 from ddp_utils.datasets import DataError
 from ddp_utils.settings import Settings
 from tests.test_data import make_cinic, make_imagenet
@@ -52,8 +52,8 @@ def labels_of(dataset, indices) -> list[int]:
 def test_each_rank_gets_the_workers_paths_shard_and_steps(imagenet, world_size):
     shards = []
     for rank in range(world_size):
-        dali = build_data(settings(imagenet, seed=4), rank, world_size).train
-        workers = build_data(settings(imagenet, seed=4, loader="workers", workers=0), rank, world_size).train
+        dali = build_loaders(settings(imagenet, seed=4), rank, world_size).train
+        workers = build_loaders(settings(imagenet, seed=4, loader="workers", workers=0), rank, world_size).train
         assert isinstance(dali, DaliTrainLoader) and len(dali) == len(workers) == 15 // world_size // 2
         for epoch in (0, 1):
             workers.sampler.set_epoch(epoch)
@@ -72,7 +72,7 @@ def test_each_rank_gets_the_workers_paths_shard_and_steps(imagenet, world_size):
 
 
 def test_train_batches_are_full_normalised_float32_images_and_int64_labels(photos):
-    loader = build_data(settings(photos, batch_size=4, image_size=48), 1, 2).train
+    loader = build_loaders(settings(photos, batch_size=4, image_size=48), 1, 2).train
     low = (0 - torch.tensor(loader.preset.mean)) / torch.tensor(loader.preset.std)
     high = (1 - torch.tensor(loader.preset.mean)) / torch.tensor(loader.preset.std)
     for images, labels in loader.epoch(0):
@@ -84,13 +84,13 @@ def test_train_batches_are_full_normalised_float32_images_and_int64_labels(photo
 
 
 def test_max_steps_per_epoch_is_respected(imagenet):
-    capped = build_data(settings(imagenet, max_steps_per_epoch=2), 0, 1).train
+    capped = build_loaders(settings(imagenet, max_steps_per_epoch=2), 0, 1).train
     assert len(capped) == 2 == len(list(capped.epoch(0)))
 
 
 def test_augmentation_depends_on_seed_rank_and_epoch_only(photos):
     def draw(rank, epoch, seed=0):
-        loader = build_data(settings(photos, batch_size=4), rank, 2).train
+        loader = build_loaders(settings(photos, batch_size=4), rank, 2).train
         loader.seed = seed
         return torch.cat([x for x, _ in loader.epoch(epoch)])
     assert torch.equal(draw(1, 1), draw(1, 1))              # a re-run (or a resume) draws the same crops
@@ -105,7 +105,7 @@ def test_augmentation_depends_on_seed_rank_and_epoch_only(photos):
 def test_exact_evaluation_counts_each_validation_image_once_across_2_ranks(imagenet):
     seen, count = [], 0
     for rank in range(2):
-        val = build_data(settings(imagenet, batch_size=2), rank, 2).val
+        val = build_loaders(settings(imagenet, batch_size=2), rank, 2).val
         assert isinstance(val, DaliEvalLoader)
         mine = list(val.sampler)
         assert mine == list(range(rank, 6, 2))                          # EvalShardSampler: r, r + W, ...
@@ -119,8 +119,8 @@ def test_exact_evaluation_counts_each_validation_image_once_across_2_ranks(image
 
 def test_validation_tensors_are_close_to_the_workers_paths(photos):
     for rank in range(2):
-        dali = build_data(settings(photos, image_size=224), rank, 2).val
-        workers = build_data(settings(photos, image_size=224, loader="workers", workers=0), rank, 2).val
+        dali = build_loaders(settings(photos, image_size=224), rank, 2).val
+        workers = build_loaders(settings(photos, image_size=224, loader="workers", workers=0), rank, 2).val
         a, a_labels = map(torch.cat, zip(*dali))
         b, b_labels = map(torch.cat, zip(*workers))
         assert a.shape == b.shape and torch.equal(a_labels, b_labels)
@@ -133,7 +133,7 @@ def test_validation_tensors_are_close_to_the_workers_paths(photos):
 def test_missing_dali_is_a_paragraph_naming_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)   # import nvidia.dali now raises ImportError
     with pytest.raises(DataError) as err:
-        build_data(settings(tmp_path / "not-there"), 0, 1)   # before the folders are even looked at
+        build_loaders(settings(tmp_path / "not-there"), 0, 1)   # before the folders are even looked at
     text = str(err.value)
     assert "pip install nvidia-dali-cuda120" in text and "container" in text and "--loader workers" in text
     assert "not-there" not in text and "\n" not in text
@@ -154,19 +154,20 @@ def test_check_with_loader_dali_says_whether_dali_imports(imagenet, monkeypatch)
 
 def test_dali_for_cinic10_points_to_the_memory_loader(tmp_path):
     with pytest.raises(DataError, match="loader='memory'"):
-        build_data(Settings(dataset="cinic10", data_dir=str(make_cinic(tmp_path / "cinic")), loader="dali"), 0, 1)
+        build_loaders(Settings(dataset="cinic10", data_dir=str(make_cinic(tmp_path / "cinic")), loader="dali"), 0, 1)
 
 
 def test_a_file_dali_cannot_decode_is_the_kits_paragraph_naming_it(imagenet, monkeypatch):
     monkeypatch.setattr(data_mod, "VERIFY_ALL_UP_TO", 0)    # as for ImageNet: one image per class checked
     bad = imagenet / "train" / "n01440764" / "n01440764_1003.JPEG"
     bad.write_bytes(b"broken")
-    loader = build_data(settings(imagenet, batch_size=5), 0, 1).train
+    loader = build_loaders(settings(imagenet, batch_size=5), 0, 1).train
     with pytest.raises(DataError) as err:
         list(loader.epoch(0))
     assert str(err.value).startswith(f"{bad}: Pillow cannot read")   # the same words as the workers path
 
 
+@pytest.mark.slow
 def test_two_ranks_train_an_epoch_with_the_dali_loader(tmp_path, imagenet):
     run_ranks(tmp_path, "run", 2, "--dataset", "imagenet", "--data-dir", imagenet, "--loader", "dali",
               "--epochs", "1", "--batch-size", "2", "--workers", "1")
@@ -179,8 +180,8 @@ def test_two_ranks_train_an_epoch_with_the_dali_loader(tmp_path, imagenet):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_dali_decodes_with_nvjpeg_into_cuda_batches_close_to_the_cpu_pipelines(photos):
     """The GPU suite: the "mixed" pipeline (nvJPEG) gives CUDA tensors with the CPU pipeline's validation pixels."""
-    cpu = build_data(settings(photos, batch_size=4, image_size=48), 0, 1, torch.device("cpu"))
-    gpu = build_data(settings(photos, batch_size=4, image_size=48), 0, 1, torch.device("cuda", 0))
+    cpu = build_loaders(settings(photos, batch_size=4, image_size=48), 0, 1, torch.device("cpu"))
+    gpu = build_loaders(settings(photos, batch_size=4, image_size=48), 0, 1, torch.device("cuda", 0))
     images, labels = next(iter(gpu.train.epoch(0)))
     assert images.is_cuda and images.shape == (4, 3, 48, 48)
     for (a, la), (b, lb) in zip(cpu.val, gpu.val):
@@ -195,7 +196,7 @@ def test_every_evaluation_reuses_one_pipeline_and_gives_the_same_batches(imagene
     builds = []
     real = dali._pipeline
     monkeypatch.setattr(dali, "_pipeline", lambda *a, **k: (builds.append(1), real(*a, **k))[1])
-    val = build_data(settings(imagenet, batch_size=2), 0, 2).val
+    val = build_loaders(settings(imagenet, batch_size=2), 0, 2).val
     passes = [[(x.clone(), y.clone()) for x, y in val] for _ in range(3)]
     assert len(builds) == 1
     for later in passes[1:]:
@@ -212,13 +213,13 @@ def test_no_file_is_read_by_python_on_the_training_thread(imagenet, monkeypatch)
     def no_python_reads(*args, **kwargs):
         raise AssertionError("a file was read by Python")
     monkeypatch.setattr(np, "fromfile", no_python_reads)
-    loader = build_data(settings(imagenet, batch_size=2), 0, 1).train
+    loader = build_loaders(settings(imagenet, batch_size=2), 0, 1).train
     batches = list(loader.epoch(0))
     assert len(batches) == len(loader) and all(len(y) == 2 for _, y in batches)
 
 
 def test_an_evaluation_left_midway_does_not_shift_the_next_one(imagenet):
-    val = build_data(settings(imagenet, batch_size=2), 0, 2).val
+    val = build_loaders(settings(imagenet, batch_size=2), 0, 2).val
     whole = [y.clone() for _, y in val]
     for _ in val:
         break                                   # a pass left after its first batch

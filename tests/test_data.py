@@ -18,7 +18,7 @@ from PIL import Image
 from torchvision import transforms as T
 
 from ddp_utils import datasets as data_mod
-from ddp_utils.data import build_data
+from ddp_utils.data import build_loaders
 from ddp_utils.datasets import (PRESETS, Data, DataError, EpochLoader, EvalShardSampler, ImageFolderDataset,
                                 check_data, eval_transform, load_preset, train_transform)
 from ddp_utils.demo_data import DEMO_CLASSES, DEMO_JSON, prepare_demo, read_demo_info
@@ -100,7 +100,7 @@ def train_indices(loader: EpochLoader, epoch: int) -> list[int]:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_train_shards_are_disjoint_equal_and_cover_all_but_the_remainder(cinic, demo_dir, world_size):
     for path, dataset in ((cinic, "cinic10"), (demo_dir, "demo")):  # 20 and 1078 train images
-        shards = [train_indices(build_data(settings(path, dataset), r, world_size).train, epoch=3)
+        shards = [train_indices(build_loaders(settings(path, dataset), r, world_size).train, epoch=3)
                   for r in range(world_size)]
         n = len(ImageFolderDataset(path / "train"))
         assert all(len(s) == n // world_size for s in shards)          # same steps on every rank
@@ -109,9 +109,9 @@ def test_train_shards_are_disjoint_equal_and_cover_all_but_the_remainder(cinic, 
 
 
 def test_train_order_changes_with_epoch_and_repeats_with_the_same_seed(demo_dir):
-    a = build_data(settings(demo_dir, "demo"), 0, 2).train
-    b = build_data(settings(demo_dir, "demo"), 0, 2).train
-    c = build_data(settings(demo_dir, "demo", seed=1), 0, 2).train
+    a = build_loaders(settings(demo_dir, "demo"), 0, 2).train
+    b = build_loaders(settings(demo_dir, "demo"), 0, 2).train
+    c = build_loaders(settings(demo_dir, "demo", seed=1), 0, 2).train
     assert train_indices(a, 0) != train_indices(a, 1)
     assert train_indices(a, 1) == train_indices(b, 1)
     assert train_indices(a, 1) != train_indices(c, 1)
@@ -119,7 +119,7 @@ def test_train_order_changes_with_epoch_and_repeats_with_the_same_seed(demo_dir)
 
 def test_epoch_loader_calls_set_epoch_itself():
     s = settings(dataset="fake", image_size=8, batch_size=4, max_steps_per_epoch=3)
-    a, b = build_data(s, 0, 1).train, build_data(s, 0, 1).train
+    a, b = build_loaders(s, 0, 1).train, build_loaders(s, 0, 1).train
     labels = lambda loader, e: torch.cat([y for _, y in loader.epoch(e)]).tolist()  # noqa: E731
     assert labels(a, 0) == labels(b, 0)
     assert labels(a, 1) == labels(b, 1)
@@ -128,16 +128,16 @@ def test_epoch_loader_calls_set_epoch_itself():
 
 
 def test_epoch_loader_respects_max_steps_per_epoch():
-    full = build_data(settings(dataset="fake", image_size=8, batch_size=64), 0, 8).train
+    full = build_loaders(settings(dataset="fake", image_size=8, batch_size=64), 0, 8).train
     assert len(full) == 2560 // 8 // 64 == 5
-    capped = build_data(settings(dataset="fake", image_size=8, batch_size=64, max_steps_per_epoch=2), 0, 8).train
+    capped = build_loaders(settings(dataset="fake", image_size=8, batch_size=64, max_steps_per_epoch=2), 0, 8).train
     assert len(capped) == 2
     assert len(list(capped.epoch(0))) == 2
     assert len(list(full.epoch(0))) == 5
 
 
 def test_epoch_loader_cannot_be_iterated_without_an_epoch():
-    loader = build_data(settings(dataset="fake", image_size=8), 0, 1).train
+    loader = build_loaders(settings(dataset="fake", image_size=8), 0, 1).train
     with pytest.raises(TypeError, match="epoch"):
         iter(loader)
 
@@ -152,7 +152,7 @@ def test_eval_shard_sampler_covers_every_index_exactly_once(n, world_size):
 
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_val_loaders_see_every_image_once_across_ranks(cinic, world_size):
-    batches = [build_data(settings(cinic, batch_size=3), r, world_size).val for r in range(world_size)]
+    batches = [build_loaders(settings(cinic, batch_size=3), r, world_size).val for r in range(world_size)]
     assert sum(len(x) for loader in batches for x, _ in loader) == 20  # last batches may be short
     assert all(not loader.drop_last for loader in batches)
 
@@ -161,7 +161,7 @@ def test_val_loaders_see_every_image_once_across_ranks(cinic, world_size):
 # Presets and loading
 # ---------------------------------------------------------------------------------------------
 def test_imagenet_preset_loads_its_folders(imagenet):
-    data = build_data(settings(imagenet, "imagenet"), 0, 1)
+    data = build_loaders(settings(imagenet, "imagenet"), 0, 1)
     assert (data.classes, data.num_classes, data.train_size, data.val_size) == (WNIDS, 3, 9, 6)
     x, y = next(data.train.epoch(0))
     assert x.shape == (2, 3, 224, 224) and x.dtype == torch.float32 and y.dtype == torch.int64
@@ -184,7 +184,7 @@ def test_imagenet_transforms_crop_224_and_resize_256():
 
 
 def test_cinic10_preset_loads_its_folders_with_cinic_statistics(cinic):
-    data = build_data(settings(cinic), 0, 1)
+    data = build_loaders(settings(cinic), 0, 1)
     assert data.classes == CINIC and data.num_classes == 10
     assert (data.train_size, data.val_size, data.image_size) == (20, 20, 32)
     x, _ = next(data.train.epoch(0))
@@ -204,16 +204,16 @@ def test_val_split_setting_picks_another_split(cinic):
     shutil.rmtree(cinic / "test" / "cat")
     (cinic / "test" / "cat").mkdir()
     solid(cinic / "test" / "cat" / "one.png", (32, 32), (0, 0, 0))
-    data = build_data(settings(cinic, val_split="test"), 0, 1)
+    data = build_loaders(settings(cinic, val_split="test"), 0, 1)
     assert (data.val_split, data.val_size) == ("test", 19)
 
 
 def test_fake_preset_shapes_and_sizes():
-    data = build_data(settings(dataset="fake", batch_size=4), 0, 1)
+    data = build_loaders(settings(dataset="fake", batch_size=4), 0, 1)
     assert (data.train_size, data.val_size, data.num_classes, data.image_size) == (2560, 512, 1000, 224)
     x, y = next(data.train.epoch(0))
     assert x.shape == (4, 3, 224, 224) and y.shape == (4,)
-    small = build_data(settings(dataset="fake", image_size=16, batch_size=4), 0, 1)
+    small = build_loaders(settings(dataset="fake", image_size=16, batch_size=4), 0, 1)
     assert next(iter(small.val))[0].shape == (4, 3, 16, 16)
     assert torch.equal(small.val.dataset[5][0], small.val.dataset[5][0])  # deterministic per index
     assert not torch.equal(small.val.dataset[0][0], small.train.dataset[0][0])
@@ -222,7 +222,7 @@ def test_fake_preset_shapes_and_sizes():
 def test_datasets_pickle_for_spawned_workers(imagenet, cinic, demo_dir):
     for s in (settings(imagenet, "imagenet"), settings(cinic), settings(demo_dir, "demo"),
               settings(dataset="fake", image_size=8)):
-        data = build_data(s, 0, 1)
+        data = build_loaders(s, 0, 1)
         for dataset in (data.train.dataset, data.val.dataset):
             copy = pickle.loads(pickle.dumps(dataset))
             assert len(copy) == len(dataset)
@@ -230,7 +230,7 @@ def test_datasets_pickle_for_spawned_workers(imagenet, cinic, demo_dir):
 
 
 def test_loader_with_worker_processes(cinic):
-    data = build_data(settings(cinic, workers=1, batch_size=4), 1, 2)
+    data = build_loaders(settings(cinic, workers=1, batch_size=4), 1, 2)
     # train workers restart each epoch so they can be reseeded per epoch (see the next test)
     assert not data.train.loader.persistent_workers and data.val.persistent_workers
     assert not data.train.loader.pin_memory
@@ -240,10 +240,10 @@ def test_loader_with_worker_processes(cinic):
 
 def test_an_epochs_augmented_batches_do_not_depend_on_the_epochs_before_it(cinic):
     """What resume relies on: epoch 1 of a run that skipped epoch 0 sees the same random crops."""
-    straight = build_data(settings(cinic, workers=1, batch_size=4), 0, 1)
+    straight = build_loaders(settings(cinic, workers=1, batch_size=4), 0, 1)
     list(straight.train.epoch(0))
     after_epoch_0 = [x for x, _ in straight.train.epoch(1)]
-    resumed = [x for x, _ in build_data(settings(cinic, workers=1, batch_size=4), 0, 1).train.epoch(1)]
+    resumed = [x for x, _ in build_loaders(settings(cinic, workers=1, batch_size=4), 0, 1).train.epoch(1)]
     assert all(torch.equal(a, b) for a, b in zip(after_epoch_0, resumed)) and len(resumed) == len(after_epoch_0)
 
 
@@ -258,7 +258,7 @@ def _augmentation_draws(demo_dir, monkeypatch, workers: int, rank: int, epoch: i
     monkeypatch.setattr(data_mod, "train_transform", lambda preset, size: _Draws())
     from ddp_utils import data as build_mod
     monkeypatch.setattr(build_mod, "train_transform", lambda preset, size: _Draws())
-    loader = build_data(settings(demo_dir, "demo", workers=workers, batch_size=16, max_steps_per_epoch=4),
+    loader = build_loaders(settings(demo_dir, "demo", workers=workers, batch_size=16, max_steps_per_epoch=4),
                         rank, 2).train
     torch.manual_seed(0)   # what prepare() does on every rank: the same global RNG everywhere
     return torch.cat([x for x, _ in loader.epoch(epoch)])
@@ -283,7 +283,7 @@ def test_without_workers_the_loader_leaves_the_training_rng_alone(demo_dir, monk
     monkeypatch.setattr(data_mod, "train_transform", lambda preset, size: _Draws())
     from ddp_utils import data as build_mod
     monkeypatch.setattr(build_mod, "train_transform", lambda preset, size: _Draws())
-    loader = build_data(settings(demo_dir, "demo", workers=0, batch_size=16, max_steps_per_epoch=3), 0, 1).train
+    loader = build_loaders(settings(demo_dir, "demo", workers=0, batch_size=16, max_steps_per_epoch=3), 0, 1).train
     torch.manual_seed(5)
     plain = torch.cat([x for x, _ in loader.epoch(0)])
     torch.manual_seed(5)
@@ -308,21 +308,21 @@ def test_both_loaders_take_their_seed_from_the_one_recipe():
 
 
 def test_pin_memory_only_for_cuda(cinic):
-    assert build_data(settings(cinic), 0, 1, device=torch.device("cuda")).train.loader.pin_memory
-    assert not build_data(settings(cinic), 0, 1, device="cpu").val.pin_memory
+    assert build_loaders(settings(cinic), 0, 1, device=torch.device("cuda")).train.loader.pin_memory
+    assert not build_loaders(settings(cinic), 0, 1, device="cpu").val.pin_memory
 
 
 def test_fingerprint_agrees_across_ranks_and_differs_with_the_data(cinic, tmp_path):
-    fp = build_data(settings(cinic), 0, 2).fingerprint()
-    assert fp == build_data(settings(cinic), 1, 2).fingerprint()
+    fp = build_loaders(settings(cinic), 0, 2).fingerprint()
+    assert fp == build_loaders(settings(cinic), 1, 2).fingerprint()
     json.dumps(fp)
     other = make_cinic(tmp_path / "other", per_class=3)
-    assert build_data(settings(other), 1, 2).fingerprint()["train_size"] != fp["train_size"]
+    assert build_loaders(settings(other), 1, 2).fingerprint()["train_size"] != fp["train_size"]
 
 
 def test_train_split_smaller_than_one_batch_per_rank(cinic):
     with pytest.raises(DataError, match="lower batch_size"):
-        build_data(settings(cinic, batch_size=8), 0, 4)  # 20 images / 4 ranks = 5 < 8
+        build_loaders(settings(cinic, batch_size=8), 0, 4)  # 20 images / 4 ranks = 5 < 8
 
 
 def test_hidden_folders_are_not_classes(cinic):
@@ -421,7 +421,7 @@ def test_big_splits_check_one_image_per_class_and_name_bad_files_when_loaded(ima
     monkeypatch.setattr(data_mod, "VERIFY_ALL_UP_TO", 0)
     bad = imagenet / "train" / WNIDS[0] / f"{WNIDS[0]}_1002.JPEG"  # not the first of its class
     bad.write_bytes(b"broken")
-    data = build_data(settings(imagenet, "imagenet"), 0, 1)   # the check samples past it
+    data = build_loaders(settings(imagenet, "imagenet"), 0, 1)   # the check samples past it
     index = data.train.dataset.samples.index((str(bad), 0))
     with pytest.raises(DataError, match="Pillow cannot read") as e:
         data.train.dataset[index]
@@ -463,6 +463,7 @@ def test_prepare_demo_twice_keeps_the_first_set(demo_dir):
     assert (demo_dir / DEMO_JSON).stat().st_mtime_ns == stamp
 
 
+@pytest.mark.slow
 def test_concurrent_prepare_demo_ends_with_one_intact_set(tmp_path):
     root = tmp_path / "demo"
     # demo_data does not import torch, so both processes start fast and really race.
@@ -476,7 +477,7 @@ def test_concurrent_prepare_demo_ends_with_one_intact_set(tmp_path):
 
 
 def test_build_data_creates_the_demo_set_and_loads_it(demo_dir):
-    data = build_data(settings(demo_dir, "demo", batch_size=16), 0, 1)
+    data = build_loaders(settings(demo_dir, "demo", batch_size=16), 0, 1)
     assert isinstance(data, Data) and data.classes == DEMO_CLASSES
     x, y = next(data.train.epoch(0))
     assert x.shape == (16, 3, 32, 32) and int(y.max()) < 10
@@ -509,7 +510,7 @@ def test_loader_workers_do_not_keep_rank_0s_listening_port(demo_dir):
     port = procs.free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)   # as rank 0 hosts it
     try:
-        data = build_data(settings(demo_dir, "demo", workers=2, batch_size=64), 0, 1)
+        data = build_loaders(settings(demo_dir, "demo", workers=2, batch_size=64), 0, 1)
         next(iter(data.val))              # persistent workers, now alive
         next(iter(data.train.epoch(0)))   # train workers too
         children = psutil.Process().children(recursive=True)
@@ -536,3 +537,25 @@ def test_check_verify_images_finds_every_unreadable_file_that_the_quick_check_sk
     assert "2 of " in text and "images cannot be decoded" in text and "NOT READY" in text
     for path in bad:
         assert str(path) in text
+
+
+def test_every_training_loader_shares_one_written_protocol():
+    """The sampler, set_epoch and the steps per epoch are written once (datasets.TrainLoader); each loader only
+    makes its batches. A loader with its own epoch() or __len__ could forget set_epoch or count steps apart."""
+    import inspect
+
+    import ddp_utils
+    from ddp_utils.datasets import TrainLoader
+    from ddp_utils.speed.dali import DaliTrainLoader
+    from ddp_utils.speed.fastjpeg import NormalizedEpochLoader
+    from ddp_utils.speed.memdata import MemoryLoader
+    for loader in (EpochLoader, NormalizedEpochLoader, MemoryLoader, DaliTrainLoader):
+        assert issubclass(loader, TrainLoader), loader
+        assert not {"epoch", "__len__", "_shuffle", "__iter__"} & set(vars(loader)), loader
+    import ast
+    package = Path(ddp_utils.__file__).parent
+    calling = sorted(f"{p.relative_to(package)}:{node.lineno}" for p in package.rglob("*.py")
+                     for node in ast.walk(ast.parse(p.read_text()))
+                     if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "set_epoch")
+    assert len(calling) == 1 and calling[0].startswith("datasets.py:"), calling
+    assert "set_epoch(" in inspect.getsource(TrainLoader._shuffle)

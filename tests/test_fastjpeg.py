@@ -20,7 +20,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_utils.speed import fastjpeg
-from ddp_utils.data import build_data
+from ddp_utils.data import build_loaders
 from ddp_utils.datasets import (DataError, EpochLoader, EvalShardSampler, ImageFolderDataset, augmentation_seed,
                                 eval_transform, load_preset, train_transform)
 from ddp_utils.speed.memdata import normalize
@@ -61,7 +61,7 @@ def settings(path, **kw) -> Settings:
 
 
 def classic(s: Settings, rank: int, world_size: int):
-    """The course's path, as build_data assembled it before fastjpeg: float32 out of the workers."""
+    """The course's path, as build_loaders assembled it before fastjpeg: float32 out of the workers."""
     preset, root = load_preset("imagenet"), Path(s.data_dir)
     size = s.image_size or preset.image_size
     train_set = ImageFolderDataset(root / "train", train_transform(preset, size))
@@ -87,7 +87,7 @@ def levels(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def test_each_rank_gets_the_classic_paths_shard_and_steps(imagenet, world_size):
     shards = []
     for rank in range(world_size):
-        fast = build_data(settings(imagenet, seed=3, image_size=32), rank, world_size).train
+        fast = build_loaders(settings(imagenet, seed=3, image_size=32), rank, world_size).train
         old, _ = classic(settings(imagenet, seed=3, image_size=32), rank, world_size)
         assert isinstance(fast, fastjpeg.NormalizedEpochLoader) and len(fast) == len(old) == 15 // world_size // 2
         for epoch in (0, 1):
@@ -104,7 +104,7 @@ def test_each_rank_gets_the_classic_paths_shard_and_steps(imagenet, world_size):
 def test_same_seed_rank_and_epoch_cut_the_classic_paths_crops(photos, workers):
     """The v2 transforms draw the classic ones' random numbers: same crop and flip, pixels within 2 levels."""
     s = settings(photos, workers=workers, batch_size=4, image_size=64, seed=7)
-    fast = build_data(s, 1, 2).train
+    fast = build_loaders(s, 1, 2).train
     old, _ = classic(s, 1, 2)
     for epoch in (0, 2):
         a = torch.cat([x for x, _ in fast.epoch(epoch)])
@@ -115,7 +115,7 @@ def test_same_seed_rank_and_epoch_cut_the_classic_paths_crops(photos, workers):
 
 def test_augmentation_depends_on_seed_rank_and_epoch_only(photos):
     def draw(rank, epoch, seed=0):
-        loader = build_data(settings(photos, batch_size=4, image_size=48, seed=seed), rank, 2).train
+        loader = build_loaders(settings(photos, batch_size=4, image_size=48, seed=seed), rank, 2).train
         torch.manual_seed(0)   # the training's global RNG, the same on every rank: must not matter
         return torch.cat([x for x, _ in loader.epoch(epoch)])
     assert torch.equal(draw(1, 1), draw(1, 1))             # a re-run (or a resume) draws the same crops
@@ -131,7 +131,7 @@ def test_validation_tensors_match_the_classic_paths_within_2_of_255_levels(photo
     seen = []
     for rank in range(2):
         s = settings(photos, batch_size=2, image_size=image_size)
-        fast = build_data(s, rank, 2).val
+        fast = build_loaders(s, rank, 2).val
         _, old = classic(s, rank, 2)
         assert list(fast.sampler) == list(old.sampler) == list(range(rank, 9, 2)) and len(fast) == len(old)
         a, a_labels = map(torch.cat, zip(*fast))
@@ -147,7 +147,7 @@ def test_validation_tensors_match_the_classic_paths_within_2_of_255_levels(photo
 # uint8 through the queues, normalisation after
 # ---------------------------------------------------------------------------------------------
 def test_uint8_goes_through_the_worker_queue_and_is_normalised_after(photos):
-    data = build_data(settings(photos, workers=1, batch_size=4, image_size=32), 0, 1)
+    data = build_loaders(settings(photos, workers=1, batch_size=4, image_size=32), 0, 1)
     queued = [x for x, _ in data.train.loader]                              # what the worker process sent
     assert queued and all(x.dtype == torch.uint8 and x.shape == (4, 3, 32, 32) for x in queued)
     out = [x for x, _ in data.train.epoch(0)]

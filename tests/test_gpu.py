@@ -86,12 +86,12 @@ def test_channels_last_on_the_gpu(tmp_path):
 
 @gpu_only
 def test_the_memory_loader_keeps_the_images_on_the_gpu(tmp_path):
-    from ddp_utils.data import build_data
+    from ddp_utils.data import build_loaders
     from ddp_utils.demo_data import prepare_demo
     from ddp_utils.settings import Settings
     prepare_demo(tmp_path / "demo")
     settings = Settings(dataset="demo", data_dir=str(tmp_path / "demo"), loader="memory", batch_size=32)
-    data = build_data(settings, 0, 1, torch.device("cuda", 0))
+    data = build_loaders(settings, 0, 1, torch.device("cuda", 0))
     images, labels = next(iter(data.train.epoch(0)))
     assert images.is_cuda and labels.is_cuda and images.shape == (32, 3, 32, 32)
 

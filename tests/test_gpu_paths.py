@@ -33,6 +33,7 @@ def one_rank_group(backend="gloo", device=None):
 
 
 # -- the link probe with --sync-bn ------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_link_probes_copy_of_a_sync_bn_model_starts_no_collective():
     """Rank 0 times its copy alone while the others wait: a SyncBatchNorm in the copy would start
     collectives nobody joins (a hang on GPUs; on a CPU SyncBatchNorm refuses to run, which shows the same)."""
@@ -76,6 +77,7 @@ def two_ranks_with(devices: list, backend: str, amp: str = "auto") -> list:
                     for r in range(2)], timeout=90, env=env)
 
 
+@pytest.mark.slow
 def test_a_node_without_a_gpu_is_named_on_every_rank_before_init():
     """A container started without --gpus on node 2: auto meant nccl on rank 0 and gloo on rank 1, and init
     waited out its timeout blaming the network. Now every rank names the node, in seconds, before any backend."""
@@ -88,6 +90,7 @@ def test_a_node_without_a_gpu_is_named_on_every_rank_before_init():
         assert float(r.output.split("CHECK seconds_to_error=")[1].split()[0]) < 20
 
 
+@pytest.mark.slow
 def test_two_ranks_on_one_gpu_with_nccl_are_told_before_init():
     from tests.procs import describe
     results = two_ranks_with(["T4", "T4"], "nccl")
@@ -97,6 +100,7 @@ def test_two_ranks_on_one_gpu_with_nccl_are_told_before_init():
         assert "duplicate GPU" in r.output and "backend='auto' or 'gloo'" in r.output, describe(results)
 
 
+@pytest.mark.slow
 def test_two_ranks_on_one_gpu_with_auto_rehearse_on_gloo_and_say_why():
     """Both notebooks on one single-GPU VM: gloo can share the GPU, nccl cannot."""
     from tests.procs import describe
@@ -106,6 +110,7 @@ def test_two_ranks_on_one_gpu_with_auto_rehearse_on_gloo_and_say_why():
         assert "a rehearsal on one machine: NCCL cannot share a GPU between ranks" in r.output, describe(results)
 
 
+@pytest.mark.slow
 def test_gloo_asked_for_with_a_cpu_node_trains_and_says_the_cpu_ranks_set_the_pace():
     from tests.procs import describe
     results = two_ranks_with(["T4", None], "gloo", amp="off")   # gloo asked for: allowed, with a word on the pace
@@ -202,6 +207,7 @@ def test_ranks_whose_gpus_would_pick_different_precisions_are_stopped_before_ini
 
 
 # -- resuming across precisions ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_checkpoint_without_fp16_resumes_with_fp16(tmp_path):
     """A bf16 (or CPU) run's checkpoint holds a disabled scaler's empty state; resuming it with fp16 (A100 nodes
     -> T4 nodes) crashed in GradScaler.load_state_dict. Here the real path on a CPU: amp off, then fp16."""
@@ -287,8 +293,9 @@ def test_a_gpu_run_lets_cudnn_pick_its_fastest_convolutions(monkeypatch):
 
 def test_prepare_sets_the_fast_kernels_for_the_runs_device(monkeypatch, tmp_path):
     from ddp_utils import job as job_module
+    from ddp_utils import model as model_module
     seen = []
-    monkeypatch.setattr(job_module, "use_fast_gpu_kernels", seen.append)
+    monkeypatch.setattr(model_module, "use_fast_gpu_kernels", seen.append)
     settings = Settings(dataset="fake", image_size=32, workers=0, wandb="disabled", progress="off",
                         run_dir=str(tmp_path / "run"), max_steps_per_epoch=1, batch_size=4, epochs=1)
     with job_module.prepare(settings, log=lambda *_: None) as job:

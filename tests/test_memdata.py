@@ -15,7 +15,7 @@ from PIL import Image
 from torch.utils.data import DistributedSampler
 
 from ddp_utils.speed import memdata
-from ddp_utils.data import build_data
+from ddp_utils.data import build_loaders
 from ddp_utils.datasets import DataError, check_data
 from ddp_utils.speed.memdata import MemoryLoader, augmentation_generator, crop_flip, decode_split, normalize
 from ddp_utils.settings import MUST_AGREE, Settings
@@ -87,11 +87,11 @@ def augmentations_of(loader: MemoryLoader, epoch: int) -> list[tuple[int, int, b
 def test_train_shards_are_disjoint_and_are_distributed_samplers_indices(cinic, world_size):
     shards = []
     for rank in range(world_size):
-        loader = build_data(settings(cinic, seed=5, batch_size=2), rank, world_size).train
+        loader = build_loaders(settings(cinic, seed=5, batch_size=2), rank, world_size).train
         reference = DistributedSampler(range(30), num_replicas=world_size, rank=rank, shuffle=True, seed=5,
                                        drop_last=True)
         reference.set_epoch(3)
-        workers_path = build_data(settings(cinic, seed=5, batch_size=2, loader="workers"), rank, world_size).train
+        workers_path = build_loaders(settings(cinic, seed=5, batch_size=2, loader="workers"), rank, world_size).train
         workers_path.sampler.set_epoch(3)
         shard = loader.indices(3).tolist()
         assert shard == list(reference) == list(workers_path.sampler)
@@ -104,24 +104,24 @@ def test_train_shards_are_disjoint_and_are_distributed_samplers_indices(cinic, w
 
 
 def test_train_order_changes_with_the_epoch_and_repeats_for_the_same_seed(demo_dir):
-    a = build_data(settings(demo_dir, "demo"), 0, 2).train
-    b = build_data(settings(demo_dir, "demo"), 0, 2).train
-    c = build_data(settings(demo_dir, "demo", seed=1), 0, 2).train
+    a = build_loaders(settings(demo_dir, "demo"), 0, 2).train
+    b = build_loaders(settings(demo_dir, "demo"), 0, 2).train
+    c = build_loaders(settings(demo_dir, "demo", seed=1), 0, 2).train
     assert a.indices(0).tolist() != a.indices(1).tolist()
     assert a.indices(1).tolist() == b.indices(1).tolist()
     assert a.indices(1).tolist() != c.indices(1).tolist()
 
 
 def test_max_steps_per_epoch_is_respected(demo_dir):
-    full = build_data(settings(demo_dir, "demo", batch_size=64), 0, 2).train
-    capped = build_data(settings(demo_dir, "demo", batch_size=64, max_steps_per_epoch=3), 0, 2).train
+    full = build_loaders(settings(demo_dir, "demo", batch_size=64), 0, 2).train
+    capped = build_loaders(settings(demo_dir, "demo", batch_size=64, max_steps_per_epoch=3), 0, 2).train
     assert len(full) == 1078 // 2 // 64 == len(batches(full, 0))
     assert len(capped) == 3 == len(batches(capped, 0))
 
 
 def test_the_train_loader_cannot_be_iterated_without_an_epoch(cinic):
     with pytest.raises(TypeError, match="epoch"):
-        iter(build_data(settings(cinic), 0, 1).train)
+        iter(build_loaders(settings(cinic), 0, 1).train)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def test_the_train_loader_cannot_be_iterated_without_an_epoch(cinic):
 def test_eval_covers_every_image_exactly_once_across_ranks(cinic, world_size):
     seen = []
     for rank in range(world_size):
-        val = build_data(settings(cinic, batch_size=4), rank, world_size).val
+        val = build_loaders(settings(cinic, batch_size=4), rank, world_size).val
         got = list(val)
         assert len(got) == len(val)
         mine = list(val.sampler)
@@ -146,8 +146,8 @@ def test_eval_covers_every_image_exactly_once_across_ranks(cinic, world_size):
 def test_eval_images_equal_the_workers_paths_exactly(demo_dir, cinic, dataset, image_size):
     path = demo_dir if dataset == "demo" else cinic
     for rank in range(2):
-        memory = build_data(settings(path, dataset, image_size=image_size), rank, 2).val
-        workers = build_data(settings(path, dataset, image_size=image_size, loader="workers"), rank, 2).val
+        memory = build_loaders(settings(path, dataset, image_size=image_size), rank, 2).val
+        workers = build_loaders(settings(path, dataset, image_size=image_size, loader="workers"), rank, 2).val
         m_images, m_labels = map(torch.cat, zip(*memory))
         w_images, w_labels = map(torch.cat, zip(*workers))
         assert m_images.dtype == torch.float32 and m_images.shape[-1] == (image_size or 32)
@@ -175,7 +175,7 @@ def test_big_splits_decoded_by_worker_processes_give_the_same_tensors(cinic, mon
 # Training batches and augmentation
 # ---------------------------------------------------------------------------------------------
 def test_train_batches_are_full_float32_normalised_images_and_int64_labels(demo_dir):
-    loader = build_data(settings(demo_dir, "demo", batch_size=32), 1, 2).train
+    loader = build_loaders(settings(demo_dir, "demo", batch_size=32), 1, 2).train
     low, high = (0 - loader.mean) / loader.std, (1 - loader.mean) / loader.std   # pixels 0 and 255, per channel
     for images, labels in batches(loader, 0):
         assert images.shape == (32, 3, 32, 32) and images.dtype == torch.float32
@@ -197,14 +197,14 @@ def test_crops_and_flips_are_drawn_per_sample():
 
 
 def test_cinic_batches_are_crops_and_flips_of_their_own_images_with_per_sample_offsets(cinic):
-    loader = build_data(settings(cinic, batch_size=8), 0, 1).train
+    loader = build_loaders(settings(cinic, batch_size=8), 0, 1).train
     found = augmentations_of(loader, 0) + augmentations_of(loader, 1) + augmentations_of(loader, 2)
     assert len({(dy, dx) for dy, dx, _ in found}) > 1
     assert {m for _, _, m in found} == {False, True}               # cinic10 flips, per sample
 
 
 def test_demo_batches_are_crops_that_are_never_mirrored(demo_dir):
-    loader = build_data(settings(demo_dir, "demo", batch_size=64), 0, 2).train
+    loader = build_loaders(settings(demo_dir, "demo", batch_size=64), 0, 2).train
     assert not loader.flip
     found = augmentations_of(loader, 0)
     assert len({(dy, dx) for dy, dx, _ in found}) > 1
@@ -216,8 +216,8 @@ def test_demo_batches_are_crops_that_are_never_mirrored(demo_dir):
 
 
 def test_augmentation_is_reproducible_for_the_same_seed_rank_and_epoch(demo_dir):
-    a = build_data(settings(demo_dir, "demo", batch_size=64), 1, 2).train
-    b = build_data(settings(demo_dir, "demo", batch_size=64), 1, 2).train
+    a = build_loaders(settings(demo_dir, "demo", batch_size=64), 1, 2).train
+    b = build_loaders(settings(demo_dir, "demo", batch_size=64), 1, 2).train
     first = batches(a, 1)
     batches(a, 2)
     for (x, y), (x2, y2), (x3, y3) in zip(first, batches(b, 1), batches(a, 1)):
@@ -234,7 +234,7 @@ def test_augmentation_is_reproducible_for_the_same_seed_rank_and_epoch(demo_dir)
                                              ("fake", "on the fly")])
 def test_memory_loader_with_imagenet_or_fake_is_a_clear_data_error(tmp_path, dataset, reason):
     with pytest.raises(DataError) as err:
-        build_data(settings(tmp_path, dataset), 0, 1)
+        build_loaders(settings(tmp_path, dataset), 0, 1)
     assert reason in str(err.value) and "loader='workers'" in str(err.value)
 
 
@@ -245,6 +245,7 @@ def test_loader_is_a_setting_the_ranks_need_not_share():
         Settings(loader="gpu")
 
 
+@pytest.mark.slow
 def test_two_ranks_train_one_epoch_of_the_demo_set_with_the_memory_loader(tmp_path, demo_dir):
     run_ranks(tmp_path, "run", 2, "--dataset", "demo", "--data-dir", demo_dir, "--loader", "memory",
               "--epochs", "1", "--max-steps-per-epoch", "4", "--batch-size", "16")

@@ -14,10 +14,10 @@ import re
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from tests import netns
+from tests.notebook_cells import code_cells, parameter_cells, parameters, read
 from tests.procs import REPO, Result, base_env, describe, free_port, run_all
 
 NOTEBOOKS = Path(REPO) / "notebooks"
@@ -25,7 +25,7 @@ MAIN, WORKER, SINGLE = (NOTEBOOKS / f"{n}.ipynb" for n in ("main", "worker", "si
 TAG = "# DDP:"
 REQUIRED = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "DATASET", "DATA_DIR", "EPOCHS",
             "BATCH_SIZE", "RUN_DIR", "WANDB_MODE")
-SINGLE_ONLY_CHANGES = 3   # code lines single.ipynb may change beyond dropping main's `# DDP:` lines
+SINGLE_ONLY_CHANGES = 2   # code lines single.ipynb adds to main without its `# DDP:` lines: WORLD_SIZE, PARALLEL
 
 # Small, fast settings for every execution (what students would type for a quick try).
 QUICK = {"EPOCHS": 1, "MAX_STEPS": 3, "BATCH_SIZE": 32, "WORKERS": 0, "WANDB_MODE": "disabled",
@@ -36,24 +36,6 @@ METRICS = ("acc1", "acc5", "loss", "val_images", "world_size", "global_batch_siz
 
 
 # -- helpers ----------------------------------------------------------------------------------
-def read(path) -> nbformat.NotebookNode:
-    return nbformat.read(str(path), as_version=4)
-
-
-def code_cells(nb) -> list[str]:
-    return [c.source for c in nb.cells if c.cell_type == "code"]
-
-
-def parameter_cells(nb) -> list:
-    return [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
-
-
-def parameters(path) -> dict:
-    """``{NAME: value}`` of the parameters cell, which must hold only ``NAME = literal`` lines."""
-    [cell] = parameter_cells(read(path))
-    return {node.targets[0].id: ast.literal_eval(node.value) for node in ast.parse(cell.source).body}
-
-
 def papermill(notebook: Path, out: Path, params: dict) -> list[str]:
     """The command a student's Jupyter would amount to: run every cell, in the notebooks folder."""
     return [sys.executable, "-m", "tests.run_notebook", str(notebook), str(out), json.dumps(params), str(NOTEBOOKS)]
@@ -142,31 +124,96 @@ def test_every_code_cell_is_valid_ipython(path):
 
 def test_ddp_tags_mark_main_and_are_absent_from_single():
     main, single = "\n".join(code_cells(read(MAIN))), "\n".join(code_cells(read(SINGLE)))
-    for ddp_call in ("preflight(settings)", "prepare(settings", "teardown()", "rank=RANK", "MASTER_ADDR = "):
+    for ddp_call in ("init_process_group", "DistributedSampler", "DistributedDataParallel", "all_reduce",
+                     "teardown()", "rank=RANK", "MASTER_ADDR = ", "WORLD_SIZE = ", "PARALLEL = "):
         line = next(line for line in main.splitlines() if ddp_call in line)
         assert TAG in line, line
     assert TAG not in single and "DDP:" not in single
 
 
-def test_the_ddp_steps_inside_prepare_are_tagged_too():
-    """The notebooks call prepare(); the agreement, resume and DDP wrap inside it stay marked for students."""
+ESSENTIALS = ("init_process_group", "DistributedSampler", "set_epoch", "DistributedDataParallel", "all_reduce")
+
+
+@pytest.mark.parametrize("essential", ESSENTIALS)
+def test_main_names_each_ddp_essential_in_a_code_cell(essential):
+    """A student finds every step DDP adds in the cells, not only inside the package."""
+    assert any(essential in source for source in code_cells(read(MAIN))), essential
+
+
+# The notebook's steps: each one a visible call; prepare() (for the command line, labs and benchmarks)
+# and run_job make the same calls in the same order.
+STEPS = ("setup", "build_data", "prepare_model", "build_model", "open_run", "fit", "teardown")
+
+
+def calls(tree) -> list[tuple[str, list[str]]]:
+    """``(function name, names of its positional arguments)`` of the STEPS calls in ``tree``, in source order."""
+    found = []
+    for node in ast.walk(tree):
+        name = getattr(node.func, "id", getattr(node.func, "attr", None)) if isinstance(node, ast.Call) else None
+        if name in STEPS:   # setup(...) or distributed.teardown(...)
+            args = [a.id if isinstance(a, ast.Name) else ast.unparse(a) for a in node.args]
+            found.append((node.lineno, node.col_offset, name, args))
+    return [(name, args) for *_, name, args in sorted(found)]
+
+
+def notebook_calls(path) -> list[tuple[str, list[str]]]:
+    from IPython.core.inputtransformer2 import TransformerManager
+    return [call for source in code_cells(read(path))
+            for call in calls(ast.parse(TransformerManager().transform_cell(source)))]
+
+
+def prepare_calls() -> list[tuple[str, list[str]]]:
+    import inspect
+
+    from ddp_utils import job
+    return (calls(ast.parse(inspect.getsource(job.prepare).strip())) +
+            [c for c in calls(ast.parse(inspect.getsource(job.run_job).strip())) if c[0] in ("fit", "teardown")])
+
+
+@pytest.mark.parametrize("path", [MAIN, WORKER, SINGLE], ids=lambda p: p.name)
+def test_notebook_cells_make_the_same_calls_in_the_same_order_as_prepare(path):
+    """The notebooks show the steps; prepare() is their one-call form. Same functions, same order, and the
+    notebook passes the same leading arguments (prepare adds its log and the evaluate flag)."""
+    mine, theirs = notebook_calls(path), prepare_calls()
+    if path == SINGLE:   # one process: no process group to leave
+        theirs = [c for c in theirs if c[0] != "teardown"]
+    assert [name for name, _ in mine] == [name for name, _ in theirs], (mine, theirs)
+    for (name, args), (_, prepared) in zip(mine, theirs):
+        assert prepared[:len(args)] == args, (name, args, prepared)
+
+
+def test_the_steps_inside_prepare_are_tagged_too():
+    """Read from the command line's side, prepare's DDP steps stay marked for students."""
     import inspect
 
     from ddp_utils import job
     source = inspect.getsource(job.prepare)
-    for ddp_call in ("distributed.setup(", "agree(data.fingerprint()", "prepare_model("):
+    for ddp_call in ("setup(", "build_data(", "prepare_model(", "open_run("):
         line = next(line for line in source.splitlines() if ddp_call in line)
         assert TAG in line, line
 
 
-@pytest.mark.parametrize("path", [MAIN, WORKER, SINGLE], ids=lambda p: p.name)
-def test_notebooks_build_their_run_with_prepare_and_train_with_fit(path):
-    """The same calls as the command line, so resume, the TensorBoard purge and lost peers behave alike."""
-    code = "\n".join(code_cells(read(path)))
-    assert "job = prepare(settings, resume=RESUME or None)" in code
-    assert "results = fit(job)" in code
-    for hand_made in ("build_data(", "make_logger(", "prepare_model(", "setup(settings"):
-        assert hand_made not in code, f"{path.name} assembles the run by hand ({hand_made})"
+@pytest.mark.parametrize("module, function, essential", [
+    ("distributed", "_init_process_group", "dist.init_process_group("),
+    ("datasets", "train_sampler", "DistributedSampler("),
+    ("datasets", "TrainLoader._shuffle", "set_epoch("),
+    ("model", "_place", "DDP(model"),
+    ("metrics", "Meter.reduced", "all_reduce_sum("),
+    ("distributed", "all_reduce_sum", "dist.all_reduce("),
+    ("runlog", "make_logger", "NullLogger()"),
+    ("distributed", "teardown", "destroy_process_group("),
+])
+def test_the_lesson_page_points_at_the_code_that_does_each_step(module, function, essential):
+    """notebooks/lesson.md names ddp_utils/<module>.py and <function> for each step; that code does it."""
+    import importlib
+    import inspect
+
+    lesson = (NOTEBOOKS / "lesson.md").read_text()
+    assert f"ddp_utils/{module}.py" in lesson and f"`{function}`" in lesson, (module, function)
+    obj = importlib.import_module(f"ddp_utils.{module}")
+    for part in function.split("."):
+        obj = getattr(obj, part)
+    assert essential in inspect.getsource(obj), (function, essential)
 
 
 @pytest.mark.parametrize("path", [MAIN, SINGLE], ids=lambda p: p.name)
@@ -180,15 +227,18 @@ def test_notebook_parameters_use_the_recipe_and_show_the_lr_convention(path):
 
 
 def test_single_is_main_without_its_ddp_lines():
-    """A visible diff: drop main's `# DDP:` lines and at most a few lines change (WORLD_SIZE, setup)."""
+    """The lesson is a diff: drop main's `# DDP:` lines and single.ipynb is left, except for its own values of
+    WORLD_SIZE and PARALLEL (main's lines for both are tagged)."""
     def lines(nb, drop_tagged):
         return [line.strip() for source in code_cells(nb) for line in source.splitlines()
                 if line.strip() and not (drop_tagged and TAG in line)]
     diff = [line for line in difflib.ndiff(lines(read(MAIN), True), lines(read(SINGLE), False))
             if line[:2] in ("- ", "+ ")]
-    assert len([line for line in diff if line.startswith("+ ")]) <= SINGLE_ONLY_CHANGES, "\n".join(diff)
-    assert len([line for line in diff if line.startswith("- ")]) <= SINGLE_ONLY_CHANGES, "\n".join(diff)
-    assert any(line.startswith("+ WORLD_SIZE = 1") for line in diff), "\n".join(diff)
+    added = [line for line in diff if line.startswith("+ ")]
+    assert not [line for line in diff if line.startswith("- ")], "\n".join(diff)
+    assert len(added) == SINGLE_ONLY_CHANGES, "\n".join(diff)
+    assert any(line.startswith("+ WORLD_SIZE = 1") for line in added), "\n".join(diff)
+    assert any(line.startswith('+ PARALLEL = "none"') for line in added), "\n".join(diff)
 
 
 # -- execution on one machine: main + worker on loopback, single beside them -------------------
@@ -206,6 +256,7 @@ def on_loopback(tmp_path_factory):
     return tmp, outs, results
 
 
+@pytest.mark.slow
 def test_main_and_worker_run_at_the_same_time_and_both_finish(on_loopback):
     _, outs, results = on_loopback
     assert_finished(results[:2])
@@ -213,12 +264,14 @@ def test_main_and_worker_run_at_the_same_time_and_both_finish(on_loopback):
     assert "model: DistributedDataParallel" in printed(outs["worker"])
 
 
+@pytest.mark.slow
 def test_both_ranks_print_the_same_global_metrics_as_results_json(on_loopback):
     tmp, outs, results = on_loopback
     assert_finished(results[:2])
     assert_same_global_metrics(outs["main"], outs["worker"], tmp / "runs" / "ddp")
 
 
+@pytest.mark.slow
 def test_the_worker_notebook_shows_progress_and_the_same_epoch_lines_during_training(on_loopback):
     _, outs, results = on_loopback
     assert_finished(results[:2])
@@ -232,13 +285,15 @@ def test_the_worker_notebook_shows_progress_and_the_same_epoch_lines_during_trai
     assert widgets, "no progress bar in the worker's notebook"
 
 
-def test_preflight_cell_names_the_interface_it_chose(on_loopback):
+@pytest.mark.slow
+def test_the_join_cell_names_the_interface_it_chose(on_loopback):
     _, outs, results = on_loopback
     assert_finished(results[:2])
     for rank, name in enumerate(("main", "worker")):
         assert f"rank {rank}: using interface lo (127.0.0.1) to reach master 127.0.0.1:" in printed(outs[name])
 
 
+@pytest.mark.slow
 def test_rank_0_shows_the_results_table_and_the_curves_from_its_run_folder(on_loopback):
     _, outs, results = on_loopback
     assert_finished(results)
@@ -253,6 +308,7 @@ def test_rank_0_shows_the_results_table_and_the_curves_from_its_run_folder(on_lo
     assert displayed(outs["worker"], "image/png") == []
 
 
+@pytest.mark.slow
 def test_only_rank_0_writes_one_run_folder_with_one_tensorboard_event_file(on_loopback):
     tmp, _, results = on_loopback
     assert_finished(results[:2])
@@ -263,6 +319,7 @@ def test_only_rank_0_writes_one_run_folder_with_one_tensorboard_event_file(on_lo
     assert sorted(p.name for p in (tmp / "runs").iterdir()) == ["ddp", "single"]
 
 
+@pytest.mark.slow
 def test_single_runs_one_process_and_evaluates_the_same_validation_images(on_loopback):
     tmp, outs, results = on_loopback
     assert_finished(results[2:])
@@ -281,6 +338,7 @@ def two_hosts():
         yield hosts
 
 
+@pytest.mark.slow
 def test_main_and_worker_train_across_two_hosts_given_only_master_addr(two_hosts, tmp_path):
     """Nothing but MASTER_ADDR points at host 1: the notebooks must pick the veth interface themselves.
 

@@ -20,9 +20,38 @@ Every rank takes the same decision: the probe's figures are the same on every ra
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from . import linkprobe
+from .commtime import CommTimer
+from ..model import ddp_of
+
 CHOICES = ("none", "fp16", "bf16", "powersgd")
+
+
+@dataclass
+class Communication:
+    """How a DDP model's gradients travel in this run, decided once before its first step."""
+    timer: CommTimer | None = None   # times the hook per step (None with one rank: nothing is sent)
+    probe: dict | None = None        # linkprobe.probe's figures: link bandwidth, predicted speed-up
+    choice: str = "none"             # the hook used: none, fp16, bf16, powersgd
+    reason: str = ""                 # why (comm=auto says what the probe predicted)
+
+
+def gradient_communication(model, settings, ctx, num_classes: int, image_size: int, log=print) -> Communication:
+    """Probe the link, choose the hook (``settings.comm``, ``auto`` from the probe) and register it,
+    timed, on the DDP model. With one rank: nothing to send, nothing registered."""
+    if not ctx.distributed:
+        return Communication(reason="one process: nothing to send")
+    probe = linkprobe.probe(model, settings, ctx, num_classes, image_size, log)
+    choice, why = choose(settings, probe)
+    timer = CommTimer(ctx.device)
+    timer.attach(ddp_of(model), *hook_for(choice, settings, ctx.backend))
+    if ctx.is_main:
+        log(f"gradient communication: {choice} ({why}); buckets of {settings.bucket_mb:g} MB")
+    return Communication(timer, probe, choice, why)
 
 
 def choose(settings, probe: dict | None) -> tuple[str, str]:
