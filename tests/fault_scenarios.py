@@ -122,13 +122,8 @@ def start_ranks(name, port, folder, prefixes=((), ()), addr="127.0.0.1"):
 
 
 def stop_all(procs) -> None:
-    import os
-    import signal
-    for p in procs:
-        if p.poll() is None:
-            with __import__("contextlib").suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)   # also a stopped (SIGSTOP) process
-            p.wait(timeout=10)
+    from tests.procs import stop
+    stop(procs)
 
 
 def wait_for_epoch_1(folder, procs, bound: float = 120.0) -> None:

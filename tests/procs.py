@@ -70,8 +70,14 @@ def run_all(argvs: list[list[str]], timeout: float, env: dict | None = None, cwd
                 outputs.append((None, out))
         return [Result(a, rc, out) for a, (rc, out) in zip(argvs, outputs)]
     finally:
-        for p in procs:
-            _kill(p)
+        stop(procs)
+
+
+def stop(procs) -> None:
+    """End processes this test started (each in its own session: ``start_new_session=True``), with
+    whatever they started, also a stopped (SIGSTOP) one; then reap them. Safe to call twice."""
+    for p in procs:
+        _kill(p)
 
 
 def _kill(p: subprocess.Popen) -> None:

@@ -7,7 +7,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.procs import REPO, base_env, describe, free_port, python, run_all
+import pytest
+
+from tests.procs import REPO, base_env, describe, free_port, python, run_all, stop
 
 
 def check_cmd(rank, world_size, port, *extra):
@@ -16,6 +18,7 @@ def check_cmd(rank, world_size, port, *extra):
                   "--init-timeout", "30", *extra)
 
 
+@pytest.mark.slow
 def test_check_on_two_ranks_reports_ready_when_the_worker_reaches_the_master():
     port = free_port()
     results = run_all([check_cmd(0, 2, port), check_cmd(1, 2, port)], timeout=90, stagger=1.0)
@@ -25,6 +28,7 @@ def test_check_on_two_ranks_reports_ready_when_the_worker_reaches_the_master():
     assert "using interface lo" in worker.output and "READY" in worker.output
 
 
+@pytest.mark.slow
 def test_check_fails_when_nobody_listens_on_the_master_port_and_says_where_it_knocked():
     port = free_port()
     [worker] = run_all([check_cmd(1, 2, port, "--init-timeout", "2")], timeout=60)
@@ -32,12 +36,14 @@ def test_check_fails_when_nobody_listens_on_the_master_port_and_says_where_it_kn
     assert f"127.0.0.1:{port}" in worker.output and "NOT READY" in worker.output
 
 
+@pytest.mark.slow
 def test_check_reports_a_missing_data_folder(tmp_path):
     [res] = run_all([python("-m", "ddp_utils", "check", "--dataset", "cinic10", "--data-dir",
                             str(tmp_path / "nope"))], timeout=60)
     assert res.returncode == 1 and str(tmp_path / "nope") in res.output, res.output
 
 
+@pytest.mark.slow
 def test_demo_trains_ddp_and_single_and_prints_the_comparison_table(tmp_path):
     [res] = run_all([python("-m", "ddp_utils", "demo", "--epochs", "1", "--run-dir", str(tmp_path))],
                     timeout=300, env=base_env())
@@ -48,6 +54,7 @@ def test_demo_trains_ddp_and_single_and_prints_the_comparison_table(tmp_path):
     assert len(list(tmp_path.glob("*/results.json"))) == 2
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_training_leaves_the_last_checkpoint_intact_and_says_how_to_resume(tmp_path):
     cmd = python("-m", "ddp_utils", "train", "--dataset", "fake", "--image-size", "32", "--workers", "0",
                  "--wandb", "disabled", "--batch-size", "8", "--epochs", "50", "--max-steps-per-epoch", "2",
@@ -62,8 +69,7 @@ def test_ctrl_c_during_training_leaves_the_last_checkpoint_intact_and_says_how_t
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop([proc])
     assert proc.returncode == 130, out
     assert "--resume" in out and "Traceback" not in out
     from ddp_utils import checkpoint
@@ -78,6 +84,7 @@ def test_ci_runs_exactly_the_readme_install_and_test_command():
     assert test_line in ci
 
 
+@pytest.mark.slow
 def test_every_flag_the_readme_mentions_exists(tmp_path):
     readme = Path(REPO, "README.md").read_text()
     helps = "".join(subprocess.run(python("-m", "ddp_utils", cmd, "--help"), cwd=REPO, capture_output=True,
@@ -91,6 +98,7 @@ def test_every_flag_the_readme_mentions_exists(tmp_path):
         assert flag in helps, f"README mentions {flag}, which no ddp_utils command or benchmark accepts"
 
 
+@pytest.mark.slow
 def test_when_a_worker_dies_mid_run_the_master_stops_with_a_clear_error_and_an_intact_checkpoint(tmp_path):
     port = free_port()
     args = ["--dataset", "fake", "--image-size", "32", "--workers", "0", "--wandb", "disabled", "--backend", "gloo",
@@ -107,10 +115,7 @@ def test_when_a_worker_dies_mid_run_the_master_stops_with_a_clear_error_and_an_i
         procs[1].kill()                       # the worker node dies
         out, _ = procs[0].communicate(timeout=120)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
+        stop(procs)
     assert procs[0].returncode == 2, out
     assert "another rank stopped answering" in out and "--resume" in out and "last.pt" in out
     from ddp_utils import checkpoint

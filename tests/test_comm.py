@@ -67,11 +67,13 @@ def exact(tmp_path_factory):
     return run_two(tmp_path_factory.mktemp("exact"), "none", static_graph=True)
 
 
+@pytest.mark.slow
 def test_the_exact_all_reduce_with_a_static_graph_keeps_the_ranks_identical(exact):
     assert exact[0]["weights"] == exact[1]["weights"]
     assert exact[0]["comm"] == "none" and float(exact[0]["comm_s"]) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("choice", ["fp16", "bf16", "powersgd"])
 def test_a_compressed_run_keeps_the_ranks_identical_and_really_compresses(tmp_path, exact, choice):
     # PowerSGD over 16 steps with small buckets (several per step), after 3 exact ones: it once failed
@@ -84,6 +86,7 @@ def test_a_compressed_run_keeps_the_ranks_identical_and_really_compresses(tmp_pa
     assert f"gradient communication: {choice}" in ranks[0]["output"]
 
 
+@pytest.mark.slow
 def test_auto_on_loopback_sends_exact_gradients_and_records_why(tmp_path):
     ranks = run_two(tmp_path, "auto")
     results = ranks[0]["results"]
@@ -115,6 +118,7 @@ def run_overflow(tmp_path, overflow: dict, choice="powersgd") -> list:
     return results
 
 
+@pytest.mark.slow
 def test_one_overflowing_fp16_step_does_not_poison_powersgd_for_the_rest_of_the_run(tmp_path):
     """An overflow leaves inf in PowerSGD's error feedback and warm-start memory; unless they are cleared,
     every later step overflows and is skipped, with the loss frozen and no error (comm=auto on 1 Gbit + T4)."""
@@ -130,6 +134,7 @@ def test_one_overflowing_fp16_step_does_not_poison_powersgd_for_the_rest_of_the_
         float(dict(re.findall(r"^CHECK (\w+)=(.*)$", clean[0].output, re.M))["loss"]), rel=0.05)
 
 
+@pytest.mark.slow
 def test_steps_that_keep_overflowing_stop_every_rank_with_the_kits_message(tmp_path):
     results = run_overflow(tmp_path, {"from": 6}, choice="none")
     for rank, r in enumerate(results):

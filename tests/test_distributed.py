@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_utils import distributed
-from ddp_utils.robust import preflight, rendezvous
+from ddp_utils.robust import rendezvous
 from ddp_utils.settings import Settings
 from tests import netns
 from tests.procs import base_env, describe, free_port, python, run_all
@@ -34,17 +34,6 @@ def checks(result) -> dict:
     return out
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    """No interface variables, no remembered process group, before and after the test."""
-    for var in preflight.IFNAME_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(preflight, "_we_set", {})
-    distributed.teardown()
-    yield
-    distributed.teardown()
-
-
 # -- two ranks on loopback --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def basics():
@@ -55,17 +44,20 @@ def basics():
     return [checks(r) for r in results], results
 
 
+@pytest.mark.slow
 def test_two_ranks_init_and_all_reduce_sum_and_broadcast(basics):
     for c in basics[0]:
         assert c["sum"] == [3.0, 3.0, 3.0]  # (0 + 1) + (1 + 1)
         assert c["broadcast"] == {"from": 0}
 
 
+@pytest.mark.slow
 def test_setup_twice_with_same_settings_keeps_the_process_group(basics):
     for c in basics[0]:
         assert c["same_ctx"] and c["same_group"] and c["inits_after_same"] == 1
 
 
+@pytest.mark.slow
 def test_setup_with_changed_settings_reinitialises_and_collectives_still_work(basics):
     checks_, results = basics
     for c, r in zip(checks_, results):
@@ -75,12 +67,14 @@ def test_setup_with_changed_settings_reinitialises_and_collectives_still_work(ba
         assert "settings changed (epochs 2 -> 3)" in r.output
 
 
+@pytest.mark.slow
 def test_teardown_twice_and_session_error_leave_no_process_group(basics):
     for c in basics[0]:
         assert c["initialized_after_teardown"] is False
         assert c["initialized_after_session_error"] is False
 
 
+@pytest.mark.slow
 def test_setup_sets_socket_ifname_env_vars_on_every_rank(basics):
     checks_, results = basics
     for rank, (c, r) in enumerate(zip(checks_, results)):
@@ -88,6 +82,7 @@ def test_setup_sets_socket_ifname_env_vars_on_every_rank(basics):
         assert f"rank {rank}: using interface lo (127.0.0.1) to reach master 127.0.0.1:" in r.output
 
 
+@pytest.mark.slow
 def test_settings_mismatch_is_refused_on_both_ranks_naming_the_field():
     port = free_port()
     results = run_all([scenario("mismatch", r, 2, port) for r in range(2)], timeout=90, env=base_env())
@@ -120,6 +115,7 @@ def failures():
     return results, ports
 
 
+@pytest.mark.slow
 def test_unreachable_master_fails_within_the_bound_naming_address_and_port(failures):
     r, port = failures[0]["unreachable"], failures[1]["unreachable"]
     assert 3 <= checks(r)["seconds_to_error"] < 30  # retried for init_timeout, then gave up
@@ -127,6 +123,7 @@ def test_unreachable_master_fails_within_the_bound_naming_address_and_port(failu
     assert "tried for 3 s" in r.output and "firewall" in r.output and "random ports" in r.output
 
 
+@pytest.mark.slow
 def test_busy_port_fails_fast_naming_the_port_and_the_holding_pid(failures):
     r, port = failures[0]["busy"], failures[1]["busy"]
     assert checks(r)["seconds_to_error"] < 5  # init_timeout is 20 s: nothing waited
@@ -134,6 +131,7 @@ def test_busy_port_fails_fast_naming_the_port_and_the_holding_pid(failures):
     assert "restart its notebook kernel" in r.output and "ALL nodes" in r.output
 
 
+@pytest.mark.slow
 def test_missing_worker_fails_at_init_timeout_naming_the_missing_rank(failures):
     r, port = failures[0]["no_worker"], failures[1]["no_worker"]
     assert 3 <= checks(r)["seconds_to_error"] < 30
@@ -141,6 +139,7 @@ def test_missing_worker_fails_at_init_timeout_naming_the_missing_rank(failures):
     assert "init_timeout=3 s" in r.output and "Traceback" not in r.output
 
 
+@pytest.mark.slow
 def test_failing_init_process_group_becomes_a_readable_error_on_every_rank(failures):
     port = failures[1]["init_fails"]
     for rank in (0, 1):
@@ -151,6 +150,7 @@ def test_failing_init_process_group_becomes_a_readable_error_on_every_rank(failu
     assert "(PyTorch said: Gloo connectFullMesh failed: simulated)" in r.output
 
 
+@pytest.mark.slow
 def test_interrupt_while_waiting_for_workers_stops_at_once_and_tears_down(failures):
     r = failures[0]["interrupted"]
     c = checks(r)
@@ -217,6 +217,7 @@ def two_host_runs(two_hosts):
     return results, veths, port
 
 
+@pytest.mark.slow
 def test_two_hosts_join_with_only_master_addr_set(two_host_runs):
     """Gloo alone would announce 127.0.0.1 (the host name's address) and hang; setup picks the veth."""
     (rank1, rank0, _), veths, port = two_host_runs
@@ -227,6 +228,7 @@ def test_two_hosts_join_with_only_master_addr_set(two_host_runs):
     assert chosen in rank1.output
 
 
+@pytest.mark.slow
 def test_rank0_refuses_a_master_addr_that_is_not_its_own(two_host_runs):
     r = two_host_runs[0][2]
     assert r.returncode == 3, describe([r])
@@ -234,6 +236,7 @@ def test_rank0_refuses_a_master_addr_that_is_not_its_own(two_host_runs):
     assert "private IP" in r.output
 
 
+@pytest.mark.slow
 def test_a_world_size_larger_than_the_ranks_started_stops_every_started_rank_with_the_kits_paragraph(tmp_path):
     import time as _time
 

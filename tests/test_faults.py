@@ -13,7 +13,7 @@ import pytest
 from ddp_utils import checkpoint
 from tests import netns
 from tests.fault_scenarios import output_of, signal_rank_1_after_epoch_1, start_ranks, stop_all, wait_for_epoch_1
-from tests.procs import base_env, describe, free_port, python, run_all
+from tests.procs import base_env, describe, free_port, python, run_all, stop
 
 
 def scenario(name, rank, port, folder):
@@ -24,6 +24,7 @@ def checks(result) -> dict[str, str]:
     return dict(re.findall(r"^CHECK (\w+)=(.*)$", result.output, re.M))
 
 
+@pytest.mark.slow
 def test_stop_pressed_in_rank_0s_notebook_stops_rank_1_within_seconds_with_the_cause(tmp_path):
     """Rank 0's kernel survives the interrupt and keeps its model: rank 1 used to wait 5 minutes."""
     port = free_port()
@@ -41,6 +42,7 @@ def test_stop_pressed_in_rank_0s_notebook_stops_rank_1_within_seconds_with_the_c
     assert not list(run.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_an_error_on_one_rank_reaches_the_other_with_its_true_cause(tmp_path):
     """Rank 1's data folder is missing: rank 0 must not say 'stopped answering', but what happened."""
     port = free_port()
@@ -57,6 +59,7 @@ def test_an_error_on_one_rank_reaches_the_other_with_its_true_cause(tmp_path):
     assert cause in results[0].output and "Traceback" not in results[0].output, describe(results)
 
 
+@pytest.mark.slow
 def test_rank_0s_slow_start_does_not_trip_the_other_ranks_collective_timeout(tmp_path):
     """W&B (or a slow disk) keeps rank 0 busy longer than a collective may wait: the others wait explicitly."""
     port = free_port()
@@ -65,6 +68,7 @@ def test_rank_0s_slow_start_does_not_trip_the_other_ranks_collective_timeout(tmp
         assert checks(r).get("finished") == "true", describe(results)
 
 
+@pytest.mark.slow
 def test_a_first_compiled_step_longer_than_the_collective_timeout_does_not_stop_the_run(tmp_path):
     """--compile: the first step compiles for minutes on a cold cache; the short collective timeout starts after it."""
     port = free_port()
@@ -81,6 +85,7 @@ def two_hosts():
 
 # The watch (heartbeat.py) must catch these, not the collective timeout: with --collective-timeout 600 nothing
 # else could stop the ranks within 30 s; at the default (60 s) it still must be the watch.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["patient", "default"])
 def test_a_frozen_peer_stops_the_other_rank_within_30_s_naming_it(name, tmp_path):
     """SIGSTOP on rank 1 (a suspended VM, a kernel stuck in a C call): its connections stay open, so nothing
@@ -94,6 +99,7 @@ def test_a_frozen_peer_stops_the_other_rank_within_30_s_naming_it(name, tmp_path
     assert checkpoint.load_checkpoint(tmp_path / "run0" / "last.pt")["epoch"] >= 0
 
 
+@pytest.mark.slow
 def test_a_killed_peer_stops_the_other_rank_within_seconds(tmp_path):
     """kill -9 of rank 1 with a collective timeout of 600 s: rank 0 says so at once, and its checkpoint is whole."""
     import signal
@@ -103,6 +109,7 @@ def test_a_killed_peer_stops_the_other_rank_within_seconds(tmp_path):
     assert checkpoint.load_checkpoint(tmp_path / "run0" / "last.pt")["epoch"] >= 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["plain", "patient", "default"])
 def test_a_node_that_drops_off_the_network_stops_both_ranks_within_30_s(name, two_hosts, tmp_path):
     """Rank 1's link goes down mid-run: both ranks stop within 30 s, also with a collective timeout of 600 s (only
@@ -130,6 +137,7 @@ def test_a_node_that_drops_off_the_network_stops_both_ranks_within_30_s(name, tw
     assert checkpoint.load_checkpoint(tmp_path / "run0" / "last.pt")["epoch"] >= 0
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_rank_reaches_the_other_with_that_cause(tmp_path):
     """A scheduler or `kill` stops rank 1: rank 0 says so within seconds instead of waiting for a timeout."""
     import os
@@ -142,7 +150,8 @@ def test_sigterm_on_one_rank_reaches_the_other_with_that_cause(tmp_path):
               "--batch-size", "16", "--progress", "off", "--collective-timeout", "30"]
     procs = [subprocess.Popen(python("-m", "ddp_utils", "train", *common, "--rank", str(r),
                                      "--run-dir", str(tmp_path / f"run{r}")),
-                              env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
              for r in range(2)]
     try:
         deadline = _time.monotonic() + 90
@@ -153,15 +162,13 @@ def test_sigterm_on_one_rank_reaches_the_other_with_that_cause(tmp_path):
         outs = [p.communicate(timeout=60)[0] for p in procs]
         stopped = _time.monotonic() - sent
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop(procs)
     assert procs[1].returncode == 143 and "terminated (SIGTERM)" in outs[1], outs[1][-1500:]
     assert procs[0].returncode == 2 and stopped < 15, (stopped, outs[0][-1500:])
     assert "training stopped because rank 1 stopped: SIGTERM" in outs[0], outs[0][-1500:]
 
 
+@pytest.mark.slow
 def test_more_sigterms_do_not_cut_the_clean_stop_short(tmp_path):
     """The launcher's death signal and a scheduler's can both arrive: the first stops the run, the second
     must not interrupt the stop itself, so log.txt still says why the run ended (CI caught a launcher test
@@ -193,6 +200,7 @@ def test_more_sigterms_do_not_cut_the_clean_stop_short(tmp_path):
     assert log.splitlines()[-1] == "error: SIGTERM (the process was told to stop)", log[-1500:]
 
 
+@pytest.mark.slow
 def test_run_all_again_in_the_same_kernels_after_an_interrupt_resumes_the_run(tmp_path):
     """No restart needed: after Stop on rank 0 both kernels run the cells again (RESUME set) and finish."""
     port = free_port()

@@ -122,6 +122,7 @@ def kill_all(proc, marker):
 
 
 # -- one node, two processes -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_launch_two_processes_trains_like_one_process_with_the_doubled_batch(tmp_path):
     port = free_port()
     launched, = run_all([launch_cmd("--nproc-per-node", 2, "--master-port", port, *tiny(), *STEPS, "--batch-size", 8,
@@ -146,6 +147,7 @@ def start_long_run(tmp_path):
                             "--log-dir", tmp_path / "logs"))
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_run_stops_the_launcher_naming_it_and_nothing_is_left(tmp_path):
     """The out-of-memory killer takes rank 1: the launcher stops rank 0 and says which rank died of what."""
     marker = str(tmp_path)
@@ -167,6 +169,7 @@ def test_a_rank_killed_mid_run_stops_the_launcher_naming_it_and_nothing_is_left(
         kill_all(proc, marker)
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_the_launcher_stops_every_rank_cleanly_through_sigterm(tmp_path):
     marker = str(tmp_path)
     proc = start_long_run(tmp_path)
@@ -186,6 +189,7 @@ def test_ctrl_c_on_the_launcher_stops_every_rank_cleanly_through_sigterm(tmp_pat
         kill_all(proc, marker)
 
 
+@pytest.mark.slow
 def test_the_processes_stop_cleanly_when_the_launcher_itself_is_killed_hard(tmp_path):
     """kill -9 on the launcher (a closed terminal, a killed notebook kernel): no orphan keeps training."""
     marker = str(tmp_path)
@@ -213,6 +217,7 @@ def test_launch_refuses_the_flags_it_sets_itself():
 
 
 # -- the notebook function ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_notebook_function_streams_rank_0s_lines_as_they_come_and_returns_its_results(tmp_path):
     settings = Settings(dataset="fake", image_size=32, arch="convnet_gn", workers=0, threads=1, wandb="disabled",
                         backend="gloo", init_timeout=60, progress="off", link_probe=False, epochs=3,
@@ -227,6 +232,7 @@ def test_the_notebook_function_streams_rank_0s_lines_as_they_come_and_returns_it
     assert not ours_still_running(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_the_notebook_function_raises_with_the_failing_ranks_reason(tmp_path):
     """Rank 0 cannot read the checkpoint to resume: the error says rank 0 and why; rank 1 was told."""
     settings = Settings(dataset="fake", image_size=32, workers=0, threads=1, wandb="disabled", backend="gloo",
@@ -283,6 +289,7 @@ def host_cmds(hosts, port, *flags, data_dirs=None, tmp_path=None):
                                                  "--log-dir", tmp_path / f"logs-h{h}")] for h in range(2)]
 
 
+@pytest.mark.slow
 def test_two_hosts_with_two_processes_each_train_like_one_process_with_four_times_the_batch(two_hosts, tmp_path):
     port = free_port()
     cmds = host_cmds(two_hosts, port, *tiny(), *STEPS, "--batch-size", 8, "--run-dir", tmp_path / "ddp",
@@ -297,6 +304,7 @@ def test_two_hosts_with_two_processes_each_train_like_one_process_with_four_time
     assert "as rank 3 of 4" in (tmp_path / "logs-h1" / "rank3.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_bad_data_dir_on_one_host_fails_both_launchers_naming_the_rank_and_its_reason(two_hosts, tmp_path, demo_dir):
     port = free_port()
     (tmp_path / "not-a-folder").write_text("no images here")
@@ -349,6 +357,7 @@ def test_scontrol_expands_the_node_list_where_slurm_is_installed(tmp_path, monke
                               "SLURM_JOB_NODELIST": "big-node-[7,9]"}).master_addr == "big-node-7"
 
 
+@pytest.mark.slow
 def test_two_processes_started_with_slurms_variables_train_together(tmp_path):
     """What srun does: the same command twice, told apart only by SLURM_PROCID / SLURM_LOCALID."""
     port = free_port()

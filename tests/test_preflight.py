@@ -17,14 +17,6 @@ from tests.procs import free_port
 QUIET = {"log": lambda *_: None}
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    """No interface variables from outside, and none remembered as set by preflight."""
-    for var in preflight.IFNAME_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(preflight, "_we_set", {})
-
-
 def two_rank(**kw) -> Settings:
     return Settings(world_size=2, master_port=free_port(), backend="gloo", workers=0, **kw)
 

@@ -41,6 +41,7 @@ def two_ranks(tmp_path_factory):
     return tmp / "run"
 
 
+@pytest.mark.slow
 def test_the_time_split_adds_up_to_the_train_time_on_every_rank(two_ranks):
     results = json.loads((two_ranks / "results.json").read_text())
     assert len(results["per_rank"]) == 2
@@ -63,6 +64,7 @@ def test_the_time_split_adds_up_to_the_train_time_on_every_rank(two_ranks):
     assert results["gpu_util"] == "no GPU" and results["gpu_mem_peak_mb"] is None
 
 
+@pytest.mark.slow
 def test_the_link_probe_reports_bandwidth_and_a_predicted_speed_up(two_ranks):
     results = json.loads((two_ranks / "results.json").read_text())
     assert results["link_gbit_s"] > 0
@@ -76,6 +78,7 @@ def test_the_link_probe_reports_bandwidth_and_a_predicted_speed_up(two_ranks):
     assert "per step: predicted" in log and "measured" in log   # side by side after training
 
 
+@pytest.mark.slow
 def test_lr_is_logged_at_every_step_from_its_first_value(two_ranks):
     lr = read_scalars(two_ranks)["lr"]
     assert [step for step, _ in lr] == list(range(10))
@@ -86,6 +89,7 @@ def test_lr_is_logged_at_every_step_from_its_first_value(two_ranks):
         assert len(read_scalars(two_ranks)[tag]) == 2, tag   # once per epoch
 
 
+@pytest.mark.slow
 def test_the_epoch_line_says_where_the_time_went(two_ranks):
     log = (two_ranks / "log.txt").read_text()
     line = next(line for line in log.splitlines() if line.startswith("epoch 2/2"))
@@ -93,6 +97,7 @@ def test_the_epoch_line_says_where_the_time_went(two_ranks):
         assert part in line, line
 
 
+@pytest.mark.slow
 def test_the_probe_changes_nothing_in_the_training(tmp_path):
     # it runs a copy of the model under its own random state: same weights with and without it
     steps = ["--epochs", "1", "--max-steps-per-epoch", "3", "--batch-size", "8"]
@@ -105,6 +110,7 @@ def test_the_probe_changes_nothing_in_the_training(tmp_path):
     assert skipped["link_gbit_s"] is None and skipped["predicted_speedup"] is None
 
 
+@pytest.mark.slow
 def test_a_single_process_has_no_communication_and_no_probe(tmp_path):
     run_ranks(tmp_path, "one", 1, "--epochs", "1", "--max-steps-per-epoch", "3", "--batch-size", "8")
     results = json.loads((tmp_path / "one" / "results.json").read_text())
@@ -113,6 +119,7 @@ def test_a_single_process_has_no_communication_and_no_probe(tmp_path):
 
 
 # -- parallel modes ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_dataparallel_without_several_gpus_is_plain_training_and_says_so(tmp_path):
     out = run_ranks(tmp_path, "dp", 1, "--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "8",
                     "--parallel", "dp")[0].output
@@ -134,6 +141,7 @@ def test_dataparallel_over_every_gpu_of_the_node(tmp_path):
 
 
 # -- early stopping ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_patience_stops_every_rank_after_epochs_without_a_better_accuracy(tmp_path):
     # lr 0 and GroupNorm: the weights never change, so validation Acc@1 never improves after epoch 1
     results = run_ranks(tmp_path, "stop", 2, "--epochs", "6", "--max-steps-per-epoch", "2", "--batch-size", "8",
@@ -146,6 +154,7 @@ def test_patience_stops_every_rank_after_epochs_without_a_better_accuracy(tmp_pa
     assert checkpoint.load_checkpoint(tmp_path / "stop" / "last.pt")["epoch"] == 2
 
 
+@pytest.mark.slow
 def test_without_patience_every_epoch_runs(tmp_path):
     run_ranks(tmp_path, "all", 1, "--epochs", "3", "--max-steps-per-epoch", "1", "--batch-size", "8",
               "--arch", "convnet_gn", "--lr", "0")
@@ -154,6 +163,7 @@ def test_without_patience_every_epoch_runs(tmp_path):
 
 
 # -- seeds -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_seeds_run_the_same_configuration_into_sibling_folders(tmp_path):
     port = free_port()
     cmds = [python("-m", "ddp_utils", "train", *FAST, "--run-dir", str(tmp_path / "run"), "--rank", str(r),

@@ -85,6 +85,7 @@ def test_amp_is_off_on_cpu_by_default_and_bf16_when_asked():
 
 # -- DDP maths ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_ranks_with_batch_b_end_with_the_weights_of_one_process_with_batch_2b(tmp_path):
     # GroupNorm: no per-rank batch statistics, so the two runs must agree to float tolerance
     steps = ["--epochs", "2", "--max-steps-per-epoch", "3", "--arch", "convnet_gn"]
@@ -98,6 +99,7 @@ def test_two_ranks_with_batch_b_end_with_the_weights_of_one_process_with_batch_2
         assert checkpoint.load_checkpoint(tmp_path / run / "last.pt")["step"] == 6
 
 
+@pytest.mark.slow
 def test_evaluation_is_exact_across_ranks_for_a_split_not_divisible_by_the_world_size(tmp_path):
     # train briefly on the demo digits, then evaluate the same checkpoint on 1 and on 3 ranks
     demo = ["--dataset", "demo", "--data-dir", str(tmp_path / "demo"), "--image-size", "32"]
@@ -125,6 +127,7 @@ def _in_process_fit(run_dir, epochs=3, resume=None, dataset="fake", data_dir="da
         return train.fit(job)
 
 
+@pytest.mark.slow
 def test_interrupted_then_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, monkeypatch):
     _in_process_fit(tmp_path / "straight")
     real_save, saves = checkpoint.save_checkpoint, []
@@ -156,6 +159,7 @@ def test_checkpoint_holds_everything_needed_to_resume(tmp_path):
 
 # -- what the command line writes --------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_rank_run_writes_one_run_folder_from_rank_0_with_results_and_tensorboard(tmp_path):
     run_ranks(tmp_path, "run", 2, "--epochs", "1", "--max-steps-per-epoch", "4", "--batch-size", "8",
               "--wandb", "offline")
@@ -176,6 +180,7 @@ def test_two_rank_run_writes_one_run_folder_from_rank_0_with_results_and_tensorb
     assert len(wandb_runs) == 1, wandb_runs   # one W&B run, not one per rank
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 def test_torchrun_launches_two_ranks_that_take_rank_and_world_size_from_the_environment(tmp_path):
     port = free_port()
@@ -187,12 +192,14 @@ def test_torchrun_launches_two_ranks_that_take_rank_and_world_size_from_the_envi
     assert json.loads((tmp_path / "tr" / "results.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_bad_input_exits_non_zero_with_a_readable_message_and_no_traceback(tmp_path):
     [res] = run_all([python("-m", "ddp_utils", "train", "--rank", "2", "--world-size", "2")], timeout=60)
     assert res.returncode == 2, res.output
     assert "rank=2" in res.output and "Traceback" not in res.output
 
 
+@pytest.mark.slow
 def test_two_ranks_resume_from_rank_0s_checkpoint_when_the_worker_has_no_copy(tmp_path):
     run_ranks(tmp_path, "run", 2, "--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "8")
     port = free_port()
@@ -208,6 +215,7 @@ def test_two_ranks_resume_from_rank_0s_checkpoint_when_the_worker_has_no_copy(tm
     assert not (tmp_path / "elsewhere").exists()   # rank 1 wrote nothing
 
 
+@pytest.mark.slow
 def test_final_metrics_of_a_two_rank_run_equal_a_single_process_evaluation_of_its_checkpoint(tmp_path):
     # BatchNorm model: each rank's running statistics drift apart during training; evaluation must
     # still be that of the saved (rank 0) model, counted once per image.
@@ -241,6 +249,7 @@ def demo_at_defaults(tmp_path_factory):
     return tmp, two, one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["ddp", "single"])
 def test_demo_at_default_settings_reaches_95_percent(demo_at_defaults, run):
     tmp, two, one = demo_at_defaults
@@ -251,6 +260,7 @@ def test_demo_at_default_settings_reaches_95_percent(demo_at_defaults, run):
     assert (saved["arch"], saved["epochs"], saved["batch_size"], saved["lr"]) == ("convnet", 8, 32, 0.8)
 
 
+@pytest.mark.slow
 def test_ranks_sharing_a_machine_share_its_cores(demo_at_defaults):
     import os
     tmp, two, one = demo_at_defaults
@@ -261,6 +271,7 @@ def test_ranks_sharing_a_machine_share_its_cores(demo_at_defaults):
     assert f"CPU threads per process: {max(1, cores // 2)} ({cores} cores / 2 rank(s) on this machine)" in two[0].output
 
 
+@pytest.mark.slow
 def test_piped_output_has_one_line_per_epoch_and_no_progress_bar_frames(demo_at_defaults):
     tmp, two, one = demo_at_defaults
     assert all(r.returncode == 0 for r in two + one), describe(two + one)
@@ -270,6 +281,7 @@ def test_piped_output_has_one_line_per_epoch_and_no_progress_bar_frames(demo_at_
             f"epoch {e}/8" for e in range(1, 9)]
 
 
+@pytest.mark.slow
 def test_progress_steps_prints_a_line_per_log_point(tmp_path):
     [res] = run_all([python("-m", "ddp_utils", "train", *FAST, "--run-dir", str(tmp_path / "r"), "--epochs", "1",
                             "--max-steps-per-epoch", "4", "--batch-size", "8", "--progress", "steps")],
@@ -311,6 +323,7 @@ def test_resume_through_prepare_drops_the_tensorboard_points_logged_after_the_ch
 
 # -- divergence: a NaN run is never saved, and every rank stops ------------------------------------
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_every_rank_and_saves_no_nan_model(tmp_path):
     import hashlib
     run_ranks(tmp_path, "run", 2, "--epochs", "1", "--max-steps-per-epoch", "4", "--batch-size", "8")
@@ -329,6 +342,7 @@ def test_a_diverging_run_stops_every_rank_and_saves_no_nan_model(tmp_path):
     assert "training diverged" in (tmp_path / "run" / "log.txt").read_text()
 
 
+@pytest.mark.slow
 def test_a_run_that_diverges_in_its_first_epoch_says_nothing_was_saved(tmp_path):
     [res] = run_all([train_cmd(tmp_path / "run", 0, 1, free_port(), "--epochs", "1", "--max-steps-per-epoch", "4",
                                "--batch-size", "8", "--lr", "1e20")], timeout=120, env=base_env())
@@ -336,6 +350,7 @@ def test_a_run_that_diverges_in_its_first_epoch_says_nothing_was_saved(tmp_path)
     assert not (tmp_path / "run" / "last.pt").exists() and not (tmp_path / "run" / "best.pt").exists()
 
 
+@pytest.mark.slow
 def test_a_failed_first_start_does_not_block_the_next_one_and_its_files_are_kept_aside(tmp_path):
     first = run_all([train_cmd(tmp_path / "run", 0, 1, free_port(), "--epochs", "1", "--max-steps-per-epoch", "4",
                                "--batch-size", "8", "--lr", "1e20")], timeout=120, env=base_env())
@@ -348,6 +363,7 @@ def test_a_failed_first_start_does_not_block_the_next_one_and_its_files_are_kept
     assert (tmp_path / "run" / "last.pt").exists() and "kept in attempt-" in again[0].output
 
 
+@pytest.mark.slow
 def test_resuming_with_another_architecture_names_both_and_writes_nothing(tmp_path):
     run_ranks(tmp_path, "run", 1, "--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "8")
     before = sorted(p.name for p in (tmp_path / "run").iterdir())
@@ -376,6 +392,7 @@ def answer_sources() -> dict[int, list[str]]:
     return sources
 
 
+@pytest.mark.slow
 def test_every_homework_question_names_figures_that_the_demo_runs_produced(demo_at_defaults, tmp_path):
     from ddp_utils import report
     from ddp_utils.runlog import read_scalars

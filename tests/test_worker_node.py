@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 
@@ -14,7 +13,7 @@ import torch
 from ddp_utils.robust import autoresume
 from ddp_utils import report
 from ddp_utils.settings import Settings
-from tests.procs import REPO, base_env, describe, free_port
+from tests.procs import REPO, base_env, describe, free_port, stop
 from tests.test_training import run_ranks, train_cmd, weights
 
 
@@ -23,6 +22,7 @@ def epoch_lines(output: str) -> list[str]:
 
 
 # -- progress on every rank ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_rank_1_shows_its_progress_bar_and_the_same_global_lines_as_rank_0(tmp_path):
     ranks = run_ranks(tmp_path, "bar", 2, "--epochs", "2", "--max-steps-per-epoch", "4", "--batch-size", "8",
                       "--progress", "bar")
@@ -31,6 +31,7 @@ def test_rank_1_shows_its_progress_bar_and_the_same_global_lines_as_rank_0(tmp_p
     assert epoch_lines(ranks[1].output) == epoch_lines(ranks[0].output)   # global numbers, the same text
 
 
+@pytest.mark.slow
 def test_piped_output_of_rank_1_has_one_line_per_epoch_and_the_log_points_with_steps(tmp_path):
     ranks = run_ranks(tmp_path, "steps", 2, "--epochs", "2", "--max-steps-per-epoch", "4", "--batch-size", "8",
                       "--progress", "steps", "--log-every", "2")
@@ -57,13 +58,11 @@ def start_and_kill_after_first_checkpoint(run_dir, port) -> None:
             assert all(p.poll() is None for p in procs), "a rank ended before the first checkpoint"
             time.sleep(0.05)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
+        stop(procs)
     assert not (run_dir / "results.json").exists(), "the run finished before it was killed"
 
 
+@pytest.mark.slow
 def test_running_the_same_commands_again_with_resume_auto_continues_and_ends_as_if_never_stopped(tmp_path):
     run_ranks(tmp_path, "straight", 2, *STEPS)
     start_and_kill_after_first_checkpoint(tmp_path / "killed", free_port())
@@ -76,6 +75,7 @@ def test_running_the_same_commands_again_with_resume_auto_continues_and_ends_as_
         assert torch.equal(straight[name], resumed[name]), name
 
 
+@pytest.mark.slow
 def test_resume_auto_after_a_finished_run_starts_a_new_one_beside_it(tmp_path):
     first = run_ranks(tmp_path, "done", 1, "--epochs", "1", "--max-steps-per-epoch", "2", "--resume", "auto")
     assert "resume auto: no unfinished run" in first[0].output
@@ -104,6 +104,7 @@ def test_resume_auto_finds_the_newest_unfinished_run_with_the_same_settings(tmp_
 
 
 # -- cost ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_price_per_node_hour_turns_wall_time_into_the_cost_of_the_run_and_of_each_epoch(tmp_path):
     run_ranks(tmp_path, "priced", 2, "--epochs", "2", "--max-steps-per-epoch", "2", "--price-per-hour", "3.6")
     run_ranks(tmp_path, "free", 1, "--epochs", "2", "--max-steps-per-epoch", "2")
@@ -117,6 +118,7 @@ def test_a_price_per_node_hour_turns_wall_time_into_the_cost_of_the_run_and_of_e
     assert f"{priced['cost']:.3f} ({priced['cost_per_epoch']:.3f})" in table and "| n/a |" in table
 
 
+@pytest.mark.slow
 def test_no_cost_column_without_a_price(tmp_path):
     run_ranks(tmp_path, "free", 1, "--epochs", "1", "--max-steps-per-epoch", "2")
     assert "cost" not in report.results_table([tmp_path / "free"]).splitlines()[0]
