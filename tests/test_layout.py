@@ -105,6 +105,6 @@ def test_the_readme_file_tree_lists_every_module_under_its_layer():
     for layer in LAYERS:
         assert re.search(rf"^  {layer}/\s+\S", readme, re.M), f"README file tree lacks {layer}/"
     for module in MODULES:
-        indent = "    " if layer_of(module) != "core" else "  "
-        stem = module.split(".")[-1]
+        *folders, stem = module.split(".")
+        indent = "  " * (len(folders) + 1)   # ddp_utils/ at the left margin, each folder two spaces in
         assert re.search(rf"^{indent}{stem}\.py\s+\S", readme, re.M), f"README file tree lacks {module}.py"

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -11,7 +10,7 @@ import pytest
 from matplotlib.legend import Legend
 
 from ddp_utils.tools import cli
-from ddp_utils import report
+from ddp_utils.tools import report
 from ddp_utils.settings import Settings
 from tests.procs import base_env, describe, python, run_all
 
@@ -245,7 +244,7 @@ def test_cli_report_writes_the_table_and_figures(runs, tmp_path, capsys):
     assert cli.main(["report", *map(str, runs), "--out", str(tmp_path / "out")]) == 0
     assert "| ddp2 | 2 | 128 |" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        ".ddp_utils-report.json", "curves.png", "results.md", "throughput.png", "time.png"]   # the list of what it wrote
+        "curves.png", "results.md", "throughput.png", "time.png"]   # nothing else
 
 
 def test_cli_report_on_a_non_run_folder_exits_2_naming_the_folder(tmp_path, capsys):
@@ -281,41 +280,43 @@ def test_a_new_report_folder_gets_a_number_when_its_time_stamp_is_taken(tmp_path
     assert report.new_report_dir(tmp_path, now) == tmp_path / "20261123-101500-2"
 
 
-def test_report_refuses_to_overwrite_files_it_did_not_write_and_writes_nothing(runs, tmp_path, capsys):
+def test_report_refuses_a_folder_that_holds_anything_and_writes_nothing(runs, tmp_path, capsys):
     out = tmp_path / "handin"
     out.mkdir()
     (out / "results.md").write_text("my answers\n")
     assert cli.main(["report", *map(str, runs), "--out", str(out)]) == 2
     captured = capsys.readouterr()
-    assert f"error: {out} already holds results.md, which the report would overwrite" in captured.err
+    assert f"error: {out} already holds results.md: --out takes a new or an empty folder" in captured.err
     assert "Nothing was written" in captured.err and "--out DIR" in captured.err
     assert captured.out == ""   # refused before the table, so nobody takes it for a finished report
     assert [p.name for p in out.iterdir()] == ["results.md"] and (out / "results.md").read_text() == "my answers\n"
-    with pytest.raises(FileExistsError, match="results.md was not written by"):
+    (out / "results.md").unlink()
+    (out / "notes.txt").write_text("mine")   # any file, not only one of the report's names
+    with pytest.raises(FileExistsError, match="already holds notes.txt"):
         report.write_report(runs, out)
-    assert [p.name for p in out.iterdir()] == ["results.md"]
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
-def test_report_refuses_to_overwrite_its_own_file_once_it_was_edited(runs, tmp_path):
+def test_report_refuses_to_write_over_an_earlier_report_even_its_own(runs, tmp_path):
     out = tmp_path / "out"
     report.write_report(runs, out)
-    pngs = {name: (out / name).read_bytes() for name in ("curves.png", "time.png", "throughput.png")}
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     with open(out / "results.md", "a") as f:
         f.write("\nMy answer to question 1: ...\n")
-    with pytest.raises(FileExistsError, match="results.md was changed after the report wrote it"):
+    with pytest.raises(FileExistsError, match="a report never replaces a file"):
         report.write_report(runs, out)
     assert "My answer to question 1" in (out / "results.md").read_text()
-    assert pngs == {name: (out / name).read_bytes() for name in pngs}
+    assert {name: data for name, data in before.items() if name != "results.md"} == \
+        {p.name: p.read_bytes() for p in out.iterdir() if p.name != "results.md"}
 
 
-def test_rerunning_report_into_its_own_folder_replaces_its_files(runs, tmp_path, capsys):
-    out = tmp_path / "out"
-    assert cli.main(["report", *map(str, runs), "--out", str(out)]) == 0
-    assert "| ddp2 | 2 | 128 | 2 | 0:30:10 | 1000 | 500 | 50.00 | 90.00 | 2.00x |" in (out / "results.md").read_text()
-    assert cli.main(["report", *map(str, runs), "--out", str(out), "--baseline", str(runs[0])]) == 0
-    assert "| ddp2 | 2 | 128 | 2 | 0:30:10 | 1000 | 500 | 50.00 | 90.00 | 1.00x |" in (out / "results.md").read_text()
-    assert cli.main(["report", *map(str, runs), "--out", str(out)]) == 0   # and again: its list follows its files
-    assert "2.00x" in (out / "results.md").read_text()
+def test_an_empty_or_new_out_folder_takes_the_report(runs, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for out in (empty, tmp_path / "new" / "folder"):
+        assert cli.main(["report", *map(str, runs), "--out", str(out)]) == 0
+        assert "| ddp2 | 2 | 128 | 2 | 0:30:10 | 1000 | 500 | 50.00 | 90.00 | 2.00x |" in (out / "results.md").read_text()
+        assert sorted(p.name for p in out.iterdir()) == REPORT_FILES
     assert capsys.readouterr().err == ""
 
 
@@ -333,7 +334,7 @@ def test_plain_out_into_the_kits_images_folder_is_refused(runs, monkeypatch, cap
         after = {p: p.read_bytes() for p in kit.iterdir() if p.is_file()}
     finally:   # never leave the kit's pictures changed, even when the refusal is broken
         for p in kit.iterdir():
-            if p.name in (*REPORT_FILES, report.MANIFEST) and p not in committed:
+            if p.name in REPORT_FILES and p not in committed:
                 p.unlink()
         for p, data in committed.items():
             if p.read_bytes() != data:
@@ -349,10 +350,7 @@ def test_kit_images_flag_replaces_the_kits_pictures_where_plain_out_may_not(runs
     for name in REPORT_FILES:
         (kit / name).write_text("committed example")
     (kit / "README.md").write_text("how they were made")
-    # Not even the list of an earlier report opens the kit's folder to a plain --out.
-    files = {name: hashlib.sha256((kit / name).read_bytes()).hexdigest() for name in REPORT_FILES}
-    (kit / report.MANIFEST).write_text(json.dumps({"files": files}))
-    monkeypatch.setattr(report, "KIT_IMAGES", kit)
+    monkeypatch.setattr(report.write, "KIT_IMAGES", kit)
     assert cli.main(["report", *map(str, runs), "--out", str(kit)]) == 2
     assert all((kit / name).read_text() == "committed example" for name in REPORT_FILES)
     assert cli.main(["report", *map(str, runs), "--kit-images"]) == 0
@@ -371,7 +369,7 @@ def test_kit_images_flag_and_out_cannot_be_combined(runs, tmp_path, capsys):
 
 
 def test_kit_images_flag_without_the_kits_folder_says_so(runs, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(report, "KIT_IMAGES", tmp_path / "site-packages" / "images")
+    monkeypatch.setattr(report.write, "KIT_IMAGES", tmp_path / "site-packages" / "images")
     assert cli.main(["report", *map(str, runs), "--kit-images"]) == 2
     assert "installed, not a checkout of the kit. Use --out DIR" in capsys.readouterr().err
 

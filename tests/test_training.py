@@ -394,7 +394,7 @@ def answer_sources() -> dict[int, list[str]]:
 
 @pytest.mark.slow
 def test_every_homework_question_names_figures_that_the_demo_runs_produced(demo_at_defaults, tmp_path):
-    from ddp_utils import report
+    from ddp_utils.tools import report
     from ddp_utils.runlog import read_scalars
     tmp, two, one = demo_at_defaults
     assert all(r.returncode == 0 for r in two + one), describe(two + one)

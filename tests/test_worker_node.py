@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ddp_utils.robust import autoresume
-from ddp_utils import report
+from ddp_utils.tools import report
 from ddp_utils.settings import Settings
 from tests.procs import REPO, base_env, describe, free_port, stop
 from tests.test_training import run_ranks, train_cmd, weights

@@ -74,10 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding results.json")
     where = report.add_mutually_exclusive_group()
     where.add_argument("--out", metavar="DIR", default=None,
-                       help="folder for results.md, curves.png, time.png, throughput.png (default: a new folder "
-                            "reports/<YYYYmmdd-HHMMSS>/ under the current directory). Files of those names "
-                            "already in DIR are replaced only if an earlier report wrote them (it lists them "
-                            "in DIR/.ddp_utils-report.json) and they are unchanged; otherwise nothing is written")
+                       help="folder for results.md, curves.png, time.png, throughput.png: a new or an empty one, "
+                            "so that a report never replaces a file (default: a new folder "
+                            "reports/<YYYYmmdd-HHMMSS>/ under the current directory)")
     where.add_argument("--kit-images", action="store_true",
                        help="write into the kit's own images/ folder, replacing its committed example "
                             "pictures: the one way to regenerate them (a plain --out images/ is refused)")
@@ -138,13 +137,13 @@ def main(argv=None) -> int:
             run_demo(epochs=args.epochs, world_size=args.world_size, run_dir=args.run_dir, port=args.master_port,
                      price_per_hour=args.price_per_hour)
         elif args.command == "report":
-            from ..report import report_dir, results_table, write_report
+            from .report import report_dir, results_table, write_report
             out = report_dir(args.out, kit_images=args.kit_images)   # a refusal comes before any output
             print(results_table(args.run_dirs, baseline=args.baseline))
             for path in write_report(args.run_dirs, out, baseline=args.baseline, kit_images=args.kit_images):
                 print(f"wrote {path}")
         elif args.command == "compare":
-            from ..report import compare_table
+            from .report import compare_table
             print(compare_table(args.run_dirs))
         return 0
     except KeyboardInterrupt as exc:

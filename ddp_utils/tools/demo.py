@@ -56,7 +56,7 @@ def launch(cmds: list[list[str]], timeout: float, quiet: bool = False) -> None:
 def run_demo(epochs: int | None = None, world_size: int = 2, run_dir: str = "runs/demo", port: int = 0,
              price_per_hour: float = 0.0) -> str:
     from ..demo_data import prepare_demo
-    from ..report import results_table
+    from .report import results_table
 
     epochs = epochs or DEMO.epochs
     prepare_demo("data/demo")   # once, before the ranks start, so they do not race to write it
