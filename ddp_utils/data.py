@@ -46,7 +46,7 @@ def build_data(settings, ctx, log=print) -> Data:
     found (classes, image counts, statistics: ``Data.fingerprint``) and stop with a paragraph if a
     node's copy differs. On an error every rank is told and the process group is left.
     """
-    with distributed.leaving_on_error(ctx, "reading the data"):
+    with distributed.leaving_on_error(ctx):
         set_threads(settings, ctx, log)       # ranks sharing a machine share its cores
         data = build_loaders(settings, ctx.rank, ctx.world_size, ctx.device)   # DDP: a DistributedSampler each
         # DDP: reading the data can take minutes on one node (a cold disk): wait for it explicitly

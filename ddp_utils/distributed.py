@@ -463,7 +463,7 @@ def describe_failure(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def leaving_on_error(ctx: DistContext, what: str):
+def leaving_on_error(ctx: DistContext):
     """Run one step of preparing a run (a notebook cell); on any error, also an interrupt, tell the
     other ranks why and leave the process group, so that they stop now instead of waiting in their
     next collective, and running the cells again starts cleanly."""
@@ -471,7 +471,7 @@ def leaving_on_error(ctx: DistContext, what: str):
         yield
     except BaseException as exc:
         if not isinstance(exc, PeerLost):   # this rank's own failure: tell the others
-            report_failure(ctx, f"rank {ctx.rank} stopped while {what}: {describe_failure(exc)}")
+            report_failure(ctx, f"rank {ctx.rank} stopped while preparing the run: {describe_failure(exc)}")
         teardown(abort=True)
         raise
 

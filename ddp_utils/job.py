@@ -116,7 +116,7 @@ def open_run(settings, ctx, data: Data, model, resume: str | None = None, evalua
     these settings if rank 0 has one (``robust/autoresume.py``), else start a new one; it says
     which. With ``evaluate`` the checkpoint's weights are only evaluated, into a new run folder.
     """
-    with distributed.leaving_on_error(ctx, "opening the run"):
+    with distributed.leaving_on_error(ctx):
         if evaluate and (not resume or resume == "auto"):
             raise ValueError(EVALUATE_NEEDS_A_CHECKPOINT)
         if resume and resume != "auto" and not evaluate and not settings.run_dir:

@@ -123,7 +123,7 @@ def prepare_model(model: nn.Module, settings, ctx, log=print) -> nn.Module:
     Returns the module to train with; ``unwrap(result)`` gives back the plain model. Rank 0 says
     what runs (``describe_parallel``). On an error every rank is told and the process group is left.
     """
-    with distributed.leaving_on_error(ctx, "building the model"):
+    with distributed.leaving_on_error(ctx):
         model = _place(model, settings, ctx)
         use_fast_gpu_kernels(ctx.device)   # cuDNN's autotuner and TF32 on a GPU
         if ctx.is_main:
