@@ -205,6 +205,23 @@ def load_state(path, ctx, timeout: float = 300.0) -> dict | None:
     return state
 
 
+def mend_best(state: dict, run_dir, ctx) -> bool:
+    """Write best.pt again from a resumed state when a stop came between the two writes of a best epoch.
+
+    A best epoch writes last.pt, then best.pt. Killed in between, last.pt records that epoch as the
+    best while best.pt is missing or an older epoch's, and if no later epoch beats it the run would end
+    without the best weights it names. Then the state (last.pt's, which is that best epoch) is also
+    written to best.pt. Rank 0 only; True when it wrote best.pt."""
+    history = state.get("history") or []
+    if not ctx.is_main or not run_dir or not history or history[-1]["val"]["acc1"] < state["best_acc1"]:
+        return False   # the last epoch saved was not the best: best.pt was written before it
+    last, best = checkpoint_paths(run_dir)
+    if best.exists() and (not last.exists() or best.stat().st_mtime_ns >= last.stat().st_mtime_ns):
+        return False   # written after last.pt, as a best epoch does
+    save_checkpoint(best, state)
+    return True
+
+
 def check_matches(state: dict, settings, path) -> None:
     """CheckpointError (on every rank: all hold the state) if the checkpoint is of another model or data."""
     saved = state.get("settings") or {}

@@ -256,6 +256,9 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
         start_epoch, step, best_acc1 = state["epoch"] + 1, state["step"], state["best_acc1"]
         history = state.get("history", [])   # results then cover the epochs before the interruption too
         logger.info(f"resumed from {resume}: continuing at epoch {start_epoch + 1}")
+        if checkpoint.mend_best(state, logger.run_dir, ctx):
+            logger.info(f"best.pt was older than the best epoch ({state['epoch'] + 1}) that last.pt records (a stop "
+                        f"between the two writes): written again from it")
     logger.info(f"{describe_batch(settings)}; precision {dtype or 'fp32'}; device {ctx.device}")
 
     last_path, best_path = (checkpoint.checkpoint_paths(logger.run_dir) if logger.run_dir else (None, None))

@@ -263,3 +263,29 @@ def test_random_bytes_are_not_a_checkpoint_rather_than_an_unsafe_pickle(tmp_path
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(path)
     assert "not a complete checkpoint" in str(err.value) and "arbitrary code" not in str(err.value)
+
+
+def test_mend_best_writes_best_pt_only_when_last_pt_holds_a_newer_best_epoch(tmp_path):
+    """The three cases after a resume: killed between the writes of a best epoch (rewrite best.pt from the
+    state), a best.pt written after last.pt (leave it), the last epoch saved not the best (leave it)."""
+    import time
+
+    from ddp_utils.checkpoint import mend_best
+    from ddp_utils.distributed import DistContext
+    rank0 = DistContext(0, 1, 0, torch.device("cpu"), None)
+    history = [{"epoch": 1, "val": {"acc1": 40.0}}, {"epoch": 2, "val": {"acc1": 55.0}}]
+    state = {"epoch": 1, "best_acc1": 55.0, "history": history, "model": {"w": torch.ones(2)}}
+    save_checkpoint(tmp_path / "best.pt", {**state, "epoch": 0, "best_acc1": 40.0, "history": history[:1]})
+    time.sleep(0.01)
+    save_checkpoint(tmp_path / "last.pt", state)                 # killed here: best.pt is epoch 1's
+    assert mend_best(state, tmp_path, rank0)
+    assert load_checkpoint(tmp_path / "best.pt")["epoch"] == 1   # now the best epoch's
+    assert not mend_best(state, tmp_path, rank0)                 # best.pt is newer than last.pt now
+    worse = {**state, "epoch": 2, "history": [*history, {"epoch": 3, "val": {"acc1": 50.0}}]}
+    time.sleep(0.01)
+    save_checkpoint(tmp_path / "last.pt", worse)
+    assert not mend_best(worse, tmp_path, rank0)                 # epoch 3 was not the best: best.pt stays
+    assert load_checkpoint(tmp_path / "best.pt")["epoch"] == 1
+    (tmp_path / "best.pt").unlink()
+    assert not mend_best(state, tmp_path, DistContext(1, 2, 0, torch.device("cpu"), "gloo"))   # rank 0 writes
+    assert not (tmp_path / "best.pt").exists()

@@ -149,6 +149,42 @@ def test_interrupted_then_resumed_run_ends_with_the_weights_of_an_uninterrupted_
         assert torch.equal(a[name], b[name]), name
 
 
+# A process killed (SIGKILL) right after it wrote last.pt of a best epoch, before best.pt.
+KILLED_BETWEEN_THE_WRITES = """
+import os, signal, sys
+from ddp_utils import checkpoint
+from ddp_utils.tools import cli
+real = checkpoint.save_checkpoint
+def save(path, state, verify=True):
+    real(path, state, verify)
+    if path.name == "last.pt":
+        os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.save_checkpoint = save
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_kill_between_last_pt_and_best_pt_still_ends_with_the_best_epochs_weights_in_best_pt(tmp_path):
+    """The only epoch is the best: killed before best.pt was written, the resume (nothing left to train)
+    must still leave best.pt, the epoch last.pt records as the best, not a run without its best weights."""
+    run = tmp_path / "run"
+    args = ["train", "--dataset", "fake", "--image-size", "32", "--arch", "convnet", "--workers", "0", "--wandb",
+            "disabled", "--progress", "off", "--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "8",
+            "--run-dir", str(run)]
+    [killed] = run_all([python("-c", KILLED_BETWEEN_THE_WRITES, *args)], timeout=120, env=base_env())
+    assert killed.returncode == -9 and (run / "last.pt").exists() and not (run / "best.pt").exists(), describe([killed])
+    [resumed] = run_all([python("-m", "ddp_utils", *args, "--resume", str(run / "last.pt"))], timeout=120,
+                        env=base_env())
+    assert resumed.returncode == 0, describe([resumed])
+    assert "best.pt was older than the best epoch (1) that last.pt records" in resumed.output
+    best, last = checkpoint.load_checkpoint(run / "best.pt"), checkpoint.load_checkpoint(run / "last.pt")
+    history = json.loads((run / "results.json").read_text())["history"]
+    best_epoch = max(range(len(history)), key=lambda e: history[e]["val"]["acc1"])   # the first of the best
+    assert best["epoch"] == best_epoch == 0 and best["best_acc1"] == last["best_acc1"]
+    assert all(torch.equal(best["model"][k], last["model"][k]) for k in best["model"])
+
+
 def test_checkpoint_holds_everything_needed_to_resume(tmp_path):
     _in_process_fit(tmp_path / "run", epochs=1)
     state = checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")
