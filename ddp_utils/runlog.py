@@ -296,8 +296,11 @@ def summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=None, ext
     train_s = sum(t["wall_s"] for t in trained)
     steps = sum(t.get("steps", 0) for t in trained)
     split = {key: sum(t.get(key, 0.0) for t in trained) for key in (*TIME_PARTS, "comm_total_s")}
+    # Each rank's own split, when every epoch ran with this world size (a run resumed on another one has
+    # epochs with other ranks: then only the ranks' means above).
+    same_ranks = all(len(t.get("per_rank") or []) == settings.world_size for t in trained)
     per_rank = [{"rank": r, **{key: sum(t["per_rank"][r][key] for t in trained) for key in TIME_PARTS}}
-                for r in range(settings.world_size)] if all("per_rank" in t for t in trained) else []
+                for r in range(settings.world_size)] if same_ranks else []
     return {
         "acc1": val["acc1"], "acc5": val["acc5"], "loss": val["loss"], "best_acc1": best_acc1,
         "val_images": val["count"], "epochs": settings.epochs,

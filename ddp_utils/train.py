@@ -248,6 +248,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
     start_epoch, step, best_acc1, history = 0, 0, 0.0, []
     if state is not None:
         checkpoint.restore(state, model, optimizer, scheduler, scaler, ctx)
+        _continue_the_schedule(scheduler, state, len(data.train), settings, logger)
         # The schedule continues at its step, but from this run's lr: resuming with a smaller lr after
         # a divergence must take effect (the scheduler's saved state holds the old one).
         scheduler.base_lrs = [settings.effective_lr] * len(optimizer.param_groups)
@@ -321,6 +322,20 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
         logger.info(predicted_vs_measured(probe, results))
     logger.results(results)
     return results
+
+
+def _continue_the_schedule(scheduler, state: dict, per_epoch: int, settings, logger) -> None:
+    """Resumed with other steps per epoch than the checkpoint's (another world size, batch size or
+    max_steps: a node lost or added), the learning-rate schedule continues at the same share of the run:
+    epochs done x this run's steps per epoch. (The step count in the logs keeps counting on.)"""
+    done = state["epoch"] + 1
+    if scheduler.last_epoch == done * per_epoch:
+        return
+    before = state.get("settings", {}).get("world_size", "?")
+    logger.info(f"the checkpoint took {scheduler.last_epoch} steps for {done} epoch(s) (world size {before}); this run "
+                f"takes {per_epoch} per epoch (world size {settings.world_size}): the learning-rate schedule "
+                f"continues at step {done * per_epoch} of {settings.epochs * per_epoch}, the same share of the run")
+    scheduler.last_epoch = done * per_epoch
 
 
 def _gpu_results(gpu, ctx, logger, step: int) -> dict:

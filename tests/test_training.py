@@ -460,3 +460,33 @@ def test_every_homework_question_names_figures_that_the_demo_runs_produced(demo_
                     assert all(name in (run / "log.txt").read_text() for name in names), where
                 else:
                     raise AssertionError(f"{where}: unknown kind of source {kind!r}")
+
+
+# -- resuming on another world size (a node lost or added) -----------------------------------------
+def _train_then_resume(tmp_path, before: int, after: int):
+    """Epoch 1 of 3 on ``before`` ranks, then the rest on ``after`` ranks from its last.pt."""
+    steps = ("--epochs", "3", "--max-steps-per-epoch", "0", "--batch-size", "256")   # fake data: 10 steps on 1 rank
+    run_ranks(tmp_path, "run", before, *steps[:1], "1", *steps[2:])   # a 1-epoch run: its last.pt is epoch 1
+    state = checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")
+    assert state["settings"]["world_size"] == before and state["epoch"] == 0
+    ranks = run_ranks(tmp_path, "run", after, *steps, "--resume", tmp_path / "run" / "last.pt")
+    out = ranks[0].output
+    assert "Traceback" not in out and "continuing at epoch 2" in out, out[-3000:]
+    return json.loads((tmp_path / "run" / "results.json").read_text()), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_run_resumes_on_another_world_size_and_its_schedule_continues_where_a_run_of_that_size_would_be(
+        tmp_path, before, after):
+    results, out = _train_then_resume(tmp_path, before, after)
+    assert results["world_size"] == after and len(results["history"]) == 3
+    assert [len(h["train"]["per_rank"]) for h in results["history"]] == [before, after, after]
+    assert results["per_rank"] == []   # epochs of two world sizes: the ranks' means only, no mixed rows
+    assert f"(world size {before}); this run takes" in out
+    # The lr of the resumed epochs is what a run on `after` ranks from the start has at those epochs.
+    straight = run_ranks(tmp_path, "straight", after, "--epochs", "3", "--max-steps-per-epoch", "0",
+                         "--batch-size", "256")
+    assert straight[0].returncode == 0
+    same = json.loads((tmp_path / "straight" / "results.json").read_text())["history"]
+    assert [h["train"]["lr"] for h in results["history"][1:]] == pytest.approx([h["train"]["lr"] for h in same[1:]])
