@@ -88,6 +88,12 @@ def wandb_mode(settings, environ=None) -> str:
     return mode
 
 
+def wandb_start_bound(settings) -> float:
+    """Seconds rank 0 may wait for W&B's servers when starting online: a third of ``init_timeout``
+    (the other ranks wait that long for rank 0 to start the run), at least 5."""
+    return max(5.0, settings.init_timeout / 3)
+
+
 def has_wandb_key(environ=None) -> bool:
     """True when W&B can log in without asking: ``WANDB_API_KEY`` or a netrc entry for its host."""
     env = os.environ if environ is None else environ
@@ -216,12 +222,16 @@ class RunLogger:
                   "id": run_id, "resume": "allow" if run_id else None,  # continue the same run
                   "reinit": "finish_previous"}  # re-running a notebook cell ends the old run
         try:
-            run = wandb.init(mode=mode, **kwargs)
+            # Online, W&B may wait for its servers (90 s by default, far longer than the other ranks wait for
+            # rank 0 to start the run): bounded by a third of init_timeout here, then the run goes on offline.
+            bound = wandb.Settings(init_timeout=wandb_start_bound(self.settings)) if mode == "online" else None
+            run = wandb.init(mode=mode, settings=bound, **kwargs)
         except Exception as e:
             if mode != "online":
                 raise
-            # A W&B outage or a bad key must not stop a training run: keep the data locally.
-            self.info(f"W&B online start failed ({type(e).__name__}: {e}); logging offline instead")
+            # A W&B outage, no route to its servers or a bad key must not stop a training run: keep the data locally.
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            self.info(f"W&B online start failed ({type(e).__name__}: {first}); logging offline instead")
             mode = "offline"
             run = wandb.init(mode=mode, **kwargs)
         id_file.write_text(run.id + "\n")

@@ -397,3 +397,30 @@ def test_leaving_a_job_closes_its_logger_after_success_and_after_an_error(tmp_pa
             pass
         assert job.logger._closed, name
     assert "error: ValueError: boom" in (tmp_path / "failed" / "log.txt").read_text()
+
+
+@pytest.mark.slow
+def test_wandb_online_with_no_route_to_its_servers_costs_no_training_run(tmp_path):
+    """Two namespace hosts, a key set, W&B's server an address nobody has: rank 0's W&B start gives up within
+    its bound (a third of init_timeout), the run logs offline and says how to upload, both ranks finish, and
+    the key is written nowhere."""
+    from tests import netns
+    from tests.procs import base_env, describe, free_port, python, run_all
+    home = tmp_path / "home"
+    env = base_env(WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL="http://10.213.7.99:8080", HOME=home,
+                   WANDB_CONFIG_DIR=home / ".config" / "wandb", WANDB_CACHE_DIR=home / ".cache" / "wandb",
+                   WANDB_DATA_DIR=home / ".local" / "share" / "wandb")
+    run = tmp_path / "run"
+    with netns.two_hosts_or_skip("10.213.7") as hosts:
+        common = ["-m", "ddp_utils", "train", "--dataset", "fake", "--image-size", "32", "--arch", "convnet",
+                  "--workers", "0", "--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "8",
+                  "--progress", "off", "--wandb", "online", "--init-timeout", "30", "--backend", "gloo",
+                  "--world-size", "2", "--master-addr", hosts.addrs[0], "--master-port", str(free_port()),
+                  "--run-dir", str(run)]
+        results = run_all([python(*common, "--rank", "0"), python(*common, "--rank", "1")], timeout=150, env=env,
+                          prefix=[hosts.exec_prefix(0), hosts.exec_prefix(1)])
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    assert "W&B online start failed" in results[0].output and "upload later with: wandb sync" in results[0].output
+    assert json.loads((run / "results.json").read_text())["epochs_run"] == 1
+    holding_the_key = [str(p) for p in tmp_path.rglob("*") if p.is_file() and FAKE_KEY.encode() in p.read_bytes()]
+    assert holding_the_key == []
