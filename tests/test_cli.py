@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.pages import kit_pages
 from tests.procs import REPO, base_env, describe, free_port, python, run_all, stop
 
 
@@ -86,7 +87,7 @@ def test_ci_runs_exactly_the_readme_install_and_test_command():
 
 @pytest.mark.slow
 def test_every_flag_the_readme_mentions_exists(tmp_path):
-    readme = Path(REPO, "README.md").read_text()
+    readme = kit_pages()   # the README and its docs/ pages
     helps = "".join(subprocess.run(python("-m", "ddp_utils", cmd, "--help"), cwd=REPO, capture_output=True,
                                    text=True, env=base_env()).stdout for cmd in ("train", "check", "demo", "report"))
     helps += "".join(subprocess.run(python(str(script), "--help"), cwd=REPO, capture_output=True, text=True,
@@ -124,8 +125,27 @@ def test_when_a_worker_dies_mid_run_the_master_stops_with_a_clear_error_and_an_i
 
 def test_every_ddp_utils_name_the_readme_uses_exists():
     import ddp_utils
-    readme = Path(REPO, "README.md").read_text()
+    readme = kit_pages()   # the README and its docs/ pages (the API is in docs/python-api.md)
     names = set(re.findall(r"\bdu\.(\w+)", readme))
     assert {"Settings", "setup", "fit", "teardown"} <= names
     for name in names:
         assert hasattr(ddp_utils, name), f"README uses du.{name}, which ddp_utils does not export"
+
+
+def test_the_readme_is_a_front_page_with_a_picture_that_links_every_reference_page():
+    readme = Path(REPO, "README.md").read_text()
+    assert len(readme.splitlines()) <= 250, "the README is the front page: reference goes into docs/"
+    pictures = re.findall(r"!\[[^\]]+\]\(([^)]+\.png)\)", readme)
+    assert pictures and all(Path(REPO, p).is_file() for p in pictures), pictures
+    for page in [*sorted(Path(REPO, "docs").glob("*.md")), Path(REPO, "lab", "README.md"),
+                 Path(REPO, "notebooks", "lesson.md")]:
+        assert f"]({page.relative_to(REPO).as_posix()})" in readme, f"the README does not link {page.name}"
+
+
+def test_every_relative_link_of_the_readme_and_its_pages_leads_to_a_file():
+    pages = [Path(REPO, "README.md"), *Path(REPO, "docs").glob("*.md"), Path(REPO, "lab", "README.md"),
+             Path(REPO, "notebooks", "lesson.md")]
+    broken = [f"{page.name}: {target}" for page in pages
+              for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+              if not target.startswith(("http://", "https://")) and not (page.parent / target).exists()]
+    assert broken == []

@@ -17,6 +17,7 @@ import nbformat
 import pytest
 
 from tests.notebook_cells import code, markdown, parameter_cells, parameters, read
+from tests.pages import kit_pages
 from tests.procs import REPO, base_env, describe, free_port, run_all
 
 LAB = Path(REPO) / "lab"
@@ -221,7 +222,7 @@ def quoted_rows(text: str) -> dict[str, set[str]]:
 
 def test_every_quoted_results_row_is_the_same_wherever_it_is_quoted():
     """The same run quoted twice (step 0, step 8, README, images/results.md) must show the same numbers."""
-    texts = {"lab/README.md": readme(), "README.md": (Path(REPO) / "README.md").read_text(),
+    texts = {"lab/README.md": readme(), "README.md and docs/": kit_pages(),
              "images/results.md": (Path(REPO) / "images" / "results.md").read_text()}
     seen: dict[str, tuple[str, str]] = {}
     for where, text in texts.items():
@@ -256,7 +257,7 @@ def test_quoted_timeouts_are_the_kits_defaults():
 
 
 def test_the_imagenet_epoch_time_is_quoted_the_same_everywhere():
-    sources = [readme(), (Path(REPO) / "README.md").read_text()] + [
+    sources = [readme(), kit_pages()] + [
         code(Path(REPO) / "notebooks" / f"{nb}.ipynb") for nb in ("main", "worker", "single")]
     minutes = {m for text in sources for m in re.findall(r"ImageNet epoch[^.]*?about (\d+) min", text)}
     assert len(minutes) == 1, f"one ImageNet epoch on 2 x T4 is quoted as {sorted(minutes)} minutes"
@@ -455,3 +456,10 @@ def test_lab5_rehearses_two_ranks_on_localhost(executed):
     results = json.loads((executed[0] / "lab5" / "results.json").read_text())
     assert results["world_size"] == 2 and results["global_batch_size"] == 2 * 64
     assert "| lab5 | 2 |" in text
+
+
+def test_the_walkthrough_embeds_every_picture_its_questions_ask_about():
+    asked = set(re.findall(r"`(\w+\.png)`", section(readme(), "9.")))
+    embedded = set(re.findall(r"!\[[^\]]*\]\(\.\./images/(\w+\.png)\)", readme()))
+    assert asked and asked <= embedded, f"asked about but not shown: {sorted(asked - embedded)}"
+    assert all((Path(REPO) / "images" / name).is_file() for name in embedded)
