@@ -32,7 +32,9 @@ from .speed.comm import Communication
 from .train import evaluate_only, fit, kept_checkpoint
 
 
-EVALUATE_NEEDS_A_CHECKPOINT = "--evaluate needs --resume PATH: the checkpoint whose weights to evaluate"
+def _check_evaluate(resume, evaluate: bool) -> None:
+    if evaluate and (not resume or resume == "auto"):
+        raise ValueError("--evaluate needs --resume PATH: the checkpoint whose weights to evaluate")
 
 
 @dataclass
@@ -98,8 +100,7 @@ def prepare(settings, resume: str | None = None, evaluate: bool = False, log=pri
     with the same settings; on an error the process group is left, so that calling it again starts
     cleanly.
     """
-    if evaluate and (not resume or resume == "auto"):   # before joining: a wrong command fails at once
-        raise ValueError(EVALUATE_NEEDS_A_CHECKPOINT)
+    _check_evaluate(resume, evaluate)   # before joining: a wrong command fails at once
     ctx = setup(settings, log)   # DDP: pre-flight, init_process_group, settings agreement
     data = build_data(settings, ctx, log)   # DDP: DistributedSampler shards; the ranks agree on the data
     model = prepare_model(build_model(settings.arch, data.num_classes, settings.seed), settings, ctx, log)   # DDP: wrap
@@ -117,8 +118,7 @@ def open_run(settings, ctx, data: Data, model, resume: str | None = None, evalua
     which. With ``evaluate`` the checkpoint's weights are only evaluated, into a new run folder.
     """
     with distributed.leaving_on_error(ctx):
-        if evaluate and (not resume or resume == "auto"):
-            raise ValueError(EVALUATE_NEEDS_A_CHECKPOINT)
+        _check_evaluate(resume, evaluate)
         if resume and resume != "auto" and not evaluate and not settings.run_dir:
             # Continue writing into the folder the checkpoint came from (evaluation gets a new folder).
             settings = settings.replace(run_dir=os.path.dirname(os.path.abspath(resume)))

@@ -47,6 +47,7 @@ from urllib.parse import urlsplit
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+from .distributed import describe_failure
 from .robust.files import atomic_write_text, remove_leftovers
 
 from .summary import model_summary as _model_summary_text
@@ -230,8 +231,7 @@ class RunLogger:
             if mode != "online":
                 raise
             # A W&B outage, no route to its servers or a bad key must not stop a training run: keep the data locally.
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            self.info(f"W&B online start failed ({type(e).__name__}: {first}); logging offline instead")
+            self.info(f"W&B online start failed ({describe_failure(e)}); logging offline instead")
             mode = "offline"
             run = wandb.init(mode=mode, **kwargs)
         id_file.write_text(run.id + "\n")

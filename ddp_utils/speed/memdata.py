@@ -161,10 +161,14 @@ class MemoryLoader(TrainLoader):
 
     def indices(self, epoch: int) -> Tensor:
         """This rank's image indices for ``epoch``, in training order (int64, on the split's device)."""
-        return torch.tensor(super().indices(epoch), dtype=torch.int64, device=self.dataset.images.device)
+        self._shuffle(epoch)
+        return self._order()
+
+    def _order(self) -> Tensor:
+        return torch.tensor(list(self.sampler), dtype=torch.int64, device=self.dataset.images.device)
 
     def _batches(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        order = torch.tensor(list(self.sampler), dtype=torch.int64, device=self.dataset.images.device)
+        order = self._order()   # the sampler is already set to this epoch (TrainLoader.epoch)
         generator = augmentation_generator(self.seed, self.rank, epoch, self.dataset.images.device)
         for step in range(len(self)):
             idx = order[step * self.batch_size:(step + 1) * self.batch_size]
