@@ -37,8 +37,18 @@ class Progress:
         self.data_wait = 0.0
         if self.show_bar:
             from tqdm.auto import tqdm   # a widget in Jupyter, text on a terminal
+            from tqdm.notebook import tqdm as widget
             label = desc if rank is None else f"rank {rank} {desc}"   # whose steps these are
-            self.bar = tqdm(total=total, desc=label, leave=True, dynamic_ncols=True)
+            # A bar of one length on every line: a widget keeps its own width (filling the row, it shrank
+            # when the numbers after it appeared); on a terminal the bar has a fixed number of characters.
+            # No it/s and no percentage (the epoch lines give img/s): short enough to sit beside the bar.
+            numbers = "{n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+            bar = "{bar}" if issubclass(tqdm, widget) else "|{bar:24}|"
+            self.bar = tqdm(total=total, desc=label, leave=True, bar_format="{desc}: " + bar + " " + numbers)
+            row = getattr(self.bar, "container", None)   # the widget's row: label, bar, numbers
+            if row is not None:   # in a narrow output the numbers go below the bar instead of squeezing it
+                row.layout.flex_flow = "row wrap"
+                row.children[1].layout.flex = "0 0 auto"
 
     def update(self, data_wait: float = 0.0) -> None:
         """One step done; ``data_wait``: this rank's share of the epoch so far spent waiting for data."""
@@ -48,7 +58,8 @@ class Progress:
 
     def log_point(self, step_in_epoch: int, loss: float, acc1: float, lr: float) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{acc1:.1f}", data=f"{100 * self.data_wait:.0f}%")
+            # In the epoch line's order (set_postfix would sort the names).
+            self.bar.set_postfix_str(f"loss={loss:.3f}, acc1={acc1:.1f}, data={100 * self.data_wait:.0f}%")
         if self.show_lines:
             self.print_line(f"{self.desc} step {step_in_epoch}/{self.total}: loss {loss:.4f} "
                             f"acc1 {acc1:.2f} lr {lr:.4g}")

@@ -157,6 +157,17 @@ class Settings:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 out.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
+        positive = ("epochs", "batch_size", "lr_reference_batch", "init_timeout", "collective_timeout",
+                    "log_every", "bucket_mb", "powersgd_rank")
+        not_negative = ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr", "weight_decay",
+                        "momentum", "local_rank", "threads", "patience", "powersgd_warmup_steps",
+                        "comm_auto_share", "price_per_hour")
+        # A value typed into a notebook (MAX_STEPS = None, EPOCHS = "2") gets a sentence, not a TypeError.
+        not_numbers = [f"{name}={getattr(self, name)!r}: must be a number"
+                       for name in ("world_size", "rank", "master_port", *positive, *not_negative)
+                       if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float))]
+        if not_numbers:
+            return out + not_numbers
         if self.world_size < 1:
             out.append(f"world_size={self.world_size}: must be at least 1")
         if not 0 <= self.rank < max(self.world_size, 1):
@@ -164,13 +175,10 @@ class Settings:
                        f"0..{self.world_size - 1} (0 on the master node)")
         if not 1 <= self.master_port <= 65535:
             out.append(f"master_port={self.master_port}: must be a TCP port, 1..65535 (e.g. 29500)")
-        for name in ("epochs", "batch_size", "lr_reference_batch", "init_timeout", "collective_timeout",
-                     "log_every", "bucket_mb", "powersgd_rank"):
+        for name in positive:
             if getattr(self, name) <= 0:
                 out.append(f"{name}={getattr(self, name)}: must be positive")
-        for name in ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr",
-                     "weight_decay", "momentum", "local_rank", "threads", "patience", "powersgd_warmup_steps",
-                     "comm_auto_share", "price_per_hour"):
+        for name in not_negative:
             if getattr(self, name) < 0:
                 out.append(f"{name}={getattr(self, name)}: must not be negative")
         if self.parallel != "ddp" and self.world_size > 1:
@@ -300,5 +308,5 @@ def describe_batch(settings: Settings) -> str:
     lr = (f"{settings.lr} x {settings.global_batch_size}/{settings.lr_reference_batch} = {settings.effective_lr:.4g}"
           if settings.scale_lr else f"{settings.effective_lr:.4g} (not scaled)")
     return (f"global batch {settings.global_batch_size} = {settings.batch_size} per rank x "
-            f"{settings.world_size} rank(s); lr {lr}; {settings.epochs} epoch(s), "
+            f"{settings.world_size} rank(s); lr {lr};\n  {settings.epochs} epoch(s), "
             f"{settings.warmup_epochs:g} of warm-up; model {settings.arch}")

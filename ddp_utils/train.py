@@ -370,9 +370,10 @@ def epoch_line(settings, train: dict, val: dict, epoch: int) -> str:
     wall = train.get("wall_mean_s", train["wall_s"])   # the parts are the ranks' means: so is this wall time
     shares = " ".join(f"{name} {100 * train[key] / max(wall, 1e-9):.0f}%" for name, key in
                       (("data", "data_s"), ("compute", "compute_s"), ("comm", "comm_s"), ("idle", "idle_s")))
+    # Two lines of under 100 characters: one line of 165 wrapped mid-word in a notebook ("pe" / "r rank").
     return (f"epoch {epoch + 1}/{settings.epochs}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | "
-            f"val loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | "
-            f"{train['images_per_s']:.0f} img/s global, {train['images_per_s_rank']:.0f} per rank | "
+            f"val loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}\n"
+            f"  {train['images_per_s']:.0f} img/s global, {train['images_per_s_rank']:.0f} per rank | "
             f"time: {shares} | {train['wall_s']:.1f}s")
 
 
@@ -380,10 +381,10 @@ def predicted_vs_measured(probe: dict, results: dict) -> str:
     """The link probe's prediction next to what the run measured, per step."""
     steps = results["steps"]
     return (f"per step: predicted {1e3 * probe['predicted_step_s']:.0f} ms (compute {1e3 * probe['compute_s']:.0f} + "
-            f"all-reduce {1e3 * probe['allreduce_s']:.0f}); measured {1e3 * results['measured_step_s']:.0f} ms "
+            f"all-reduce {1e3 * probe['allreduce_s']:.0f});\n  measured {1e3 * results['measured_step_s']:.0f} ms "
             f"(data {1e3 * results['data_s'] / steps:.0f}, compute {1e3 * results['compute_s'] / steps:.0f}, "
             f"comm waited for {1e3 * results['comm_s'] / steps:.0f} of {1e3 * results['comm_total_s'] / steps:.0f} "
-            f"in flight, idle {1e3 * results['idle_s'] / steps:.0f}); predicted speed-up over one rank "
+            f"in flight, idle {1e3 * results['idle_s'] / steps:.0f});\n  predicted speed-up over one rank "
             f"{probe['predicted_speedup']:.2f}x (compare with a 1-rank run in the report)")
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 
@@ -128,3 +129,11 @@ def test_no_other_module_builds_train_flags_by_hand():
             continue
         text = path.read_text()
         assert not re.search(r'"--(batch-size|epochs|lr|arch)",\s*\\?"?str\(', text), path.name
+
+
+@pytest.mark.parametrize("typed", [{"max_steps_per_epoch": None}, {"epochs": "2"}, {"master_port": "29500"}])
+def test_a_value_that_is_no_number_is_named_in_a_sentence_not_a_type_error(typed):
+    # MAX_STEPS = None in the notebook's parameter cell ended in "TypeError: '<' not supported ..."
+    [(name, value)] = typed.items()
+    with pytest.raises(ValueError, match=re.escape(f"{name}={value!r}: must be a number")):
+        Settings(**typed)

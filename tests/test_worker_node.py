@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -18,7 +19,8 @@ from tests.test_training import run_ranks, train_cmd, weights
 
 
 def epoch_lines(output: str) -> list[str]:
-    return [line for line in output.splitlines() if line.startswith("epoch ") and ": train loss" in line]
+    """Each epoch's two lines (losses and accuracies; speed and where the time went)."""
+    return re.findall(r"^epoch \d+/\d+: train loss.*\n  .*$", output, re.M)
 
 
 # -- progress on every rank ----------------------------------------------------------------------
@@ -101,6 +103,14 @@ def test_resume_auto_finds_the_newest_unfinished_run_with_the_same_settings(tmp_
     (finished / "results.json").write_text("{}")
     path, why = autoresume.find_resume(Settings(dataset="fake", run_dir=str(tmp_path / "fresh-20260101")))
     assert path == str(newest / "last.pt") and "continuing" in why
+    # none to continue: the runs passed over, a short line each (one long line wrapped mid-word in a notebook)
+    (newest / "results.json").write_text("{}")
+    (tmp_path / "old" / "results.json").write_text("{}")
+    path, why = autoresume.find_resume(Settings(dataset="fake", run_dir=str(tmp_path / "fresh-20260101")))
+    assert path is None and why.splitlines() == [
+        f"no unfinished run with these settings in {tmp_path}/; starting a new run",
+        "  not continued: finished (finished)", "  not continued: other-lr (other settings: lr=0.5)",
+        "  not continued: new (finished)"]   # the newest three
 
 
 # -- cost ------------------------------------------------------------------------------------------

@@ -54,8 +54,8 @@ def find_resume(settings) -> tuple[str | None, str]:
         if ok:
             return str(folder / "last.pt"), why
         skipped.append(f"{folder.name} ({why})")
-    seen = f"; not continued: {', '.join(skipped[:3])}" if skipped else ""
-    return None, f"no unfinished run with these settings in {parent}/{seen}; starting a new run"
+    seen = "".join(f"\n  not continued: {s}" for s in skipped[:3])   # a line each: names are long
+    return None, f"no unfinished run with these settings in {parent}/; starting a new run{seen}"
 
 
 def _continuable(folder: Path, settings) -> tuple[bool, str]:

@@ -67,10 +67,10 @@ def describe(result: dict, world_size: int) -> str:
     shared = (f" ({1e3 * alone:.0f} ms for one rank alone: these ranks share a machine)"
               if result["compute_s"] > 1.1 * alone else "")
     return (f"link probe: all-reduce of the {result['grad_mb']:.1f} MB of gradients takes "
-            f"{1e3 * result['allreduce_s']:.0f} ms (link {result['link_gbit_s']:.2f} Gbit/s); one step's compute "
-            f"{1e3 * result['compute_s']:.0f} ms{shared}; so communication is up to {100 * share:.0f} % of a step and "
-            f"{world_size} ranks should be about {result['predicted_speedup']:.2f}x one rank "
-            f"(ideal {world_size}x; DDP's overlap with the backward pass can do better)")
+            f"{1e3 * result['allreduce_s']:.0f} ms (link {result['link_gbit_s']:.2f} Gbit/s);\n  one step's compute "
+            f"{1e3 * result['compute_s']:.0f} ms{shared};\n  so communication is up to {100 * share:.0f} % of a step and "
+            f"{world_size} ranks should be about {result['predicted_speedup']:.2f}x one rank\n"
+            f"  (ideal {world_size}x; DDP's overlap with the backward pass can do better)")
 
 
 def _time_allreduce(grads: torch.Tensor, ctx) -> float:
