@@ -369,3 +369,27 @@ def test_two_processes_started_with_slurms_variables_train_together(tmp_path):
     assert all(r.returncode == 0 for r in res), describe(res)
     assert f"joined tcp://localhost:{port} as rank 1 of 2" in res[1].output, describe(res)
     assert results(tmp_path / "run")["world_size"] == 2
+
+
+# -- resuming on more ranks: a node added ------------------------------------------------------------
+@pytest.mark.slow
+def test_a_two_rank_run_resumes_on_four_ranks_started_by_launch(tmp_path):
+    """2 ranks train epoch 1 of 3; ``launch --nproc-per-node 4`` continues it from last.pt to the end: the
+    sampler shards every later epoch four ways, the schedule continues at the same share of the run."""
+    run, data = tmp_path / "run", [*tiny(), "--max-steps-per-epoch", "0", "--batch-size", "16"]
+    first = run_all([launch_cmd("--nproc-per-node", 2, "--master-port", free_port(), *data, "--epochs", 1,
+                                "--run-dir", run, "--log-dir", tmp_path / "logs2")], timeout=180, env=base_env())
+    assert first[0].returncode == 0, describe(first)
+    steps_2 = checkpoint.load_checkpoint(run / "last.pt")["step"]
+    resumed = run_all([launch_cmd("--nproc-per-node", 4, "--master-port", free_port(), *data, "--epochs", 3,
+                                  "--resume", run / "last.pt", "--log-dir", tmp_path / "logs4")],
+                      timeout=240, env=base_env())
+    out = resumed[0].output
+    assert resumed[0].returncode == 0 and "Traceback" not in out, describe(resumed)
+    assert "continuing at epoch 2" in out and "(world size 2); this run takes" in out, out[-3000:]
+    done = results(run)
+    assert done["world_size"] == 4 and [len(h["train"]["per_rank"]) for h in done["history"]] == [2, 4, 4]
+    assert done["per_rank"] == []   # epochs of two world sizes: no per-rank rows mixing them
+    steps_4 = checkpoint.load_checkpoint(run / "last.pt")["step"] - steps_2
+    assert steps_4 == steps_2, (steps_2, steps_4)   # 2 epochs at half the steps each: every image once an epoch
+    assert "rank 3 of 4" in (tmp_path / "logs4" / "rank3.log").read_text()
