@@ -28,8 +28,13 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def optimizer_steps(batches: int, accumulate: int) -> int:
+    """Optimizer steps in an epoch of ``batches``: one per ``accumulate`` batches, the last group maybe shorter."""
+    return math.ceil(batches / accumulate)
+
+
 def build_scheduler(optimizer, settings, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Per-step schedule: ``settings.warmup_epochs`` of warm-up, cosine over the rest."""
+    """Per-optimizer-step schedule: ``settings.warmup_epochs`` of warm-up, cosine over the rest."""
     total = settings.epochs * steps_per_epoch
     warmup = int(settings.warmup_epochs * steps_per_epoch)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, warmup))

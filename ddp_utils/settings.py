@@ -36,7 +36,7 @@ RECIPE_FIELDS = ("arch", "batch_size", "epochs", "lr", "warmup_epochs")
 MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_reference_batch",
               "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
-              "comm", "bucket_mb", "static_graph", "powersgd_rank", "powersgd_warmup_steps", "comm_auto_share")
+              "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps", "comm_auto_share")
 
 
 def _f(default, help: str, **kw):
@@ -68,8 +68,8 @@ class Settings:
     sync_bn: bool = _f(False, "convert BatchNorm to SyncBatchNorm so statistics use the global batch")
     # -- optimisation -------------------------------------------------------------------------
     epochs: int = _f(None, "passes over the training split; default: the preset's recipe", type=int)
-    batch_size: int = _f(None, "images per rank per step (the global batch is this times world_size); "
-                               "default: the preset's recipe", type=int)
+    batch_size: int = _f(None, "images per rank per step (the global batch is this times world_size, times "
+                               "accumulate); default: the preset's recipe", type=int)
     lr: float = _f(None, "learning rate at lr_reference_batch images, scaled to the real global batch "
                          "(see scale_lr); default: the preset's recipe", type=float)
     scale_lr: bool = _f(True, "scale lr linearly with the global batch: lr * global_batch / lr_reference_batch")
@@ -115,6 +115,9 @@ class Settings:
                    choices=COMM_MODES)
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MB (DDP's default 25): smaller buckets start the "
                                 "all-reduce earlier in the backward pass, larger ones make fewer, longer messages")
+    accumulate: int = _f(1, "gradient accumulation: add up the gradients of this many steps and all-reduce "
+                            "once (DDP's no_sync for the others): 1/accumulate of the traffic, but a global batch "
+                            "accumulate times larger (lr scales with it) and fewer optimizer steps", type=int)
     static_graph: bool = _f(False, "tell DDP the model runs the same layers every step (lets it skip per-step "
                                    "bookkeeping and overlap better); wrong for models with data-dependent branches")
     powersgd_rank: int = _f(4, "PowerSGD: rank of the low-rank approximation (higher = closer to exact, more bytes)")
@@ -158,7 +161,7 @@ class Settings:
             if choices and getattr(self, f.name) not in choices:
                 out.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         positive = ("epochs", "batch_size", "lr_reference_batch", "init_timeout", "collective_timeout",
-                    "log_every", "bucket_mb", "powersgd_rank")
+                    "log_every", "bucket_mb", "powersgd_rank", "accumulate")
         not_negative = ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr", "weight_decay",
                         "momentum", "local_rank", "threads", "patience", "powersgd_warmup_steps",
                         "comm_auto_share", "price_per_hour")
@@ -181,6 +184,10 @@ class Settings:
         for name in not_negative:
             if getattr(self, name) < 0:
                 out.append(f"{name}={getattr(self, name)}: must not be negative")
+        if self.accumulate > 1 and self.static_graph:
+            out.append(f"accumulate={self.accumulate} with static_graph: DDP(static_graph=True) under no_sync() "
+                       f"crashes or silently stops all-reducing in current PyTorch (pytorch/pytorch#187732): "
+                       f"drop static_graph, or use accumulate=1")
         if self.parallel != "ddp" and self.world_size > 1:
             out.append(f"parallel={self.parallel} runs one process, but world_size={self.world_size}: use "
                        f"parallel=ddp for several processes, or world_size=1")
@@ -195,7 +202,8 @@ class Settings:
 
     @property
     def global_batch_size(self) -> int:
-        return self.batch_size * self.world_size
+        """Images per optimizer step, over all ranks and accumulated steps."""
+        return self.batch_size * self.world_size * self.accumulate
 
     @property
     def effective_lr(self) -> float:
@@ -307,6 +315,7 @@ def describe_batch(settings: Settings) -> str:
     """The effective global batch and lr, which users should always see."""
     lr = (f"{settings.lr} x {settings.global_batch_size}/{settings.lr_reference_batch} = {settings.effective_lr:.4g}"
           if settings.scale_lr else f"{settings.effective_lr:.4g} (not scaled)")
+    accumulated = f" x {settings.accumulate} accumulated steps" if settings.accumulate > 1 else ""
     return (f"global batch {settings.global_batch_size} = {settings.batch_size} per rank x "
-            f"{settings.world_size} rank(s); lr {lr};\n  {settings.epochs} epoch(s), "
+            f"{settings.world_size} rank(s){accumulated}; lr {lr};\n  {settings.epochs} epoch(s), "
             f"{settings.warmup_epochs:g} of warm-up; model {settings.arch}")

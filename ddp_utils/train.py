@@ -6,6 +6,7 @@ model is not wrapped and every collective is a no-op. The DDP-specific lines are
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -20,7 +21,8 @@ from .robust.heartbeat import Heartbeat
 from .metrics import Meter
 from .model import devices_used, unwrap
 from .speed.comm import forget_overflow, gradient_communication
-from .optim import ScaledStep, amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, to_device
+from .optim import (ScaledStep, amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, optimizer_steps,
+                    to_device)
 from .progress import Progress
 from .runlog import TIME_PARTS, summarize
 from .robust.threads import machine_id
@@ -82,24 +84,31 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
     progress = Progress(settings.progress, len(data.train), f"epoch {epoch + 1}/{settings.epochs}",
                         show=True, print_line=logger.info, rank=ctx.rank if ctx.distributed else None)
     t_epoch = t_end = time.perf_counter()
+    batches, k = len(data.train), settings.accumulate   # k batches per optimizer step (the last group maybe fewer)
     try:
-        for images, labels in data.train.epoch(epoch):   # DDP: set_epoch happens inside .epoch()
+        for i, (images, labels) in enumerate(data.train.epoch(epoch)):   # DDP: set_epoch happens inside .epoch()
             t_data = time.perf_counter()
             data_s += t_data - t_end
             images, labels = to_device(images, labels, settings, ctx.device)
             lr = scheduler.get_last_lr()[0]   # the lr this step uses
-            with autocast(dtype, ctx.device):
-                logits = model(images)
-                loss = F.cross_entropy(logits, labels)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()     # DDP: gradients are all-reduced (averaged) during backward
-            if not stepper():                 # fp16: the scaler skipped the step, its gradients overflowed
-                _after_a_skipped_step(stepper, comm, step, lr)
-            scheduler.step()
+            first = i - i % k
+            group = min(k, batches - first)   # batches in this optimizer step
+            syncs = i == first + group - 1    # its last batch: all-reduce, then the optimizer step
+            if i == first:
+                optimizer.zero_grad(set_to_none=True)
+            with _local_gradients(model, not syncs):   # DDP: no_sync() for the group's other batches
+                with autocast(dtype, ctx.device):
+                    logits = model(images)
+                    loss = F.cross_entropy(logits, labels)
+                scaler.scale(loss if group == 1 else loss / group).backward()   # DDP: gradients are all-reduced
+            if syncs:                             # (averaged) during the backward of the group's last batch
+                if not stepper():                 # fp16: the scaler skipped the step, its gradients overflowed
+                    _after_a_skipped_step(stepper, comm, step, lr)
+                scheduler.step()
+                if comm is not None:
+                    comm.step_done()
             if settings.compile and step == start_step and ctx.distributed:   # compiled now: the short wait from here on
                 distributed.set_collective_timeout(settings.collective_timeout)
-            if comm is not None:
-                comm.step_done()
             window.update(loss.detach() * labels.shape[0], logits, labels)
             step_s += time.perf_counter() - t_data
             logger.scalars({"lr": lr}, step)   # every step (rank 0 only, cheap): the schedule's exact shape
@@ -141,6 +150,12 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
 
 
 SKIPPED_IN_A_ROW = 20   # fp16 steps skipped one after another (scale / 2**20) before the run counts as broken
+
+
+def _local_gradients(model, local: bool):
+    """DDP's ``no_sync()`` while ``local``: this batch's gradients are added to the ones already there
+    and not all-reduced (gradient accumulation). Nothing for a model without it (one process, DataParallel)."""
+    return model.no_sync() if local and hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
 def _after_a_skipped_step(stepper, comm, step: int, lr: float) -> None:
@@ -241,14 +256,15 @@ def fit(job) -> dict:
 def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm=None, probe=None,
          gpu=None, meta=None) -> dict:
     optimizer = build_optimizer(model, settings)
-    scheduler = build_scheduler(optimizer, settings, len(data.train))
+    per_epoch = optimizer_steps(len(data.train), settings.accumulate)
+    scheduler = build_scheduler(optimizer, settings, per_epoch)
     dtype = amp_dtype(settings, ctx.device)
     scaler = make_scaler(dtype, ctx.device)
     stepper = ScaledStep(optimizer, scaler)
     start_epoch, step, best_acc1, history = 0, 0, 0.0, []
     if state is not None:
         checkpoint.restore(state, model, optimizer, scheduler, scaler, ctx)
-        _continue_the_schedule(scheduler, state, len(data.train), settings, logger)
+        _continue_the_schedule(scheduler, state, per_epoch, settings, logger)
         # The schedule continues at its step, but from this run's lr: resuming with a smaller lr after
         # a divergence must take effect (the scheduler's saved state holds the old one).
         scheduler.base_lrs = [settings.effective_lr] * len(optimizer.param_groups)

@@ -48,9 +48,9 @@ def test_piped_output_of_rank_1_has_one_line_per_epoch_and_the_log_points_with_s
 STEPS = ["--epochs", "4", "--max-steps-per-epoch", "12", "--batch-size", "8", "--arch", "convnet_gn"]
 
 
-def start_and_kill_after_first_checkpoint(run_dir, port) -> None:
+def start_and_kill_after_first_checkpoint(run_dir, port, *extra) -> None:
     """Both ranks started, then killed (SIGKILL, no goodbye) as soon as rank 0 saved epoch 1."""
-    procs = [subprocess.Popen(train_cmd(run_dir, r, 2, port, *STEPS), cwd=REPO, env=base_env(),
+    procs = [subprocess.Popen(train_cmd(run_dir, r, 2, port, *STEPS, *extra), cwd=REPO, env=base_env(),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
              for r in range(2)]
     try:
@@ -65,10 +65,12 @@ def start_and_kill_after_first_checkpoint(run_dir, port) -> None:
 
 
 @pytest.mark.slow
-def test_running_the_same_commands_again_with_resume_auto_continues_and_ends_as_if_never_stopped(tmp_path):
-    run_ranks(tmp_path, "straight", 2, *STEPS)
-    start_and_kill_after_first_checkpoint(tmp_path / "killed", free_port())
-    again = run_ranks(tmp_path, "killed", 2, *STEPS, "--resume", "auto")
+@pytest.mark.parametrize("extra", [[], ["--accumulate", "5"]], ids=["every-step", "accumulate-5"])
+def test_running_the_same_commands_again_with_resume_auto_continues_and_ends_as_if_never_stopped(tmp_path, extra):
+    # accumulate 5 of 12 batches an epoch: optimizer steps of 5, 5 and 2 batches, the last one short
+    run_ranks(tmp_path, "straight", 2, *STEPS, *extra)
+    start_and_kill_after_first_checkpoint(tmp_path / "killed", free_port(), *extra)
+    again = run_ranks(tmp_path, "killed", 2, *STEPS, *extra, "--resume", "auto")
     assert "resume auto: continuing the unfinished run in" in again[0].output, describe(again)
     results = json.loads((tmp_path / "killed" / "results.json").read_text())
     assert results["resumed_from"].endswith("last.pt")
