@@ -87,10 +87,17 @@ def test_a_compressed_run_keeps_the_ranks_identical_and_really_compresses(tmp_pa
 
 
 @pytest.mark.slow
-def test_auto_on_loopback_sends_exact_gradients_and_records_why(tmp_path):
+def test_auto_takes_the_choice_its_link_probe_predicts_and_records_why(tmp_path):
+    # which choice loopback gets depends on how busy the machine is while probing (a loaded CI box once
+    # measured the all-reduce above 20 % of this tiny model's step, and got fp16): the test holds auto to
+    # its own figures, the same on both ranks, rather than to one machine's timing
     ranks = run_two(tmp_path, "auto")
     results = ranks[0]["results"]
-    assert results["comm"] == "none" and results["comm_reason"].startswith("comm=auto")
+    assert results["probe"] and results["probe"] == ranks[1]["results"]["probe"]
+    expected, why = comm.choose(Settings(comm="auto"), results["probe"])
+    assert results["comm"] == expected == ranks[1]["results"]["comm"]
+    assert results["comm_reason"] == why and why.startswith("comm=auto")
+    assert ranks[0]["weights"] == ranks[1]["weights"]
 
 
 def test_a_hook_that_waits_for_each_bucket_has_all_its_time_counted_as_waited_for():
