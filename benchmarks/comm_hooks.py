@@ -9,7 +9,8 @@ For each seed, one after the other: one rank alone (the baseline), then two rank
 veth pair), once per ``--comm`` setting (none, fp16, powersgd, auto). The model is torchvision's ResNet-18 (45 MB of gradients) at 32 px on the
 bundled demo digits with the in-memory loader (so that decoding does not hide the link), batch 64
 per rank, one CPU thread per process. Throughput is the mean images/s of the epochs after the
-first; "of 2x" = two ranks' images/s / (2 x one rank's). Accuracy is the final Acc@1 on the demo's
+first; "of 2x" = two ranks' images/s / (2 x one rank's); "of the unshaped link" = images/s / the unshaped link's
+with --comm none, seed by seed. ``none+acc4`` adds ``--accumulate 4`` (one all-reduce every 4 batches). Accuracy is the final Acc@1 on the demo's
 validation split. Per step (the same epochs, each rank's mean): compute, and the communication the step
 waited for (with PowerSGD on gloo that includes the compression's own arithmetic, which
 ``benchmarks/powersgd_cost.py`` measures alone). Prints a table of means +- std over the seeds. Take
@@ -34,10 +35,17 @@ from tests.procs import base_env, describe, free_port, python, run_all  # noqa: 
 COMMS = ("none", "fp16", "powersgd", "auto")
 
 
-def train(run_dir: Path, rank: int, world_size: int, addr: str, port: int, seed: int, comm: str, args) -> list[str]:
+def setting(name: str) -> tuple[str, int]:
+    """``(--comm, --accumulate)`` of a compared setting: ``fp16`` or ``none+acc4`` (all-reduce every 4 batches)."""
+    comm, _, every = name.partition("+acc")
+    return comm, int(every or 1)
+
+
+def train(run_dir: Path, rank: int, world_size: int, addr: str, port: int, seed: int, name: str, args) -> list[str]:
+    comm, accumulate = setting(name)
     settings = Settings(dataset="demo", data_dir=str(args.data), loader="memory", arch="resnet18", batch_size=64,
                         lr=args.lr, epochs=args.epochs, threads=1, workers=0, wandb="disabled", progress="off",
-                        backend="gloo", seed=seed, comm=comm, powersgd_rank=args.powersgd_rank,
+                        backend="gloo", seed=seed, comm=comm, accumulate=accumulate, powersgd_rank=args.powersgd_rank,
                         run_dir=str(run_dir), rank=rank,
                         world_size=world_size, master_addr=addr, master_port=port)
     return python("-m", "ddp_utils", "train", *settings.to_argv())
@@ -88,7 +96,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8, help="epochs per run (default 8, the demo's recipe)")
     parser.add_argument("--lr", type=float, default=0.2, help="lr at a global batch of 256 (default 0.2: the demo "
                                                                "recipe's 0.8 is too high for ResNet-18)")
-    parser.add_argument("--comms", default=",".join(COMMS), help=f"settings to compare (default {','.join(COMMS)})")
+    parser.add_argument("--comms", default=",".join(COMMS), help=f"settings to compare (default {','.join(COMMS)}); "
+                        "'+accK' adds --accumulate K, e.g. none+acc4 (a global batch K times larger: the lr scales)")
     parser.add_argument("--powersgd-rank", type=int, default=Settings().powersgd_rank,
                         help=f"PowerSGD's rank (default {Settings().powersgd_rank}, the kit's)")
     args = parser.parse_args()
@@ -128,16 +137,18 @@ def main() -> None:
     print(f"ResNet-18 at 32 px on the demo digits (memory loader), batch 64 per rank, lr {args.lr} at 256, "
           f"{args.epochs} epochs, PowerSGD rank {args.powersgd_rank}, 1 thread "
           f"per process, links {args.rates}; mean +- std over seeds {args.seeds}\n")
-    print("| run | link | --comm (chosen) | img/s | of 2 x one rank | the same, second half of the run | comm waited "
-          "(% of train time) | per step: compute / comm waited (ms) | final Acc@1 (%) |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    fast = rows.get(("unshaped", "none"), {}).get("ips")   # the goal: a slow link as fast as this one
+    print("| run | link | --comm (chosen) | img/s | of 2 x one rank | the same, second half of the run | of the unshaped "
+          "link, none | comm waited (% of train time) | per step: compute / comm waited (ms) | final Acc@1 (%) |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (rate, name), row in rows.items():
         chosen = "-" if name == "1 rank" else f"{name} ({'/'.join(sorted(set(row['chose'])))})"
         comm = pm(row["comm"], ".0f") if row["comm"] else "-"
         label = "1 rank" if name == "1 rank" else "2 ranks"
         step = pm(row["compute_ms"], ".0f") + (f" / {pm(row['comm_ms'], '.0f')}" if row["comm_ms"] else "")
+        of_fast = pm([a / b for a, b in zip(row["ips"], fast)], ".2f") if fast and label == "2 ranks" else "-"
         print(f"| {label} | {rate} | {chosen} | {pm(row['ips'], '.0f')} | {pm(row['ratio'], '.2f')} | {pm(row['late'], '.2f')} "
-              f"| {comm} | {step} | {pm(row['acc1'], '.2f')} |")
+              f"| {of_fast} | {comm} | {step} | {pm(row['acc1'], '.2f')} |")
 
 
 if __name__ == "__main__":
