@@ -10,7 +10,8 @@ veth pair), once per ``--comm`` setting (none, fp16, powersgd, auto). The model 
 bundled demo digits with the in-memory loader (so that decoding does not hide the link), batch 64
 per rank, one CPU thread per process. Throughput is the mean images/s of the epochs after the
 first; "of 2x" = two ranks' images/s / (2 x one rank's); "of the unshaped link" = images/s / the unshaped link's
-with --comm none, seed by seed. ``none+acc4`` adds ``--accumulate 4`` (one all-reduce every 4 batches). Accuracy is the final Acc@1 on the demo's
+with --comm none, seed by seed. ``none+acc4`` adds ``--accumulate 4`` (one all-reduce every 4 batches), ``localsgd+avg4``
+``--average-every 4``. Accuracy is the final Acc@1 on the demo's
 validation split. Per step (the same epochs, each rank's mean): compute, and the communication the step
 waited for (with PowerSGD on gloo that includes the compression's own arithmetic, which
 ``benchmarks/powersgd_cost.py`` measures alone). Prints a table of means +- std over the seeds. Take
@@ -35,17 +36,21 @@ from tests.procs import base_env, describe, free_port, python, run_all  # noqa: 
 COMMS = ("none", "fp16", "powersgd", "auto")
 
 
-def setting(name: str) -> tuple[str, int]:
-    """``(--comm, --accumulate)`` of a compared setting: ``fp16`` or ``none+acc4`` (all-reduce every 4 batches)."""
-    comm, _, every = name.partition("+acc")
-    return comm, int(every or 1)
+def setting(name: str) -> dict:
+    """The settings of a compared name: ``fp16``; ``none+acc4`` (--accumulate 4: all-reduce every 4 batches);
+    ``localsgd+avg4`` (--average-every 4: average the weights every 4 steps)."""
+    comm, *extras = name.split("+")
+    out = {"comm": comm}
+    for extra in extras:
+        key = {"acc": "accumulate", "avg": "average_every"}[extra[:3]]
+        out[key] = int(extra[3:])
+    return out
 
 
 def train(run_dir: Path, rank: int, world_size: int, addr: str, port: int, seed: int, name: str, args) -> list[str]:
-    comm, accumulate = setting(name)
     settings = Settings(dataset="demo", data_dir=str(args.data), loader="memory", arch="resnet18", batch_size=64,
                         lr=args.lr, epochs=args.epochs, threads=1, workers=0, wandb="disabled", progress="off",
-                        backend="gloo", seed=seed, comm=comm, accumulate=accumulate, powersgd_rank=args.powersgd_rank,
+                        backend="gloo", seed=seed, **setting(name), powersgd_rank=args.powersgd_rank,
                         run_dir=str(run_dir), rank=rank,
                         world_size=world_size, master_addr=addr, master_port=port)
     return python("-m", "ddp_utils", "train", *settings.to_argv())

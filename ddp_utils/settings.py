@@ -25,7 +25,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 LOADERS = ("workers", "memory", "dali")
-COMM_MODES = ("auto", "none", "fp16", "bf16", "powersgd")
+COMM_MODES = ("auto", "none", "fp16", "bf16", "powersgd", "localsgd")
 PROGRESS_MODES = ("auto", "steps", "bar", "off")
 PARALLEL_MODES = ("ddp", "dp", "none")
 
@@ -36,7 +36,8 @@ RECIPE_FIELDS = ("arch", "batch_size", "epochs", "lr", "warmup_epochs")
 MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_reference_batch",
               "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
-              "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps", "comm_auto_share")
+              "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps", "comm_auto_share",
+              "average_every", "localsgd_warmup_steps")
 
 
 def _f(default, help: str, **kw):
@@ -110,7 +111,8 @@ class Settings:
                                 "step's compute: link bandwidth and predicted speed-up (a few seconds)")
     comm: str = _f("none", "gradient communication: none (fp32 all-reduce, DDP's default), fp16 / bf16 (send "
                            "half-precision gradients: half the bytes), powersgd (low-rank compression with error "
-                           "feedback: far fewer bytes, some compute), or auto (choose from the link probe: "
+                           "feedback: far fewer bytes, some compute), localsgd (no gradient all-reduce: each rank steps on its own "
+                           "gradients and the weights are averaged every average_every steps), or auto (choose from the link probe: "
                            "compress when communication would take more than comm_auto_share of a step)",
                    choices=COMM_MODES)
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MB (DDP's default 25): smaller buckets start the "
@@ -123,6 +125,10 @@ class Settings:
     powersgd_rank: int = _f(4, "PowerSGD: rank of the low-rank approximation (higher = closer to exact, more bytes)")
     powersgd_warmup_steps: int = _f(10, "PowerSGD: steps of exact fp32 all-reduce before compressing (lets the "
                                         "error feedback start from sensible gradients)")
+    average_every: int = _f(8, "localsgd: average the weights over the ranks every this many optimizer steps "
+                               "(1/average_every of the traffic; the ranks drift apart in between)", type=int)
+    localsgd_warmup_steps: int = _f(8, "localsgd: optimizer steps of plain DDP (gradients all-reduced) before the "
+                                       "ranks step on their own", type=int)
     comm_auto_share: float = _f(0.2, "comm=auto: compress when the probe predicts communication above this share "
                                      "of a step")
     master_addr: str = _f("127.0.0.1", "IP of the rank-0 node: its private IP on a cloud network")
@@ -161,9 +167,9 @@ class Settings:
             if choices and getattr(self, f.name) not in choices:
                 out.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         positive = ("epochs", "batch_size", "lr_reference_batch", "init_timeout", "collective_timeout",
-                    "log_every", "bucket_mb", "powersgd_rank", "accumulate")
+                    "log_every", "bucket_mb", "powersgd_rank", "accumulate", "average_every")
         not_negative = ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr", "weight_decay",
-                        "momentum", "local_rank", "threads", "patience", "powersgd_warmup_steps",
+                        "momentum", "local_rank", "threads", "patience", "powersgd_warmup_steps", "localsgd_warmup_steps",
                         "comm_auto_share", "price_per_hour")
         # A value typed into a notebook (MAX_STEPS = None, EPOCHS = "2") gets a sentence, not a TypeError.
         not_numbers = [f"{name}={getattr(self, name)!r}: must be a number"
@@ -188,6 +194,10 @@ class Settings:
             out.append(f"accumulate={self.accumulate} with static_graph: DDP(static_graph=True) under no_sync() "
                        f"crashes or silently stops all-reducing in current PyTorch (pytorch/pytorch#187732): "
                        f"drop static_graph, or use accumulate=1")
+        if self.comm == "localsgd" and self.static_graph:
+            out.append("comm=localsgd with static_graph: local SGD trains under DDP's no_sync(), which "
+                       "DDP(static_graph=True) does not survive in current PyTorch (pytorch/pytorch#187732): "
+                       "drop static_graph, or choose another comm")
         if self.parallel != "ddp" and self.world_size > 1:
             out.append(f"parallel={self.parallel} runs one process, but world_size={self.world_size}: use "
                        f"parallel=ddp for several processes, or world_size=1")

@@ -21,6 +21,7 @@ from .robust.heartbeat import Heartbeat
 from .metrics import Meter
 from .model import devices_used, unwrap
 from .speed.comm import forget_overflow, gradient_communication
+from .speed.localsgd import LocalSGD
 from .optim import (ScaledStep, amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, optimizer_steps,
                     to_device)
 from .progress import Progress
@@ -57,7 +58,7 @@ def _check_finite(value: float, what: str, step: int, lr: float) -> None:
 
 
 def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, settings, ctx, logger,
-                    start_step: int = 0, heartbeat=None, comm=None, stepper=None) -> dict:
+                    start_step: int = 0, heartbeat=None, comm=None, stepper=None, local_sgd=None) -> dict:
     """Train one pass over this rank's shard. Returns global metrics and timing for the epoch.
 
     Time split (seconds, each rank's own in ``per_rank``, their mean at the top level); they add up
@@ -72,7 +73,8 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
 
     Loss and hits stay on the device between log points so the GPU is never forced to sync per step.
     ``stepper`` (an ``optim.ScaledStep`` of this optimizer and scaler, made here if not given) counts the
-    steps the fp16 scaler skips.
+    steps the fp16 scaler skips. ``local_sgd`` (``--comm localsgd``, a ``localsgd.LocalSGD``): steps keep
+    their gradients on the rank, and the weights are averaged every few steps and at the end of the epoch.
     """
     stepper = stepper or ScaledStep(optimizer, scaler)
     model.train()
@@ -96,7 +98,8 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
             syncs = i == first + group - 1    # its last batch: all-reduce, then the optimizer step
             if i == first:
                 optimizer.zero_grad(set_to_none=True)
-            with _local_gradients(model, not syncs):   # DDP: no_sync() for the group's other batches
+            local = not syncs or (local_sgd is not None and local_sgd.local)   # local SGD: no all-reduce at all
+            with _local_gradients(model, local):   # DDP: no_sync() for the group's other batches
                 with autocast(dtype, ctx.device):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)
@@ -107,6 +110,8 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
                 scheduler.step()
                 if comm is not None:
                     comm.step_done()
+                if local_sgd is not None:
+                    local_sgd.step_done(i == batches - 1)   # every average_every steps: the ranks average their weights
             if settings.compile and step == start_step and ctx.distributed:   # compiled now: the short wait from here on
                 distributed.set_collective_timeout(settings.collective_timeout)
             window.update(loss.detach() * labels.shape[0], logits, labels)
@@ -126,6 +131,10 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
             if heartbeat is not None:
                 heartbeat.step()
             t_end = time.perf_counter()
+        if local_sgd is not None:
+            t_sync = time.perf_counter()
+            local_sgd.end_of_epoch()   # one model on every rank again: for the evaluation and the checkpoint
+            step_s += time.perf_counter() - t_sync
     finally:
         progress.close()   # also when a step fails: no half-drawn bar left behind
     step_s += _finish_queued_work(ctx)   # so the epoch's wall time includes queued GPU work
@@ -277,6 +286,10 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
             logger.info(f"best.pt was older than the best epoch ({state['epoch'] + 1}) that last.pt records (a stop "
                         f"between the two writes): written again from it")
     logger.info(f"{describe_batch(settings)}; precision {dtype or 'fp32'}; device {ctx.device}")
+    local_sgd = None
+    if (meta or {}).get("comm") == "localsgd" and ctx.distributed:   # counts optimizer steps from the schedule's
+        local_sgd = LocalSGD(model, optimizer, settings.average_every, settings.localsgd_warmup_steps,
+                             scheduler.last_epoch, comm)
 
     last_path, best_path = (checkpoint.checkpoint_paths(logger.run_dir) if logger.run_dir else (None, None))
     val, trained_now, stopped_early, stop_reason = None, 0, None, None
@@ -285,7 +298,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
         if gpu is not None:
             gpu.phase("train")
         train = train_one_epoch(model, data, optimizer, scheduler, scaler, epoch, settings, ctx, logger, step,
-                                heartbeat, comm, stepper)
+                                heartbeat, comm, stepper, local_sgd)
         step = train["step"]
         if gpu is not None:
             gpu.phase("val")
@@ -303,6 +316,8 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
         history.append({"epoch": epoch + 1, "train": train, "val": val})
         trained_now += 1
         paths = [last_path, best_path] if is_best else [last_path]
+        if local_sgd is not None:
+            local_sgd.finish()   # the optimizer state averaged while evaluating: every rank's is in the checkpoint
         checkpoint.save_state([p for p in paths if p], model, optimizer, scheduler, scaler, epoch, step,
                               best_acc1, history, settings, ctx)
         # DDP: rank 0 may write for a while; the others wait for it here, not in a collective that times out
@@ -324,7 +339,9 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
     extra = {**meta, "gpus": gpus, "stopped_early": stopped_early, "stop_reason": stop_reason,
              "skipped_steps": stepper.skipped,   # fp16: steps the gradient scaler skipped (overflow)
              "link_gbit_s": probe["link_gbit_s"] if probe else None,
-             "predicted_speedup": probe["predicted_speedup"] if probe else None, "probe": probe, **gpu_use}
+             "predicted_speedup": probe["predicted_speedup"] if probe else None, "probe": probe, **gpu_use,
+             # localsgd: waited after the evaluation for the momentum's average (not in the time split)
+             "localsgd_wait_s": local_sgd.waited_s if local_sgd is not None else None}
     extra.update(run_cost(settings, ctx, wall, trained_now))
     # DDP: rank 0's run folder, named in every rank's results (the worker notebook's table shows it)
     extra["run_dir"] = distributed.broadcast_object(str(logger.run_dir) if ctx.is_main else None, ctx)

@@ -27,8 +27,12 @@ def test_auto_halves_the_bytes_when_that_is_enough():
     assert choice == "fp16" and "29 %" in why and "17 %" in why
 
 
-def test_auto_compresses_with_powersgd_on_a_slow_link():
-    choice, why = comm.choose(Settings(comm="auto"), probe(0.25, 0.55))   # the 1 Gbit benchmark's figures
+def test_auto_trains_with_local_sgd_on_a_slow_link_and_powersgd_on_a_much_slower_one():
+    choice, why = comm.choose(Settings(comm="auto"), probe(0.11, 0.44))   # the 1 Gbit benchmark's figures
+    assert choice == "localsgd" and "every 8 steps" in why and "80 %" in why
+    # averaging at every step would send as much as fp16 gradients: the period is part of the prediction
+    assert comm.choose(Settings(comm="auto", average_every=1), probe(0.11, 0.44))[0] == "powersgd"
+    choice, why = comm.choose(Settings(comm="auto"), probe(0.11, 20.0))   # about 20 Mbit/s
     assert choice == "powersgd" and "PowerSGD" in why
 
 

@@ -65,9 +65,13 @@ def start_and_kill_after_first_checkpoint(run_dir, port, *extra) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--accumulate", "5"]], ids=["every-step", "accumulate-5"])
+@pytest.mark.parametrize("extra", [[], ["--accumulate", "5"],
+                                   ["--comm", "localsgd", "--average-every", "5", "--localsgd-warmup-steps", "3"]],
+                         ids=["every-step", "accumulate-5", "localsgd"])
 def test_running_the_same_commands_again_with_resume_auto_continues_and_ends_as_if_never_stopped(tmp_path, extra):
-    # accumulate 5 of 12 batches an epoch: optimizer steps of 5, 5 and 2 batches, the last one short
+    # accumulate 5 of 12 batches an epoch: optimizer steps of 5, 5 and 2 batches, the last one short;
+    # localsgd: 3 DDP steps, then local ones, the weights averaged every 5 and (with the momentum) at each
+    # epoch's end, so the first checkpoint holds every rank's state
     run_ranks(tmp_path, "straight", 2, *STEPS, *extra)
     start_and_kill_after_first_checkpoint(tmp_path / "killed", free_port(), *extra)
     again = run_ranks(tmp_path, "killed", 2, *STEPS, *extra, "--resume", "auto")

@@ -12,9 +12,13 @@ all-reduce; PyTorch ships the ones used here:
   and warm start; the first ``powersgd_warmup_steps`` steps use the exact all-reduce. Far fewer
   bytes, some extra compute per step. Its error-feedback memory is not in the checkpoint: a
   resumed run starts it afresh (with the warm-up), so a resume is not bit-exact with PowerSGD;
+- ``localsgd``: no gradient all-reduce; each rank steps on its own gradients and the weights are averaged
+  every ``average_every`` steps (``localsgd.py``);
 - ``auto``: decided from the link probe (``linkprobe.py``): when communication is predicted to
-  take more than ``comm_auto_share`` of a step, fp16 if that brings it under the share, else
-  PowerSGD. The choice and the reason are printed and kept as ``comm`` in ``results.json``.
+  take more than ``comm_auto_share`` of a step, fp16 if that brings it under the share, else local
+  SGD, or PowerSGD on a link so slow that even local SGD would mostly wait. The choice and the
+  reason are printed and kept as ``comm`` in ``results.json``. Gradient accumulation is never chosen
+  for you: it changes the recipe (a larger global batch, fewer optimizer steps).
 
 Every rank takes the same decision: the probe's figures are the same on every rank.
 """
@@ -28,7 +32,10 @@ from . import linkprobe
 from .commtime import CommTimer
 from ..model import ddp_of
 
-CHOICES = ("none", "fp16", "bf16", "powersgd")
+CHOICES = ("none", "fp16", "bf16", "powersgd", "localsgd")
+# comm=auto takes local SGD while its averages are predicted to take at most this share of the time; beyond,
+# the link is so slow that PowerSGD's much smaller messages at every step win (measured: docs/benchmarks.md)
+LOCALSGD_LIMIT = 0.5
 
 
 @dataclass
@@ -36,7 +43,7 @@ class Communication:
     """How a DDP model's gradients travel in this run, decided once before its first step."""
     timer: CommTimer | None = None   # times the hook per step (None with one rank: nothing is sent)
     probe: dict | None = None        # linkprobe.probe's figures: link bandwidth, predicted speed-up
-    choice: str = "none"             # the hook used: none, fp16, bf16, powersgd
+    choice: str = "none"             # the hook used: none, fp16, bf16, powersgd, localsgd
     reason: str = ""                 # why (comm=auto says what the probe predicted)
 
 
@@ -69,8 +76,15 @@ def choose(settings, probe: dict | None) -> tuple[str, str]:
     if half <= limit:
         return "fp16", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step; fp16 halves "
                         f"the bytes, to about {100 * half:.0f} %")
+    every = settings.average_every   # local SGD: one fp16 average of the weights every `every` steps
+    local = (allreduce / 2 / every) / (compute + allreduce / 2 / every)
+    if local <= LOCALSGD_LIMIT:
+        return "localsgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still "
+                            f"{100 * half:.0f} % in fp16;\n  local SGD averages the weights every {every} steps "
+                            f"instead: about {100 * local:.0f} % (same batch and lr; the ranks differ in between)")
     return "powersgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still "
-                        f"{100 * half:.0f} % in fp16: PowerSGD (rank {settings.powersgd_rank}) sends far fewer bytes")
+                        f"{100 * local:.0f} % with local SGD averaging every {every} steps;\n  PowerSGD (rank "
+                        f"{settings.powersgd_rank}) sends far fewer bytes per step")
 
 
 def hook_for(choice: str, settings, backend: str | None = None):
@@ -110,7 +124,7 @@ def forget_overflow(state) -> None:
 
 
 def _hook_for(choice: str, settings):
-    if choice == "none":
+    if choice in ("none", "localsgd"):   # localsgd: its warm-up steps are plain DDP (localsgd.py does the rest)
         return default_hooks.allreduce_hook, None
     if choice == "fp16":
         return default_hooks.fp16_compress_hook, None

@@ -75,6 +75,19 @@ class CommTimer:
         else:
             self._add(buckets)
 
+    def span(self):
+        """Start timing communication outside the hook (local SGD's weight averaging): ``end_span(span)`` after it.
+        Nothing overlaps it, so all of it counts as waited for."""
+        return self._now()
+
+    def end_span(self, start) -> None:
+        interval = [(start, self._now())]
+        if self.cuda:
+            self._pending.append(interval)
+            self._resolve(block=False)
+        else:
+            self._add(interval)
+
     def take(self) -> tuple[float, float]:
         """``(waited_s, in_flight_s)`` since the last call; waits for the GPU to finish queued steps."""
         self._resolve(block=True)
