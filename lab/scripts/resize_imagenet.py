@@ -125,6 +125,13 @@ def check_pair(task: tuple[str, str, int]) -> str:
     return ""
 
 
+def workers(processes: int):
+    """A pool whose processes a fresh server process forks (``forkserver``, Python 3.14's default): forking this
+    process itself, when it has threads (a notebook kernel, a test runner with torch loaded), can leave a child
+    holding a lock nobody will release, and the pool hangs."""
+    return multiprocessing.get_context("forkserver").Pool(processes)
+
+
 def verify(src_root: Path, dst_root: Path, splits: tuple[str, ...], short_side: int, processes: int,
            progress: bool = True) -> list[str]:
     """Problems of DST against SRC (empty = all good): class folders, missing, extra, unreadable or
@@ -151,7 +158,7 @@ def verify(src_root: Path, dst_root: Path, splits: tuple[str, ...], short_side: 
         problems.append(f"{len(partial)} half-written files (run the script again): {_examples(partial)}")
     tasks = [(str(src_root / rel), str(dst_root / rel), short_side) for rel in src_images]
     bad = {}
-    with multiprocessing.Pool(processes) as pool:
+    with workers(processes) as pool:
         results = pool.imap(check_pair, tasks, chunksize=64)
         for rel, why in zip(src_images, tqdm(results, total=len(tasks), desc="verifying", unit="img",
                                              disable=not progress)):
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         tasks = [(str(args.src / rel), str(args.dst / rel), args.short_side, args.quality) for rel in images]
         counts = dict.fromkeys(("skipped", "copied", "resized", "failed"), 0)
         failed = []
-        with multiprocessing.Pool(args.processes) as pool:
+        with workers(args.processes) as pool:
             for src, outcome, why in tqdm(pool.imap_unordered(resize_one, tasks, chunksize=64), total=len(tasks),
                                           desc="resizing", unit="img", disable=args.no_progress):
                 counts[outcome] += 1
