@@ -6,7 +6,7 @@
 
 For each seed, one after the other: one rank alone (the baseline), then two ranks on two namespace
 "hosts" joined by a veth pair, for each of ``--rates`` (a tc tbf rate, or ``unshaped``: the bare
-veth pair), once per ``--comm`` setting (none, fp16, powersgd, auto). The model is torchvision's ResNet-18 (45 MB of gradients) at 32 px on the
+veth pair), once per ``--comm`` setting (none, localsgd, auto, powersgd, none+acc4). The model is torchvision's ResNet-18 (45 MB of gradients) at 32 px on the
 bundled demo digits with the in-memory loader (so that decoding does not hide the link), batch 64
 per rank, one CPU thread per process. Throughput is the mean images/s of the epochs after the
 first; "of 2x" = two ranks' images/s / (2 x one rank's); "of the unshaped link" = images/s / the unshaped link's
@@ -33,7 +33,7 @@ from ddp_utils.settings import Settings  # noqa: E402
 from tests import netns  # noqa: E402
 from tests.procs import base_env, describe, free_port, python, run_all  # noqa: E402
 
-COMMS = ("none", "fp16", "powersgd", "auto")
+COMMS = ("none", "localsgd", "auto", "powersgd", "none+acc4")
 
 
 def setting(name: str) -> dict:
