@@ -34,7 +34,7 @@ from .datasets import (Data, EpochLoader, EvalShardSampler, ImageFolderDataset, 
 from .speed import fastjpeg
 from .speed.dali import build_dali_data, check_dali_dataset
 from .robust.threads import set_threads
-from .speed.memdata import build_memory_data, check_memory_dataset
+from .speed.memdata import MEMORY_DATASETS, build_memory_data, check_memory_dataset
 
 __all__ = ["build_data", "build_loaders"]
 
@@ -55,6 +55,15 @@ def build_data(settings, ctx, log=print) -> Data:
     return data
 
 
+def loader_for(settings) -> str:
+    """``settings.loader`` with ``auto`` resolved: the small-image presets are decoded once into memory (no worker
+    processes competing with the ranks for the cores: on a CPU rehearsal that is most of the difference), ImageNet
+    goes to the DataLoader workers."""
+    if settings.loader != "auto":
+        return settings.loader
+    return "memory" if settings.dataset in MEMORY_DATASETS else "workers"
+
+
 def build_loaders(settings, rank: int, world_size: int, device: torch.device | str | None = None) -> Data:
     """Check the data (``check_data``) and build this rank's train and validation loaders.
 
@@ -65,20 +74,21 @@ def build_loaders(settings, rank: int, world_size: int, device: torch.device | s
     workers send uint8), and for the memory loader where the images live; DALI decodes on it.
     Raises DataError.
     """
-    if settings.loader == "memory":
+    loader = loader_for(settings)
+    if loader == "memory":
         check_memory_dataset(settings.dataset)   # ImageNet: fail before scanning its folders
-    if settings.loader == "dali":
+    if loader == "dali":
         check_dali_dataset(settings.dataset)     # and DALI installed: fail before scanning the folders
     found = check_data(settings)
     preset = load_preset(settings.dataset, settings.data_dir)
     size = settings.image_size or preset.image_size
     val_split = settings.val_split or preset.val_split
     root = Path(settings.data_dir).expanduser()
-    if settings.loader == "memory":
+    if loader == "memory":
         return build_memory_data(root, preset, size, val_split, found["classes"], settings.batch_size,
                                  settings.seed, settings.max_steps_per_epoch, settings.workers, rank,
                                  world_size, device)
-    if settings.loader == "dali":
+    if loader == "dali":
         return build_dali_data(root, preset, size, val_split, found["classes"], settings.batch_size, settings.seed,
                                settings.max_steps_per_epoch, settings.workers, rank, world_size, device,
                                settings.channels_last)

@@ -24,7 +24,7 @@ DATASETS = tuple(PRESETS)
 BACKENDS = ("auto", "gloo", "nccl")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
-LOADERS = ("workers", "memory", "dali")
+LOADERS = ("auto", "workers", "memory", "dali")
 COMM_MODES = ("auto", "none", "fp16", "bf16", "powersgd", "localsgd")
 PROGRESS_MODES = ("auto", "steps", "bar", "off")
 PARALLEL_MODES = ("ddp", "dp", "none")
@@ -56,7 +56,8 @@ class Settings:
     workers: int = _f(2, "DataLoader worker processes per rank (the course used 2 per GPU)")
     # Not in MUST_AGREE, like workers: every loader gives a rank the same shard, steps and
     # validation tensors; only the random crop/flip draws differ, and those differ per rank anyway.
-    loader: str = _f("workers", "workers: DataLoader worker processes decode images each epoch (for imagenet "
+    loader: str = _f("workers", "auto: memory for the small-image presets (cinic10, demo), workers otherwise; "
+                                "workers: DataLoader worker processes decode images each epoch (for imagenet "
                                 "they send uint8 crops, normalised per batch on the device); memory: decode the "
                                 "split once into a uint8 tensor kept in memory "
                                 "(on the GPU when there is one), batched augmentation, no worker processes "

@@ -15,7 +15,7 @@ from PIL import Image
 from torch.utils.data import DistributedSampler
 
 from ddp_utils.speed import memdata
-from ddp_utils.data import build_loaders
+from ddp_utils.data import build_loaders, loader_for
 from ddp_utils.datasets import DataError, check_data
 from ddp_utils.speed.memdata import MemoryLoader, augmentation_generator, crop_flip, decode_split, normalize
 from ddp_utils.settings import MUST_AGREE, Settings
@@ -243,6 +243,16 @@ def test_loader_is_a_setting_the_ranks_need_not_share():
     assert "loader" not in MUST_AGREE   # same shards, steps and eval tensors either way
     with pytest.raises(ValueError, match="loader"):
         Settings(loader="gpu")
+
+
+def test_auto_decodes_the_small_presets_once_into_memory_and_leaves_imagenet_to_the_workers(tmp_path, demo_dir):
+    # the notebooks' default: on a CPU rehearsal two ranks' DataLoader workers took the cores the ranks train on
+    # (benchmarks/notebook_rehearsal.py: 1.27x single.ipynb with workers, about 1.5x without)
+    assert [loader_for(Settings(dataset=d, loader="auto")) for d in ("demo", "cinic10", "imagenet", "fake")] == [
+        "memory", "memory", "workers", "workers"]
+    assert loader_for(Settings(dataset="demo", loader="workers")) == "workers"   # an explicit choice stands
+    data = build_loaders(Settings(dataset="demo", data_dir=demo_dir, loader="auto", batch_size=64), 0, 1)
+    assert isinstance(data.train, MemoryLoader)
 
 
 @pytest.mark.slow
