@@ -39,6 +39,19 @@ def test_an_epoch_has_one_optimizer_step_per_group_and_a_short_last_group():
     assert [optimizer_steps(n, 3) for n in (6, 7, 1)] == [2, 3, 1]
 
 
+def count_all_reduces(model) -> list:
+    """Register DDP's own all-reduce on ``model``, counted: the bucket index of each, in order (bucket 0 once per
+    backward pass that syncs)."""
+    rounds = []
+
+    def counted(state, bucket):
+        rounds.append(bucket.index())
+        fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+    model.register_comm_hook(None, counted)
+    return rounds
+
+
 @pytest.mark.slow
 def test_ddp_all_reduces_once_per_group_and_the_optimizer_steps_once_per_group(clean_env):
     """7 batches, accumulate 3: groups of 3, 3 and 1 batches, so 3 all-reduces and 3 optimizer steps."""
@@ -49,13 +62,7 @@ def test_ddp_all_reduces_once_per_group_and_the_optimizer_steps_once_per_group(c
     assert len(data.train) == 7
     with one_rank_group():
         model = torch.nn.parallel.DistributedDataParallel(build_model("convnet", data.num_classes, seed=0))
-        rounds = []
-
-        def counted(state, bucket):   # DDP's own all-reduce, counted per backward pass that syncs
-            rounds.append(bucket.index())
-            fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-            return fut.then(lambda f: f.value()[0])
-        model.register_comm_hook(None, counted)
+        rounds = count_all_reduces(model)
         optimizer = build_optimizer(model, settings)
         scheduler = build_scheduler(optimizer, settings, optimizer_steps(7, 3))
         train_one_epoch(model, data, optimizer, scheduler, make_scaler(None, ctx.device), 0, settings, ctx,

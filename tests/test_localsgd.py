@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ddp_utils.data import build_loaders
 from ddp_utils.distributed import DistContext
@@ -16,6 +15,7 @@ from ddp_utils.settings import MUST_AGREE, Settings
 from ddp_utils.speed import localsgd
 from ddp_utils.speed.localsgd import LocalSGD
 from ddp_utils.train import train_one_epoch
+from tests.test_accumulate import count_all_reduces
 from tests.test_comm import run_two
 from tests.test_gpu_paths import one_rank_group
 
@@ -81,13 +81,7 @@ def test_gradients_travel_only_in_the_warmup_steps(clean_env):
     data = build_loaders(settings, 0, 1, "cpu")
     with one_rank_group():
         model = torch.nn.parallel.DistributedDataParallel(build_model("convnet", data.num_classes, seed=0))
-        rounds = []
-
-        def counted(state, bucket):   # DDP's own all-reduce, counted per backward pass that syncs
-            rounds.append(bucket.index())
-            fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-            return fut.then(lambda f: f.value()[0])
-        model.register_comm_hook(None, counted)
+        rounds = count_all_reduces(model)
         optimizer = build_optimizer(model, settings)
         scheduler = build_scheduler(optimizer, settings, 8)
         sgd = LocalSGD(model, optimizer, settings.average_every, settings.localsgd_warmup_steps)
