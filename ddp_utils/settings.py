@@ -36,8 +36,8 @@ RECIPE_FIELDS = ("arch", "batch_size", "epochs", "lr", "warmup_epochs")
 MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_reference_batch",
               "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
-              "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps", "comm_auto_share",
-              "average_every", "localsgd_warmup_steps")
+              "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps",
+              "comm_auto_share", "average_every", "localsgd_warmup_steps")
 
 
 def _f(default, help: str, **kw):
@@ -112,9 +112,10 @@ class Settings:
                                 "step's compute: link bandwidth and predicted speed-up (a few seconds)")
     comm: str = _f("none", "gradient communication: none (fp32 all-reduce, DDP's default), fp16 / bf16 (send "
                            "half-precision gradients: half the bytes), powersgd (low-rank compression with error "
-                           "feedback: far fewer bytes, some compute), localsgd (no gradient all-reduce: each rank steps on its own "
-                           "gradients and the weights are averaged every average_every steps), or auto (choose from the link probe: "
-                           "compress when communication would take more than comm_auto_share of a step)",
+                           "feedback: far fewer bytes, some compute), localsgd (no gradient all-reduce: each rank "
+                           "steps on its own gradients and the weights are averaged every average_every steps), or "
+                           "auto (choose from the link probe: compress when communication would take more than "
+                           "comm_auto_share of a step)",
                    choices=COMM_MODES)
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MB (DDP's default 25): smaller buckets start the "
                                 "all-reduce earlier in the backward pass, larger ones make fewer, longer messages")
@@ -170,8 +171,8 @@ class Settings:
         positive = ("epochs", "batch_size", "lr_reference_batch", "init_timeout", "collective_timeout",
                     "log_every", "bucket_mb", "powersgd_rank", "accumulate", "average_every")
         not_negative = ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr", "weight_decay",
-                        "momentum", "local_rank", "threads", "patience", "powersgd_warmup_steps", "localsgd_warmup_steps",
-                        "comm_auto_share", "price_per_hour")
+                        "momentum", "local_rank", "threads", "patience", "powersgd_warmup_steps",
+                        "localsgd_warmup_steps", "comm_auto_share", "price_per_hour")
         # A value typed into a notebook (MAX_STEPS = None, EPOCHS = "2") gets a sentence, not a TypeError.
         not_numbers = [f"{name}={getattr(self, name)!r}: must be a number"
                        for name in ("world_size", "rank", "master_port", *positive, *not_negative)
@@ -191,14 +192,13 @@ class Settings:
         for name in not_negative:
             if getattr(self, name) < 0:
                 out.append(f"{name}={getattr(self, name)}: must not be negative")
-        if self.accumulate > 1 and self.static_graph:
-            out.append(f"accumulate={self.accumulate} with static_graph: DDP(static_graph=True) under no_sync() "
-                       f"crashes or silently stops all-reducing in current PyTorch (pytorch/pytorch#187732): "
-                       f"drop static_graph, or use accumulate=1")
-        if self.comm == "localsgd" and self.static_graph:
-            out.append("comm=localsgd with static_graph: local SGD trains under DDP's no_sync(), which "
-                       "DDP(static_graph=True) does not survive in current PyTorch (pytorch/pytorch#187732): "
-                       "drop static_graph, or choose another comm")
+        # Accumulation and local SGD train under DDP's no_sync() (comm=auto never picks localsgd with static_graph).
+        under_no_sync = (f"accumulate={self.accumulate}" if self.accumulate > 1 else
+                         "comm=localsgd" if self.comm == "localsgd" else None)
+        if under_no_sync and self.static_graph:
+            out.append(f"{under_no_sync} with static_graph: DDP(static_graph=True) under no_sync() crashes or "
+                       f"silently stops all-reducing in current PyTorch (pytorch/pytorch#187732): drop static_graph, "
+                       f"or use accumulate=1 and another comm")
         if self.parallel != "ddp" and self.world_size > 1:
             out.append(f"parallel={self.parallel} runs one process, but world_size={self.world_size}: use "
                        f"parallel=ddp for several processes, or world_size=1")

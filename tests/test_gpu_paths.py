@@ -280,6 +280,17 @@ def test_commtime_waits_for_every_buckets_end_before_reading_gpu_times(monkeypat
     assert (waited, in_flight) == (2.0, 2.0)
 
 
+def test_local_sgds_averages_on_a_gpu_are_timed_by_cuda_events_read_without_a_sync_per_average(monkeypatch):
+    """CommTimer.span/end_span (local SGD's weight averages) on a GPU: events, resolved when finished or at take()."""
+    from ddp_utils.speed.commtime import CommTimer
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timer = CommTimer(torch.device("cuda", 0))
+    span = timer.span()
+    timer.end_span(span)                        # the average is still queued on the GPU: nothing read yet
+    assert timer._pending and timer.waited_s == 0.0
+    assert timer.take() == (1.0, 1.0)           # the epoch's end: waits, then reads; all of it waited for
+
+
 # -- the speed a GPU user expects --------------------------------------------------------------------
 def test_a_gpu_run_lets_cudnn_pick_its_fastest_convolutions(monkeypatch):
     from ddp_utils.optim import use_fast_gpu_kernels
@@ -364,6 +375,30 @@ def test_commtime_reads_real_cuda_events_after_the_steps_were_queued():
             timer.step_done()
         waited, in_flight = timer.take()
     assert timer.steps == 3 and 0 <= waited <= in_flight < 10
+
+
+@gpu_only
+def test_local_sgd_averages_gpu_tensors_over_nccl_and_times_them():
+    from ddp_utils.speed.commtime import CommTimer
+    from ddp_utils.speed.localsgd import LocalSGD
+    device = torch.device("cuda", 0)
+    with one_rank_group("nccl", device):
+        model = torch.nn.Linear(64, 64).to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        timer = CommTimer(device)
+        sgd = LocalSGD(model, optimizer, every=2, warmup_steps=0, timer=timer)
+        for _ in range(4):
+            model(torch.randn(8, 64, device=device)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sgd.step_done()
+        before = [p.detach().clone() for p in model.parameters()]
+        sgd.end_of_epoch()
+        sgd.finish()
+        waited, _ = timer.take()
+    assert sgd.averages == 3 and waited > 0   # after steps 2 and 4, then the momentum
+    for p, b in zip(model.parameters(), before):   # one rank: its mean is itself (up to the fp16 difference)
+        assert p.device == device and torch.allclose(p, b, atol=1e-3)
 
 
 @gpu_only

@@ -78,7 +78,7 @@ def choose(settings, probe: dict | None) -> tuple[str, str]:
                         f"the bytes, to about {100 * half:.0f} %")
     every = settings.average_every   # local SGD: one fp16 average of the weights every `every` steps
     local = (allreduce / 2 / every) / (compute + allreduce / 2 / every)
-    if local <= LOCALSGD_LIMIT:
+    if local <= LOCALSGD_LIMIT and not settings.static_graph:   # local SGD needs no_sync(): not with static_graph
         return "localsgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still "
                             f"{100 * half:.0f} % in fp16;\n  local SGD averages the weights every {every} steps "
                             f"instead: about {100 * local:.0f} % (same batch and lr; the ranks differ in between)")

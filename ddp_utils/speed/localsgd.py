@@ -60,9 +60,9 @@ class LocalSGD:
         from each rank's own gradients), which travels while the ranks evaluate: ``finish()`` waits for it."""
         if self.since:
             self._average(self._params())
-        if self.apart and self._state():
-            tensors = self._state()
-            self.pending = Average(tensors, self._anchors_of(tensors))
+        state = self._state() if self.apart else []
+        if state:
+            self.pending = Average(state, self._anchors_of(state))
             self.averages += 1
         self.apart = False
 
@@ -110,17 +110,15 @@ class Average:
     @torch.no_grad()
     def __init__(self, tensors: list, anchors: list, group=None):
         self.tensors, self.anchors, self.world = tensors, anchors, dist.get_world_size(group)
-        self.delta = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float16, device=tensors[0].device)
-        for t, a, d in zip(tensors, anchors, self._pieces(self.delta)):
+        delta = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float16, device=tensors[0].device)
+        self.pieces = [piece.view(t.shape) for piece, t in zip(delta.split([t.numel() for t in tensors]), tensors)]
+        for t, a, d in zip(tensors, anchors, self.pieces):
             torch.sub(t, a, out=d)   # written as fp16 straight into the message: no fp32 copy of it
-        self.work = dist.all_reduce(self.delta, group=group, async_op=True)   # the sum of the ranks' differences
-
-    def _pieces(self, flat) -> list:
-        return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in self.tensors]), self.tensors)]
+        self.work = dist.all_reduce(delta, group=group, async_op=True)   # the sum of the ranks' differences
 
     @torch.no_grad()
     def wait(self) -> None:
         self.work.wait()
-        for t, a, d in zip(self.tensors, self.anchors, self._pieces(self.delta)):
+        for t, a, d in zip(self.tensors, self.anchors, self.pieces):
             a.add_(d, alpha=1 / self.world)   # the mean of the differences, in fp32
             t.copy_(a)
