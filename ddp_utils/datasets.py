@@ -302,7 +302,9 @@ def verify_images(settings, processes: int = 0, progress: bool = False) -> tuple
     splits = dict.fromkeys([preset.train_split, settings.val_split or preset.val_split])
     paths = [path for split in splits for path, _ in _scan_split(root, split, preset)[1]]
     bad = []
-    with multiprocessing.get_context("fork").Pool(processes or os.cpu_count()) as pool:
+    # forkserver: forking this process itself, when it has threads (a notebook kernel, torch's), can leave a
+    # child holding a lock nobody releases, and the pool hangs (lab/scripts/resize_imagenet.py did)
+    with multiprocessing.get_context("forkserver").Pool(processes or os.cpu_count()) as pool:
         results = pool.imap(_unreadable, paths, chunksize=64)
         for path, why in zip(paths, tqdm(results, total=len(paths), desc="verifying images", disable=not progress)):
             if why:
