@@ -180,8 +180,11 @@ def gather_rng(ctx) -> list:
 
 
 def save_state(paths, model, optimizer, scheduler, scaler, epoch, step, best_acc1, history, settings,
-               ctx) -> None:
-    """Write the full training state to each of ``paths`` (rank 0 only; every rank must call this)."""
+               ctx, comm: dict | None = None) -> None:
+    """Write the full training state to each of ``paths`` (rank 0 only; every rank must call this).
+
+    ``comm``: how the gradients travel, ``{"choice": "powersgd", "powersgd": Memory.state_dict(...)}`` (the hook
+    comm=auto chose, so that a resume continues with it; PowerSGD's memory, already gathered)."""
     rngs = gather_rng(ctx)   # collective, so that resuming restores each rank's own RNG
     if ctx.is_main:
         state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
@@ -189,6 +192,8 @@ def save_state(paths, model, optimizer, scheduler, scaler, epoch, step, best_acc
                  "epoch": epoch, "step": step, "best_acc1": best_acc1, "history": history,
                  "settings": settings.to_dict(),
                  "rng": rngs, "torch_version": str(torch.__version__)}
+        if comm is not None:
+            state["comm"] = comm
         for path in paths:
             save_checkpoint(path, state)
 

@@ -22,6 +22,7 @@ from .metrics import Meter
 from .model import devices_used, unwrap
 from .speed.comm import forget_overflow, gradient_communication
 from .speed.localsgd import LocalSGD
+from .speed.powersgd import Memory as PowerSGDMemory
 from .optim import (ScaledStep, amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, optimizer_steps,
                     to_device)
 from .progress import Progress
@@ -239,8 +240,9 @@ def fit(job) -> dict:
     try:
         with heartbeat, GpuMonitor(devices_used(job.parallel, job.ctx)) as gpu:   # dp: every GPU it drives
             if job.communication is None:   # DDP: how the gradients travel (all_reduce, or compressed), timed
+                kept = ((job.state or {}).get("comm") or {}).get("choice")   # a resume: comm=auto's choice at the start
                 job.communication = gradient_communication(job.model, job.settings, job.ctx, job.data.num_classes,
-                                                           job.data.image_size, job.log)
+                                                           job.data.image_size, job.log, kept)
             comm = job.communication
             return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,
                         comm.timer, comm.probe, gpu, {"parallel": job.parallel, "comm": comm.choice,
@@ -271,6 +273,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
     scaler = make_scaler(dtype, ctx.device)
     stepper = ScaledStep(optimizer, scaler)
     start_epoch, step, best_acc1, history = 0, 0, 0.0, []
+    memory = comm.state if comm is not None and isinstance(comm.state, PowerSGDMemory) else None
     if state is not None:
         checkpoint.restore(state, model, optimizer, scheduler, scaler, ctx)
         _continue_the_schedule(scheduler, state, per_epoch, settings, logger)
@@ -282,6 +285,9 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
         start_epoch, step, best_acc1 = state["epoch"] + 1, state["step"], state["best_acc1"]
         history = state.get("history", [])   # results then cover the epochs before the interruption too
         logger.info(f"resumed from {resume}: continuing at epoch {start_epoch + 1}")
+        saved = (state.get("comm") or {}).get("powersgd")
+        if memory is not None and saved:   # its error feedback and warm start: the resume is exact
+            logger.info(memory.load_state_dict(saved, ctx))
         if checkpoint.mend_best(state, logger.run_dir, ctx):
             logger.info(f"best.pt was older than the best epoch ({state['epoch'] + 1}) that last.pt records (a stop "
                         f"between the two writes): written again from it")
@@ -319,7 +325,9 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
         if local_sgd is not None:
             local_sgd.finish()   # the optimizer state averaged while evaluating: every rank's is in the checkpoint
         checkpoint.save_state([p for p in paths if p], model, optimizer, scheduler, scaler, epoch, step,
-                              best_acc1, history, settings, ctx)
+                              best_acc1, history, settings, ctx,
+                              {"choice": (meta or {}).get("comm", "none"),
+                               "powersgd": memory.state_dict(ctx) if memory is not None else None})   # a collective
         # DDP: rank 0 may write for a while; the others wait for it here, not in a collective that times out
         distributed.wait_for_all(f"saving epoch {epoch + 1}", ctx, settings.init_timeout, logger.info)
         logger.info(epoch_line(settings, train, val, epoch))

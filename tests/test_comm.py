@@ -47,13 +47,23 @@ def test_auto_without_a_probe_does_not_compress_and_says_why():
     assert choice == "none" and "without a link probe" in why
 
 
+def test_auto_keeps_the_choice_a_resumed_run_started_with_and_says_what_the_probe_says_now():
+    settings = Settings(comm="auto")
+    choice, why = comm.choose(settings, probe(1.0, 0.01), kept="localsgd")   # the link looks fast now
+    assert choice == "localsgd"
+    assert why == ("comm=auto: localsgd, as this run chose when it started (its checkpoint says so), so that the "
+                   "resume continues it;\n  the link probe would choose none now")
+    assert comm.choose(settings, probe(1.0, 100.0), kept="powersgd")[1].endswith("so that the resume continues it")
+    assert comm.choose(Settings(comm="fp16"), probe(1.0, 0.01), kept="localsgd")[0] == "fp16"   # asked for: taken
+
+
 def test_an_explicit_choice_is_taken_as_it_is():
     assert comm.choose(Settings(comm="bf16"), probe(1.0, 100.0)) == ("bf16", "--comm bf16")
 
 
 def test_powersgd_needs_two_exact_steps_first_whatever_the_setting():
     _, state = comm.hook_for("powersgd", Settings(comm="powersgd", powersgd_warmup_steps=0))
-    assert state.start_powerSGD_iter == 2
+    assert state.state.start_powerSGD_iter == 2   # state: a powersgd.Memory around PyTorch's PowerSGDState
 
 
 # -- two ranks on loopback -------------------------------------------------------------------------

@@ -66,18 +66,31 @@ def start_and_kill_after_first_checkpoint(run_dir, port, *extra) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--accumulate", "5"],
-                                   ["--comm", "localsgd", "--average-every", "5", "--localsgd-warmup-steps", "3"]],
-                         ids=["every-step", "accumulate-5", "localsgd"])
+                                   ["--comm", "localsgd", "--average-every", "5", "--localsgd-warmup-steps", "3"],
+                                   ["--comm", "powersgd", "--powersgd-warmup-steps", "3", "--bucket-mb", "0.02"],
+                                   ["--comm", "powersgd", "--powersgd-warmup-steps", "12", "--bucket-mb", "0.02"],
+                                   ["--comm", "auto", "--comm-auto-share", "0.99"]],
+                         ids=["every-step", "accumulate-5", "localsgd", "powersgd", "powersgd-starts-at-the-resume",
+                              "auto"])
 def test_running_the_same_commands_again_with_resume_auto_continues_and_ends_as_if_never_stopped(tmp_path, extra):
     # accumulate 5 of 12 batches an epoch: optimizer steps of 5, 5 and 2 batches, the last one short;
     # localsgd: 3 DDP steps, then local ones, the weights averaged every 5 and (with the momentum) at each
-    # epoch's end, so the first checkpoint holds every rank's state
+    # epoch's end, so the first checkpoint holds every rank's state;
+    # powersgd: its error feedback and warm start in the checkpoint, by parameter, since the resumed run's new DDP
+    # groups its buckets differently at its first step (small buckets: several, regrouped after that step);
+    # starting at the resume (12 warm-up steps, killed after the first epoch's 12): its random start as well;
+    # auto: the resumed run keeps the hook the run chose at its start, whatever its own link probe says (a share
+    # of 0.99: the exact all-reduce on loopback even on a loaded machine, so that the straight run chooses the same)
     run_ranks(tmp_path, "straight", 2, *STEPS, *extra)
     start_and_kill_after_first_checkpoint(tmp_path / "killed", free_port(), *extra)
     again = run_ranks(tmp_path, "killed", 2, *STEPS, *extra, "--resume", "auto")
     assert "resume auto: continuing the unfinished run in" in again[0].output, describe(again)
     results = json.loads((tmp_path / "killed" / "results.json").read_text())
     assert results["resumed_from"].endswith("last.pt")
+    if "auto" in extra:
+        assert results["comm_reason"].startswith("comm=auto: ") and "as this run chose when it started" in \
+            results["comm_reason"], results["comm_reason"]
+        assert torch.load(tmp_path / "killed" / "last.pt", weights_only=True)["comm"]["choice"] == results["comm"]
     straight, resumed = weights(tmp_path / "straight" / "last.pt"), weights(tmp_path / "killed" / "last.pt")
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name

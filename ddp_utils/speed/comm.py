@@ -10,8 +10,8 @@ all-reduce; PyTorch ships the ones used here:
 - ``powersgd``: send a rank-``powersgd_rank`` approximation of each gradient matrix (Vogels et al.,
   2019), with error feedback (what the approximation missed is added to the next step's gradient)
   and warm start; the first ``powersgd_warmup_steps`` steps use the exact all-reduce. Far fewer
-  bytes, some extra compute per step. Its error-feedback memory is not in the checkpoint: a
-  resumed run starts it afresh (with the warm-up), so a resume is not bit-exact with PowerSGD;
+  bytes, some extra compute per step. Its memory (error feedback, warm start) is kept by parameter
+  (``powersgd.py``) and goes into the checkpoint: a resume is bit-exact;
 - ``localsgd``: no gradient all-reduce; each rank steps on its own gradients and the weights are averaged
   every ``average_every`` steps (``localsgd.py``);
 - ``auto``: decided from the link probe (``linkprobe.py``): when communication is predicted to
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from . import linkprobe
+from . import linkprobe, powersgd
 from .commtime import CommTimer
 from ..model import ddp_of
 
@@ -47,24 +47,35 @@ class Communication:
     reason: str = ""                 # why (comm=auto says what the probe predicted)
 
 
-def gradient_communication(model, settings, ctx, num_classes: int, image_size: int, log=print) -> Communication:
+def gradient_communication(model, settings, ctx, num_classes: int, image_size: int, log=print,
+                           kept: str | None = None) -> Communication:
     """Probe the link, choose the hook (``settings.comm``, ``auto`` from the probe) and register it,
-    timed, on the DDP model. With one rank: nothing to send, nothing registered."""
+    timed, on the DDP model. With one rank: nothing to send, nothing registered.
+
+    ``kept``: the hook a resumed run's checkpoint names. comm=auto keeps it, whatever the probe says now:
+    the resumed run continues the same run (and stays bit-exact)."""
     if not ctx.distributed:
         return Communication(reason="one process: nothing to send")
     probe = linkprobe.probe(model, settings, ctx, num_classes, image_size, log)
-    choice, why = choose(settings, probe)
+    choice, why = choose(settings, probe, kept)
+    hook, state = hook_for(choice, settings, ctx.backend)
+    if isinstance(state, powersgd.Memory):
+        state.attach(ddp_of(model))   # its memory is kept by parameter name
     timer = CommTimer(ctx.device)
-    timer.attach(ddp_of(model), *hook_for(choice, settings, ctx.backend))
+    timer.attach(ddp_of(model), hook, state)
     if ctx.is_main:
         log(f"gradient communication: {choice} ({why}); buckets of {settings.bucket_mb:g} MB")
     return Communication(timer, probe, choice, why)
 
 
-def choose(settings, probe: dict | None) -> tuple[str, str]:
-    """``(choice, why)``: the hook ``settings.comm`` asks for, ``auto`` resolved from the probe."""
+def choose(settings, probe: dict | None, kept: str | None = None) -> tuple[str, str]:
+    """``(choice, why)``: the hook ``settings.comm`` asks for, ``auto`` resolved from the probe (or ``kept``)."""
     if settings.comm != "auto":
         return settings.comm, f"--comm {settings.comm}"
+    if kept in CHOICES:
+        now, _ = choose(settings, probe)
+        return kept, (f"comm=auto: {kept}, as this run chose when it started (its checkpoint says so), so that "
+                      f"the resume continues it" + ("" if now == kept else f";\n  the link probe would choose {now} now"))
     if probe is None:
         return "none", ("comm=auto without a link probe (one rank, or --no-link-probe): no compression")
     compute, allreduce, limit = probe["compute_s"], probe["allreduce_s"], settings.comm_auto_share
@@ -117,10 +128,8 @@ def forget_overflow(state) -> None:
     matrices hold inf / NaN now, so every later step would overflow too and be skipped: the loss freezes and
     nothing else complains. Cleared, they are rebuilt at the next step (zeros, fresh random matrices), as at
     the start. The other hooks keep no state between steps."""
-    if isinstance(state, powerSGD_hook.PowerSGDState):
-        state.error_dict.clear()
-        state.p_memory_dict.clear()
-        state.q_memory_dict.clear()
+    if isinstance(state, powersgd.Memory):
+        state.forget()
 
 
 def _hook_for(choice: str, settings):
@@ -136,5 +145,5 @@ def _hook_for(choice: str, settings):
             # PyTorch needs 2+ exact steps first (DDP rebuilds its buckets after step 1)
             start_powerSGD_iter=max(2, settings.powersgd_warmup_steps),
             use_error_feedback=True, warm_start=True, random_seed=settings.seed)
-        return powerSGD_hook.powerSGD_hook, state
+        return powersgd.hook, powersgd.Memory(state, settings.seed)
     raise ValueError(f"comm={choice!r} is not one of {', '.join(CHOICES)}")

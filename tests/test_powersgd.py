@@ -1,0 +1,169 @@
+"""PowerSGD's memory in the checkpoint (``ddp_utils/speed/powersgd.py``): a run resumed from it ends with the
+weights of a run never stopped, although the resumed run's new DDP groups its buckets differently."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_utils.checkpoint import CheckpointError
+from ddp_utils.distributed import DistContext
+from ddp_utils.settings import Settings
+from ddp_utils.speed import comm
+from tests.test_gpu_paths import gpu_only, one_rank_group
+
+
+class Net(nn.Module):
+    """The head is registered first and used last: DDP's first grouping of buckets (by registration)
+    differs from the one it regroups to after the first backward pass (by the order gradients are ready)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(32, 10)
+        self.fc = nn.Linear(16 * 4 * 4, 32)
+        self.convs = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3), nn.ReLU(), nn.Flatten())
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(self.convs(x))))
+
+
+SETTINGS = Settings(dataset="fake", comm="powersgd", powersgd_warmup_steps=3, powersgd_rank=2)
+STEPS = 12
+
+
+def batches(device):
+    return [(torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(i)).to(device),
+             torch.randint(10, (8,), generator=torch.Generator().manual_seed(i)).to(device)) for i in range(STEPS)]
+
+
+class Run:
+    """A DDP model with PowerSGD (small buckets: several of them) and SGD with momentum."""
+
+    def __init__(self, device, backend, settings=SETTINGS, weights=None, optimizer=None):
+        model = Net().to(device)
+        if weights is not None:
+            model.load_state_dict(weights)
+        self.ddp = DDP(model, bucket_cap_mb=0.005)
+        hook, self.memory = comm.hook_for("powersgd", settings, backend)
+        self.memory.attach(self.ddp)
+        self.ddp.register_comm_hook(self.memory, hook)
+        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.1, momentum=0.9)
+        if optimizer is not None:
+            self.optimizer.load_state_dict(optimizer)
+        self.groupings = []   # after each PowerSGD step: the parameters of each bucket
+
+    def steps(self, data):
+        for x, y in data:
+            self.optimizer.zero_grad()
+            nn.functional.cross_entropy(self.ddp(x), y).backward()
+            self.optimizer.step()
+            plans = self.memory.plans
+            self.groupings.append([[piece[0] for piece in plans[i]] for i in sorted(plans)])
+
+    def weights(self):
+        return copy.deepcopy(self.ddp.module.state_dict())
+
+
+def straight_and_resumed(device, backend, stops):
+    """The weights after STEPS steps straight, and after each stop in ``stops`` and a resume (a new model, new
+    DDP, new hook) from the weights, the optimizer and PowerSGD's memory; with the lines the resumes printed."""
+    ctx = DistContext(0, 1, 0, device, backend)
+    data = batches(device)
+    straight = Run(device, backend)
+    straight.steps(data)
+    resumed, said = {}, {}
+    for stop in stops:
+        first = Run(device, backend)
+        first.steps(data[:stop])
+        memory = first.memory.state_dict(ctx)
+        again = Run(device, backend, weights=first.weights(), optimizer=first.optimizer.state_dict())
+        said[stop] = again.memory.load_state_dict(memory, ctx)
+        again.steps(data[stop:])
+        resumed[stop] = again.weights()
+    return straight, resumed, said, again
+
+
+def test_a_resume_continues_powersgd_exactly_whenever_it_stopped():
+    with one_rank_group():
+        straight, resumed, said, last = straight_and_resumed(torch.device("cpu"), "gloo", stops=(2, 3, 4, 7))
+    # what makes it hard: the resumed run's first step (after 7) has one bucket, the next ones regroup into several
+    assert len(last.groupings[0]) == 1 and len(last.groupings[1]) > 1 and last.groupings[1] == straight.groupings[-1]
+    for stop, weights in resumed.items():   # stopped in the warm-up, at PowerSGD's first step, after it
+        for name, value in straight.weights().items():
+            assert torch.equal(weights[name], value), (stop, name)
+    assert said[2] == "PowerSGD continues at step 2 (no memory yet)"   # in the exact warm-up
+    assert said[7] == "PowerSGD continues at step 7 with its error feedback and warm start"
+
+
+def test_without_its_memory_a_resumed_run_is_not_the_same():
+    """What the test above guards: a resumed PowerSGD that starts its memory afresh ends elsewhere."""
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
+    with one_rank_group():
+        data = batches("cpu")
+        straight = Run("cpu", "gloo")
+        straight.steps(data)
+        first = Run("cpu", "gloo")
+        first.steps(data[:7])
+        memory = first.memory.state_dict(ctx)
+        again = Run("cpu", "gloo", weights=first.weights(), optimizer=first.optimizer.state_dict())
+        again.memory.load_state_dict({**memory, "names": [], "errors": []}, ctx)   # the step count alone
+        again.steps(data[7:])
+    assert any(not torch.equal(again.weights()[n], v) for n, v in straight.weights().items())
+
+
+def saved_on_two_ranks(memory) -> dict:
+    """A checkpoint's PowerSGD memory as two ranks would have saved it: rank 1's error differs."""
+    names = list(memory.order)
+    sizes = {name: p.numel() for p, name in memory.names.items()}
+    total = sum(sizes[n] for n in names)
+    return {"iter": 9, "rank": 2, "names": names, "errors": [torch.zeros(total), torch.full((total,), 2.0)],
+            "p": {}, "q": {}}
+
+
+def test_resumed_on_another_number_of_ranks_every_rank_takes_the_mean_error_feedback():
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
+    with one_rank_group():
+        run = Run("cpu", "gloo")
+        said = run.memory.load_state_dict(saved_on_two_ranks(run.memory), ctx)
+    assert said.endswith("the error feedback of 2 ranks, averaged, on each of 1")
+    assert run.memory.state.iter == 9
+    errors = [piece["error"] for piece in run.memory.store.values()]
+    assert errors and all(torch.equal(e, torch.ones_like(e)) for e in errors)   # the mean of 0 and 2
+
+
+def test_another_powersgd_rank_keeps_the_error_feedback_and_starts_the_warm_start_afresh():
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
+    with one_rank_group():
+        first = Run("cpu", "gloo")
+        first.steps(batches("cpu")[:5])
+        memory = first.memory.state_dict(ctx)
+        again = Run("cpu", "gloo", settings=Settings(dataset="fake", comm="powersgd", powersgd_warmup_steps=3,
+                                                      powersgd_rank=1))
+        said = again.memory.load_state_dict(memory, ctx)
+        assert said.endswith("saved with rank 2: the warm start afresh")
+        assert not any("q" in piece for piece in again.memory.store.values())
+        again.steps(batches("cpu")[5:7])   # the new rank's matrices are drawn afresh: the steps run
+    assert all(torch.isfinite(v).all() for v in again.weights().values())
+
+
+def test_a_model_without_a_saved_parameter_is_refused_with_its_name():
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
+    with one_rank_group():
+        run = Run("cpu", "gloo")
+        saved = saved_on_two_ranks(run.memory)
+        with pytest.raises(CheckpointError, match="for a parameter 'stem.weight', which this model does not have"):
+            run.memory.load_state_dict({**saved, "names": ["stem.weight"] + saved["names"]}, ctx)
+
+
+@gpu_only
+def test_a_resume_continues_powersgd_exactly_on_a_gpu_over_nccl():
+    device = torch.device("cuda", 0)
+    with one_rank_group("nccl", device):
+        straight, resumed, _, _ = straight_and_resumed(device, "nccl", stops=(3, 7))
+    for stop, weights in resumed.items():
+        for name, value in straight.weights().items():
+            assert weights[name].device == device and torch.equal(weights[name], value), (stop, name)
