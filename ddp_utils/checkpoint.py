@@ -169,14 +169,13 @@ def set_rng_state(state: dict) -> None:
 
 
 # -- the training state, across ranks ---------------------------------------------------------------
-def gather_rng(ctx) -> list:
-    """Every rank's RNG state, gathered so rank 0 can store them all in one file (a collective)."""
-    state = rng_state()
+def gather_per_rank(value, ctx) -> list:
+    """Every rank's ``value`` (plain values), gathered so rank 0 can store them all in one file (a collective)."""
     if not ctx.distributed:
-        return [state]
-    states = [None] * ctx.world_size
-    dist.all_gather_object(states, state)   # DDP: collective
-    return states
+        return [value]
+    values = [None] * ctx.world_size
+    dist.all_gather_object(values, value)   # DDP: collective
+    return values
 
 
 def save_state(paths, model, optimizer, scheduler, scaler, epoch, step, best_acc1, history, settings,
@@ -185,7 +184,10 @@ def save_state(paths, model, optimizer, scheduler, scaler, epoch, step, best_acc
 
     ``comm``: how the gradients travel, ``{"choice": "powersgd", "powersgd": Memory.state_dict(...)}`` (the hook
     comm=auto chose, so that a resume continues with it; PowerSGD's memory, already gathered)."""
-    rngs = gather_rng(ctx)   # collective, so that resuming restores each rank's own RNG
+    # collective, so that resuming restores each rank's own RNG, and its own fp16 scaler: with local SGD each
+    # rank's scaler sees only its own gradients, so their scales can differ
+    ranks = gather_per_rank({"rng": rng_state(), "scaler": scaler.state_dict()}, ctx)
+    rngs, scalers = [r["rng"] for r in ranks], [r["scaler"] for r in ranks]
     if ctx.is_main:
         state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
@@ -194,6 +196,8 @@ def save_state(paths, model, optimizer, scheduler, scaler, epoch, step, best_acc
                  "rng": rngs, "torch_version": str(torch.__version__)}
         if comm is not None:
             state["comm"] = comm
+        if ctx.distributed and any(scalers):
+            state["scalers"] = scalers
         for path in paths:
             save_checkpoint(path, state)
 
@@ -242,14 +246,16 @@ def check_matches(state: dict, settings, path) -> None:
 
 
 def restore(state, model, optimizer, scheduler, scaler, ctx) -> None:
-    """Put a loaded state back: weights, optimiser, schedule, scaler and this rank's own RNG."""
+    """Put a loaded state back: weights, optimiser, schedule, this rank's own scaler and RNG."""
     unwrap(model).load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         # A checkpoint from a run without fp16 (bf16 on A100s, a CPU) holds a disabled scaler's empty state,
         # which an fp16 scaler refuses to load: it starts afresh (its scale settles in a few steps).
-        if state["scaler"] or not scaler.is_enabled():
-            scaler.load_state_dict(state["scaler"])
+        scalers = state.get("scalers") or []
+        own = scalers[ctx.rank] if len(scalers) == ctx.world_size else state["scaler"]   # else: rank 0's
+        if own or not scaler.is_enabled():
+            scaler.load_state_dict(own)
     rngs = state["rng"]
     set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0])

@@ -170,8 +170,9 @@ def _local_gradients(model, local: bool):
 
 def _after_a_skipped_step(stepper, comm, step: int, lr: float) -> None:
     """The scaler skipped this step: clear what the gradient compression carried over from it, and stop
-    (the same step on every rank: the gradients, hence the scalers, are the same) when steps keep being
-    skipped."""
+    when steps keep being skipped (the same step on every rank: the gradients, hence the scalers, are the
+    same; not with local SGD, whose local steps see each rank's own gradients: a rank that stops alone is
+    reported to the others by the watch)."""
     if comm is not None:
         forget_overflow(comm.state)   # PowerSGD's memory of this step is inf now: it would poison every later one
     if stepper.in_a_row >= SKIPPED_IN_A_ROW:

@@ -289,3 +289,35 @@ def test_mend_best_writes_best_pt_only_when_last_pt_holds_a_newer_best_epoch(tmp
     (tmp_path / "best.pt").unlink()
     assert not mend_best(state, tmp_path, DistContext(1, 2, 0, torch.device("cpu"), "gloo"))   # rank 0 writes
     assert not (tmp_path / "best.pt").exists()
+
+
+def test_every_ranks_fp16_scaler_is_saved_and_each_rank_resumes_with_its_own(tmp_path, monkeypatch):
+    """With local SGD each rank's scaler sees only its own gradients, so the scales can differ: a resume that gave
+    every rank rank 0's scale would not continue the run exactly."""
+    import torch.distributed as dist
+
+    from ddp_utils import checkpoint
+    from ddp_utils.distributed import DistContext
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    rank1 = {"rng": rng_state(), "scaler": {**scaler.state_dict(), "scale": 256.0}}   # rank 1 halved it twice
+
+    def two_ranks(values, value):   # the collective, as rank 0 of two sees it
+        values[:] = [value, rank1]
+    monkeypatch.setattr(dist, "all_gather_object", two_ranks)
+    ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
+    checkpoint.save_state([tmp_path / "last.pt"], model, optimizer, scheduler, scaler, 0, 10, 50.0, [], Settings(),
+                          ctx)
+    state = load_checkpoint(tmp_path / "last.pt")
+    assert [s["scale"] for s in state["scalers"]] == [1024.0, 256.0] and state["scaler"]["scale"] == 1024.0
+    for rank, scale in ((0, 1024.0), (1, 256.0)):
+        resumed = torch.amp.GradScaler("cpu")
+        checkpoint.restore(state, small_model(), optimizer, scheduler, resumed, DistContext(rank, 2, rank,
+                                                                                             torch.device("cpu"), "gloo"))
+        assert resumed.get_scale() == scale
+    on_three = torch.amp.GradScaler("cpu")   # resumed on another number of ranks: rank 0's, as before
+    checkpoint.restore(state, small_model(), optimizer, scheduler, on_three,
+                       DistContext(2, 3, 0, torch.device("cpu"), "gloo"))
+    assert on_three.get_scale() == 1024.0
