@@ -122,6 +122,34 @@ def test_failed_save_keeps_old_checkpoint_and_leaves_no_temp_file(tmp_path, monk
     assert os.listdir(tmp_path) == ["last.pt"]
 
 
+def test_ctrl_c_inside_torch_save_stays_a_ctrl_c_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    """Ctrl-C while torch.save writes: its zip writer's cleanup raises "unexpected pos" over the KeyboardInterrupt,
+    and the run would end with that traceback (exit 2) instead of the interrupt's message (exit 130)."""
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, {"epoch": 1, "w": torch.arange(10)})
+    real_save = torch.save
+
+    class CtrlCMidway:   # the file, with Ctrl-C arriving after some bytes were written
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            if self.written > 1000:
+                raise KeyboardInterrupt
+            self.written += len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: real_save(obj, CtrlCMidway(f), *a, **k))
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, {"epoch": 2, "w": torch.zeros(100_000)})
+    monkeypatch.undo()
+    assert_same(load_checkpoint(path), {"epoch": 1, "w": torch.arange(10)})
+    assert os.listdir(tmp_path) == ["last.pt"]
+
+
 def test_save_refuses_a_state_that_weights_only_cannot_load_back(tmp_path):
     path = tmp_path / "last.pt"
     save_checkpoint(path, {"epoch": 1})

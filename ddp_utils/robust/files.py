@@ -53,11 +53,24 @@ def atomic_write(path, write: Callable[[BinaryIO], None], check: Callable[[Path]
     except BaseException as exc:  # also KeyboardInterrupt: never leave a temp file behind
         written = tmp.stat().st_size if tmp.exists() else 0
         tmp.unlink(missing_ok=True)
+        interrupt = _interrupt_under(exc)
+        if interrupt is not None:   # Ctrl-C / Stop: the caller's interrupt handling, not a write error
+            raise interrupt from None
         if _disk_full(exc, path.parent):
             raise DiskFull(_disk_full_text(path, written)) from exc
         raise
     fsync_folder(path.parent)  # make the rename itself survive a power cut
     return path
+
+
+def _interrupt_under(exc: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt that ``exc`` is, or that it replaced: torch.save's zip writer, interrupted, raises
+    "unexpected pos" from its cleanup over the KeyboardInterrupt."""
+    while exc is not None:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        exc = exc.__context__
+    return None
 
 
 def _disk_full(exc: BaseException, folder: Path) -> bool:
