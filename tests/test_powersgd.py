@@ -3,6 +3,7 @@ weights of a run never stopped, although the resumed run's new DDP groups its bu
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -68,10 +69,15 @@ class Run:
         return copy.deepcopy(self.ddp.module.state_dict())
 
 
+def one_rank_of_a_group(device):
+    """This process as a distributed rank (a group of one): the checkpoint's gather of the error feedback runs."""
+    return SimpleNamespace(rank=0, world_size=1, is_main=True, distributed=True, device=device)
+
+
 def straight_and_resumed(device, backend, stops):
     """The weights after STEPS steps straight, and after each stop in ``stops`` and a resume (a new model, new
     DDP, new hook) from the weights, the optimizer and PowerSGD's memory; with the lines the resumes printed."""
-    ctx = DistContext(0, 1, 0, device, backend)
+    ctx = one_rank_of_a_group(device)
     data = batches(device)
     straight = Run(device, backend)
     straight.steps(data)

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from ..checkpoint import CheckpointError
-from ..model import ddp_of
 
 
 def hook(memory: "Memory", bucket):
@@ -110,7 +109,7 @@ class Memory:
 
     def attach(self, ddp_model) -> None:
         """Learn the DDP model's parameter names (the checkpoint's keys)."""
-        self.names = {p: name for name, p in ddp_of(ddp_model).module.named_parameters()}
+        self.names = {p: name for name, p in ddp_model.module.named_parameters()}
         self.order = {name: i for i, name in enumerate(self.names.values())}
 
     # -- the checkpoint -------------------------------------------------------------------------------
