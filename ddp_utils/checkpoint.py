@@ -20,7 +20,6 @@ Layout of a run folder's checkpoints (rank 0 writes them, on the rank-0 node onl
 """
 from __future__ import annotations
 
-import inspect
 import pickle
 import random
 import re
@@ -67,13 +66,8 @@ def _check_loads_back(tmp: Path, path: Path) -> None:
 
 
 # -- loading -------------------------------------------------------------------------------------
-_HAS_WEIGHTS_ONLY = "weights_only" in inspect.signature(torch.load).parameters  # torch >= 1.13
-
-
 def _torch_load(path, map_location):
-    if _HAS_WEIGHTS_ONLY:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    return torch.load(path, map_location=map_location)  # very old torch: no safe mode to ask for
+    return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def load_checkpoint(path, map_location="cpu") -> dict:

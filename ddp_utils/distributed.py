@@ -26,9 +26,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .robust import rendezvous
+from .robust import compat, rendezvous
 from . import settings as settings_module
-from .robust.devices import agree_on_backend, agree_on_precision, device_facts
+from .robust.devices import agree_on_backend, agree_on_precision, device_facts, torch_releases_differ
 from .robust.preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
 
 __all__ = ["DistContext", "DistSetupError", "PeerLost", "SettingsMismatch", "agree", "all_reduce_sum", "barrier",
@@ -179,7 +179,6 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
     """``init_process_group`` with a bounded wait, on the backend every rank agreed on (returned); a
     failure becomes one readable DistSetupError."""
     global _store, _waits, _watches, _group_sockets, _aborted
-    timeout = timedelta(seconds=settings.init_timeout)   # joining: the other ranks may start late
     if settings.init_method == "env":  # torchrun: its agent hosts the store on MASTER_PORT
         call = {"init_method": "env://"}
         everyone = rendezvous.share_facts_under_torchrun(settings, facts)
@@ -192,6 +191,8 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
         if everyone:
             backend, note = agree_on_backend(everyone, settings.backend)
             agree_on_precision(everyone, settings.amp)
+            if torch_releases_differ(everyone):
+                log(f"rank {settings.rank}: {torch_releases_differ(everyone)}")
     except DistSetupError as e:
         if "store" in call and settings.rank == 0:
             rendezvous.close_generation(call["store"])
@@ -201,6 +202,9 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
         log(f"rank {settings.rank}: {note}")
     if backend == "nccl":
         _set_nccl_env(log)
+    # Joining may take long (the other ranks start late): made with init_timeout, lowered below -- except
+    # where this torch's backend keeps the timeout it is made with (gloo before 2.9: robust/compat.py)
+    timeout = timedelta(seconds=compat.timeout_at_init(settings, backend))
     try:
         before = _tcp_connections()
         # DDP: the process group. With the kit's store this is what init_method="tcp://ADDR:PORT" does.
@@ -217,7 +221,12 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
         # minute. Longer waits (the others reading their data, rank 0 starting W&B or writing a
         # checkpoint) are explicit store waits (wait_for_all), bounded by init_timeout. With --compile
         # the first step compiles for minutes on a cold cache: the short timeout starts after it (train.py).
-        set_collective_timeout(settings.init_timeout if settings.compile else settings.collective_timeout)
+        if not set_collective_timeout(settings.init_timeout if settings.compile else settings.collective_timeout) \
+                and settings.compile:   # made with init_timeout, which this torch's gloo keeps for the whole run
+            log(f"rank {settings.rank}: with --compile, collectives may wait up to init_timeout "
+                f"({settings.init_timeout:g} s) all run long: {backend} on torch {torch.__version__} keeps the "
+                f"timeout its group was made with (robust/compat.py); the kit's watch still names a silent rank "
+                f"within seconds")
         # The store now only carries short messages (failures, explicit waits): a lost link must not
         # block a rank's look at it for minutes.
         _store.set_timeout(timedelta(seconds=10))
@@ -241,10 +250,10 @@ def _set_nccl_env(log) -> None:
             log(f"keeping {var}={os.environ[var]} from the environment (the kit would set {value})")
 
 
-def set_collective_timeout(seconds: float) -> None:
-    """How long a collective of the process group may wait from now on."""
-    set_timeout = getattr(dist.distributed_c10d, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
-    set_timeout(timedelta(seconds=seconds))
+def set_collective_timeout(seconds: float) -> bool:
+    """How long a collective of the process group may wait from now on; False where this torch's backend
+    keeps the timeout the group was made with (gloo before torch 2.9)."""
+    return compat.set_collective_timeout(seconds, dist.get_backend())
 
 
 def _init_failure(settings, backend, report: dict, error: BaseException) -> str:
@@ -275,10 +284,12 @@ def teardown(abort: bool = False) -> None:
     _active = None
     if dist.is_available() and dist.is_initialized():
         if abort:
-            with contextlib.suppress(Exception):
-                dist.distributed_c10d._get_default_group().abort()
+            _, call = compat.abort_path(dist.get_backend(), dist.distributed_c10d._get_default_group())
+            if call is not None:
+                with contextlib.suppress(RuntimeError):   # an NCCL communicator already broken by the failure
+                    call()
         with contextlib.suppress(Exception):  # a broken group (a peer died) must not stop the cleanup
-            dist.destroy_process_group()
+            compat.destroy_process_group(dist.get_backend())   # torch 2.6 and 2.7's gloo need a moment first
 
 
 @contextlib.contextmanager
@@ -299,26 +310,35 @@ def watch_store():
     return dist.PrefixStore(f"watch/{_watches}", _store)
 
 
-def abort_group(reason: str) -> None:
+def abort_path() -> str:
+    """How ``abort_group`` will stop a hung collective of this process group, on this torch (the watch says it)."""
+    return compat.abort_path(dist.get_backend())[0] if dist.is_initialized() else "no process group"
+
+
+def abort_group(reason: str) -> str:
     """End the process group's pending collectives from another thread (the watch's), so that a main
     thread blocked in one, waiting for a rank that is gone, raises now instead of at the collective
-    timeout. NCCL: ``abort()`` its communicators. gloo has no such call that reaches a pending
-    collective, so its connections to the other ranks are shut down: the waiting read fails at once
-    ("Connection closed"). ``reason`` is kept: the explicit waits stop with it too."""
+    timeout. NCCL: abort its communicators (``compat.abort_path``: the call this torch has). gloo has no
+    such call that reaches a pending collective, so its connections to the other ranks are shut down: the
+    waiting read fails at once ("Connection closed"). ``reason`` is kept: the explicit waits stop with it
+    too. Returns what was done, for the log."""
     global _aborted
     _aborted = reason
     if not dist.is_initialized():
-        return
-    group = dist.distributed_c10d._get_default_group()
-    if dist.get_backend() == "nccl":
-        with contextlib.suppress(Exception):
-            group.abort()
-        return
+        return "no process group to stop"
+    how, call = compat.abort_path(dist.get_backend(), dist.distributed_c10d._get_default_group())
+    if call is not None:
+        try:
+            call()
+        except RuntimeError as e:   # said, not swallowed: the collective then ends at its timeout
+            return f"{how} failed ({(str(e).splitlines() or [type(e).__name__])[0][:120]})"
+        return how
     still_open = _tcp_connections() & _group_sockets   # the same fd with the same two ends: not reused
     for fd, _, _ in still_open:
         with contextlib.suppress(OSError):
             with socket.socket(fileno=os.dup(fd)) as s:   # a duplicate: shutdown reaches the shared socket
                 s.shutdown(socket.SHUT_RDWR)
+    return f"shut down {len(still_open)} gloo connection(s) to the other ranks"
 
 
 def _tcp_connections() -> set:

@@ -71,10 +71,7 @@ def precision_name(settings, device: torch.device) -> str:
 
 def make_scaler(dtype, device: torch.device):
     """A gradient scaler, active only for fp16 (bf16 has fp32's range and needs none)."""
-    enabled = dtype == torch.float16
-    if hasattr(torch.amp, "GradScaler"):       # torch >= 2.3
-        return torch.amp.GradScaler(device.type, enabled=enabled)
-    return torch.cuda.amp.GradScaler(enabled=enabled and device.type == "cuda")
+    return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
 
 class ScaledStep:

@@ -292,14 +292,19 @@ def test_local_sgds_averages_on_a_gpu_are_timed_by_cuda_events_read_without_a_sy
 
 
 # -- the speed a GPU user expects --------------------------------------------------------------------
-def test_a_gpu_run_lets_cudnn_pick_its_fastest_convolutions(monkeypatch):
+def test_a_gpu_run_lets_cudnn_pick_its_fastest_convolutions():
     from ddp_utils.optim import use_fast_gpu_kernels
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    use_fast_gpu_kernels(torch.device("cpu"))
-    assert torch.backends.cudnn.benchmark is False   # a CPU run is left alone
-    use_fast_gpu_kernels(torch.device("cuda", 0))
-    assert torch.backends.cudnn.benchmark is True and torch.backends.cuda.matmul.allow_tf32 is True
+    # Saved and restored by hand: on torch 2.6 allow_tf32 is served by a module __getattr__, which
+    # monkeypatch's undo cannot put back (it tries delattr).
+    kept = torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = False, False
+        use_fast_gpu_kernels(torch.device("cpu"))
+        assert torch.backends.cudnn.benchmark is False   # a CPU run is left alone
+        use_fast_gpu_kernels(torch.device("cuda", 0))
+        assert torch.backends.cudnn.benchmark is True and torch.backends.cuda.matmul.allow_tf32 is True
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = kept
 
 
 def test_prepare_sets_the_fast_kernels_for_the_runs_device(monkeypatch, tmp_path):

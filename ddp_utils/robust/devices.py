@@ -38,7 +38,18 @@ def device_facts(settings, device: torch.device) -> dict:
     except ValueError as e:   # amp=bf16 on a GPU without it: every rank says so (agree_on_precision)
         precision = f"error: {e}"
     return {"rank": settings.rank, "host": socket.gethostname(), "machine": machine_id(), "gpu": gpu,
-            "gpu_name": name, "auto": alone, "precision": precision}
+            "gpu_name": name, "auto": alone, "precision": precision, "torch": str(torch.__version__)}
+
+
+def torch_releases_differ(facts: list[dict]) -> str:
+    """A warning when the ranks run different torch builds (say, two NGC releases), else "": the kit's paths
+    for the store, the abort and the timeouts may then differ between the ranks (robust/compat.py)."""
+    builds = {f.get("torch") for f in facts}
+    if len(builds) < 2:
+        return ""
+    said = ", ".join(f"{f.get('torch')} on {_who([f])}" for f in sorted(facts, key=lambda f: f["rank"]))
+    return (f"warning: the ranks run different torch builds ({said}). They may still train together, but "
+            f"nothing is tested that way: use the same container image (docker/Dockerfile, one NGC_TAG) on every node")
 
 
 def gpu_id(device: torch.device) -> str:

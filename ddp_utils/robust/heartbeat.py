@@ -10,8 +10,9 @@ rank use it:
   failures they reported (``distributed.report_failure``);
 - the **judge** thread never touches the store itself, so a dead link cannot block it. When a rank
   reported a failure, or no beat of a rank has changed for ``silent_after`` s (rank 0's store giving no
-  answer counts as rank 0's silence), it aborts the process group (``distributed.abort_group``): the
-  main thread's blocked collective returns now, and ``train.fit`` raises ``PeerLost`` with this
+  answer counts as rank 0's silence), it aborts the process group (``distributed.abort_group``, by the
+  path this torch and backend allow: rank 0 names it when the watch starts): the main thread's blocked
+  collective returns now, and ``train.fit`` raises ``PeerLost`` with this
   ``verdict``. A rank that finished writes ``done`` instead of a beat and is never judged silent.
 
 The training loop only bumps a counter per step (no store call, no sync). When this rank has made no
@@ -49,6 +50,9 @@ class Heartbeat:
             self.seen = {r: ("", start) for r in range(self.ctx.world_size) if r != self.ctx.rank}
             for thread in self._threads:
                 thread.start()
+            if self.ctx.is_main:   # the path depends on the backend and on torch's release (robust/compat.py)
+                self.log(f"rank 0: the kit's watch is on: a rank silent for {self.silent_after:g} s is named, and a "
+                         f"hung collective is stopped by\n  {distributed.abort_path()}")
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -105,7 +109,8 @@ class Heartbeat:
             if verdict:
                 self.verdict = verdict
                 self.log(f"rank {me}: the kit's watch stops this rank's collectives: {verdict}")
-                distributed.abort_group(verdict)
+                done = distributed.abort_group(verdict)
+                self.log(f"rank {me}: the kit's watch: {done}")
                 return
             now = time.monotonic()
             if self.steps != last_steps:

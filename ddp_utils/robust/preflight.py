@@ -24,6 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .compat import below_floor
+
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 SMALL_SHM = 1 << 30  # below 1 GiB, DataLoader workers in Docker tend to die with "Bus error"
 
@@ -295,6 +297,9 @@ def preflight(settings, log=print) -> dict:
         raise DistSetupError("Invalid settings: " + "; ".join(problems) + ".")
     report = {"rank": settings.rank, "world_size": settings.world_size,
               "backend": resolve_backend(settings), **hardware_report()}
+    old_torch = below_floor()
+    if old_torch:   # it may still work, but nothing below the floor is tested
+        log(f"rank {settings.rank}: warning: {old_torch}")
     if settings.workers > 0 and report["shm_bytes"] is not None and report["shm_bytes"] < SMALL_SHM:
         log(f"rank {settings.rank}: warning: /dev/shm is only {report['shm_bytes'] >> 20} MiB; "
             f"DataLoader workers may die with 'Bus error'. Start Docker with --shm-size=2g or "

@@ -16,8 +16,10 @@ import socket
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
+from . import compat
 from .preflight import DistSetupError, port_holder
 
 GENERATION = "ddp_utils/generation"
@@ -30,24 +32,19 @@ def open_store(settings, log) -> dist.PrefixStore:
     while True:
         left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
         try:
-            listen = {"master_listen_fd": _listen_on(settings)} if settings.rank == 0 else {}
-            store = dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size,
-                                  is_master=settings.rank == 0, timeout=left,
-                                  wait_for_workers=False, multi_tenant=True, **listen)
             if settings.rank == 0:
+                store = _master_store(settings, left, log)
                 generation = store.add(GENERATION, 1)  # counts up, also across reused stores
                 return dist.PrefixStore(f"ddp_utils/{generation}", store)
+            store = dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size,
+                                  is_master=False, timeout=left, wait_for_workers=False)
             generation = int(store.get(GENERATION))  # waits for rank 0 to publish one
             if not store.check([f"ddp_utils/{generation}/closed"]):
                 return dist.PrefixStore(f"ddp_utils/{generation}", store)
             why = "still runs an earlier process group (has rank 0 re-run setup?)"
+        except DistSetupError:   # rank 0's own paragraph (it subclasses RuntimeError): no retry
+            raise
         except (RuntimeError, ValueError) as e:  # DistError subclasses RuntimeError
-            if settings.rank == 0:
-                raise DistSetupError(
-                    f"rank 0 could not listen on master_port {settings.master_port} "
-                    f"({(str(e).splitlines() or ['?'])[0][:120]}); held by: "
-                    f"{port_holder(settings.master_port)}. Free the port or choose another one on "
-                    f"ALL nodes.") from e
             why = f"did not answer ({(str(e).splitlines() or ['?'])[0][:120]})"  # old store closing?
         if time.monotonic() > deadline:
             raise DistSetupError(
@@ -61,10 +58,31 @@ def open_store(settings, log) -> dist.PrefixStore:
         time.sleep(0.5)
 
 
+def _master_store(settings, timeout: timedelta, log) -> dist.TCPStore:
+    """Rank 0's store on master_addr:master_port, or a DistSetupError that tells a busy port (naming its
+    holder) from a store that failed on a free one."""
+    fd = _listen_on(settings)
+    try:
+        return compat.master_store(settings.master_addr, settings.master_port, settings.world_size, timeout, fd, log)
+    except (RuntimeError, ValueError) as e:  # DistError and NotImplementedError subclass RuntimeError
+        said = (str(e).splitlines() or ["?"])[0][:160]
+        if fd is None:   # the kit could not bind the port, and no store of this process holds it
+            raise DistSetupError(
+                f"rank 0 could not listen on master_port {settings.master_port} ({said}); held by: "
+                f"{port_holder(settings.master_port)}. Free the port or choose another one on ALL nodes.") from e
+        with contextlib.suppress(OSError):   # the port was free and bound by the kit: give it back
+            os.close(fd)
+        raise DistSetupError(
+            f"rank 0 could not start its key-value store on {settings.master_addr}:{settings.master_port}, "
+            f"although the port is free (the kit had bound it): {said}. This is torch "
+            f"{torch.__version__}'s store failing, not the network; run `python -m ddp_utils check` and report "
+            f"its output with this message.") from e
+
+
 def _listen_on(settings) -> int | None:
     """A socket listening on master_addr only (PyTorch's own store would listen on every interface),
-    handed to the store by its file descriptor; None when this process's store already holds the
-    port (a re-run setup: multi_tenant reuses it)."""
+    handed to the store by its file descriptor; None when the port cannot be bound: this process's store
+    already holds it (a re-run setup: multi_tenant reuses it), or another process does."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # like PyTorch: TIME_WAIT is fine
     try:

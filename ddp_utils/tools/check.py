@@ -13,6 +13,7 @@ from .. import datasets
 from ..datasets import DataError, check_data
 from ..progress import interactive
 from ..distributed import DistSetupError
+from ..robust import compat
 from ..robust.preflight import preflight
 
 HELLO = b"ddp_utils-check rank="
@@ -25,6 +26,10 @@ def run_check(settings, log=print, verify_images: bool = False) -> bool:
         report = preflight(settings, log=log)
         gpus = ", ".join(report["gpus"]) or "none (CPU only)"
         log(f"backend {report['backend']}; GPUs: {gpus}; NCCL {report['nccl_version'] or '-'}; torch {report['torch']}")
+        paths = compat.paths(report["backend"])   # what this torch takes where releases differ
+        log(f"  rank 0's store: {paths['store']}\n"
+            f"  a hung collective is stopped by {paths['hung collective']}\n"
+            f"  collectives wait: {paths['collective timeout']}")
         shm = report["shm_bytes"]
         log(f"/dev/shm: {shm / 2**30:.1f} GiB" if shm is not None else "/dev/shm: not present")
         if settings.distributed:

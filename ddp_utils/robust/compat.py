@@ -1,0 +1,171 @@
+"""What this torch offers where its releases differ, and the path the kit takes for each: the one module that knows.
+
+The kit supports torch from FLOOR (2.6, the torch of the NGC 25.01 container that docker/Dockerfile builds on)
+to the newest release; CI runs every test on the newest and the version-dependent ones on the floor
+(tests/floor.sh). Whatever is newer than the floor is used only after it is found here, with a path that
+works on the floor, and no other module branches on torch's version:
+
+- **rank 0's store** listens on master_addr only, on a socket the kit binds and hands over by its file
+  descriptor. torch's default (libuv) store takes such a socket from 2.8 on; 2.6 and 2.7 refuse it
+  (NotImplementedError), and their legacy store takes it (``master_store``; a build that refuses it
+  although its release should not is caught by that error too).
+- **a hung collective** is stopped from the watch's thread: ``ProcessGroup.abort()`` (2.7 on), else the
+  NCCL backend's own ``abort()`` (2.6), else ``_abort_process_group``. gloo has no call that reaches a
+  collective already waiting, so the kit shuts its connections down instead (``distributed.abort_group``).
+- **destroying a gloo group** right after a collective can deadlock on the GIL before 2.8 (its destructor
+  holds the GIL while a worker thread needs it): the kit lets the workers finish first (``destroy_process_group``).
+- **the collective timeout**: NCCL takes a new one after init on every supported torch; gloo only from
+  2.9 (before, its collectives keep the timeout the group was made with), so there the kit makes the
+  group with the collective timeout (``timeout_at_init``).
+
+``paths()`` names what this torch takes: ``check`` prints it, the watch logs its abort path, docs/gpu.md
+has the table for the supported releases.
+"""
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+FLOOR = (2, 6)             # also in requirements.txt, docker/Dockerfile and the README (tests/test_compat.py)
+GLOO_NEW_TIMEOUT = (2, 9)    # gloo collectives honour a timeout changed after init (pytorch#158128)
+
+
+def release(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of a torch version string: '2.6.0', NGC's '2.6.0a0+ecf3bae40a.nv25.01', '2.14.1+cu130'."""
+    found = re.match(r"(\d+)\.(\d+)", str(version or torch.__version__))
+    if not found:
+        raise ValueError(f"not a torch version: {version!r}")
+    return int(found[1]), int(found[2])
+
+
+def below_floor(version: str | None = None) -> str | None:
+    """A paragraph when this torch is older than the kit's floor, else None."""
+    version = str(version or torch.__version__)
+    if release(version) >= FLOOR:
+        return None
+    floor = ".".join(map(str, FLOOR))
+    return (f"torch {version} is older than {floor}, the oldest release this kit supports and tests (the NGC "
+            f"25.01 container's). Use the NGC PyTorch container 25.01 or later (docker/Dockerfile's default), "
+            f"or `pip install 'torch>={floor}.0a0'` outside a container.")
+
+
+# -- rank 0's store ---------------------------------------------------------------------------------
+LIBUV_TAKES_A_SOCKET = (2, 8)   # the libuv store's master_listen_fd (pytorch#150215)
+# Whether the libuv store takes the kit's socket: known from the release, and corrected by the first store
+# made in this process if a build says otherwise (an NGC pre-release snapshot taken before that change).
+_libuv_takes_a_socket: bool | None = None
+
+
+def master_store(host: str, port: int, world_size: int, timeout: timedelta, listen_fd: int | None,
+                 log=print) -> dist.TCPStore:
+    """Rank 0's TCPStore (multi-tenant, not waiting for workers) on ``listen_fd``, a socket the caller bound
+    and listens on (None: this process's store already holds the port, and is reused). Where the default
+    (libuv) store refuses such a socket (torch 2.6, 2.7), the legacy store takes it."""
+    global _libuv_takes_a_socket
+    common = dict(world_size=world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                  multi_tenant=True)
+    if listen_fd is None:
+        return dist.TCPStore(host, port, **common)
+    if _libuv_takes_a_socket is None:   # not asking a release known to refuse: it would print a C++ error line
+        _libuv_takes_a_socket = release() >= LIBUV_TAKES_A_SOCKET
+    if _libuv_takes_a_socket:
+        try:
+            return dist.TCPStore(host, port, master_listen_fd=listen_fd, **common)
+        except NotImplementedError:   # "The libuv TCPStore backend does not support initialization with an listen fd"
+            _libuv_takes_a_socket = False
+            log(f"torch {torch.__version__}: this build's libuv store cannot take the socket the kit listens on; "
+                f"rank 0's store is the legacy TCPStore, on the same socket (the error line above is handled)")
+    return dist.TCPStore(host, port, master_listen_fd=listen_fd, use_libuv=False, **common)
+
+
+def store_path() -> str:
+    """Which store rank 0 makes on this torch."""
+    if _libuv_takes_a_socket is None:
+        takes = release() >= LIBUV_TAKES_A_SOCKET
+    else:
+        takes = _libuv_takes_a_socket
+    if takes:
+        return "libuv TCPStore on a socket bound to master_addr only"
+    return "legacy TCPStore on a socket bound to master_addr only (the libuv one takes no such socket before torch 2.8)"
+
+
+# -- stopping a hung collective ---------------------------------------------------------------------
+def abort_path(backend: str, group=None):
+    """``(how, call)``: how this torch stops a collective that waits for a lost rank, from another thread, and
+    the call that does it for ``group`` (None without a group; None for gloo, whose connections
+    ``distributed.abort_group`` shuts down itself)."""
+    if backend != "nccl":
+        return "shutting down gloo's connections (gloo has no abort that reaches a waiting collective)", None
+    if hasattr(dist.ProcessGroup, "abort"):   # torch 2.7 on
+        return "ProcessGroup.abort()", None if group is None else group.abort
+    if hasattr(getattr(dist, "ProcessGroupNCCL", None), "abort"):   # torch 2.6
+        return ("the NCCL backend's abort() (torch 2.6 has no ProcessGroup.abort)",
+                None if group is None else group._get_backend(torch.device("cuda")).abort)
+    return ("_abort_process_group()",
+            None if group is None else lambda: dist.distributed_c10d._abort_process_group(group))
+
+
+# -- destroying a group ----------------------------------------------------------------------------
+GLOO_DESTROY_RELEASES_GIL = (2, 8)   # the group's destructor lets go of the GIL (pytorch#154976)
+SETTLE_S = 0.2   # seconds with the GIL free before a gloo group is destroyed, on torch 2.6 and 2.7
+
+
+def destroy_process_group(backend: str) -> None:
+    """``dist.destroy_process_group()`` on every release. Before 2.8 a gloo group's destructor holds the GIL
+    while it waits for its worker threads, and a worker that is just letting go of a finished collective's
+    tensors needs the GIL to free them: both then wait forever (seen on torch 2.6 in about 1 of 25 two-rank
+    setups that stopped right after a collective, on a loaded machine). A moment with the GIL free first lets
+    the workers finish."""
+    if backend == "gloo" and release() < GLOO_DESTROY_RELEASES_GIL:
+        time.sleep(SETTLE_S)
+    dist.destroy_process_group()
+
+
+def destroy_path(backend: str) -> str:
+    if backend == "gloo" and release() < GLOO_DESTROY_RELEASES_GIL:
+        return f"after {SETTLE_S:g} s for gloo's workers (its destructor holds the GIL before torch 2.8)"
+    return "at once"
+
+
+# -- the collective timeout -------------------------------------------------------------------------
+def timeout_changes_after_init(backend: str, version: str | None = None) -> bool:
+    """Whether collectives of ``backend`` honour a timeout set after the group was made."""
+    return backend == "nccl" or release(version) >= GLOO_NEW_TIMEOUT
+
+
+def timeout_at_init(settings, backend: str) -> float:
+    """The timeout to make the process group with. Where it can be changed later: init_timeout (joining may
+    take long), lowered to collective_timeout once joined. Where it cannot (gloo before torch 2.9): the
+    collective timeout at once -- the ranks already met in the kit's store, so joining is quick -- or, with
+    --compile, init_timeout for the whole run (its first step may compile for minutes; the watch still names
+    a silent rank within seconds)."""
+    if timeout_changes_after_init(backend) or settings.compile:
+        return settings.init_timeout
+    return settings.collective_timeout
+
+
+def set_collective_timeout(seconds: float, backend: str) -> bool:
+    """Set how long the group's collectives may wait from now on; False where this torch's backend keeps the
+    timeout it was made with (nothing is changed then)."""
+    if not timeout_changes_after_init(backend):
+        return False
+    c10d = dist.distributed_c10d
+    set_timeout = c10d.set_timeout if hasattr(c10d, "set_timeout") else c10d._set_pg_timeout   # public in newer releases
+    set_timeout(timedelta(seconds=seconds))
+    return True
+
+
+def timeout_path(backend: str) -> str:
+    if timeout_changes_after_init(backend):
+        return "init_timeout while the ranks join, then collective_timeout"
+    return "collective_timeout from the start (gloo keeps its first timeout before torch 2.9)"
+
+
+def paths(backend: str = "gloo") -> dict[str, str]:
+    """What this torch takes, in words: for ``check`` and the docs' table."""
+    return {"torch": str(torch.__version__), "store": store_path(), "hung collective": abort_path(backend)[0],
+            "collective timeout": timeout_path(backend), "gloo group destroyed": destroy_path("gloo")}
