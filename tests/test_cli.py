@@ -45,6 +45,7 @@ def test_check_reports_a_missing_data_folder(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_demo_trains_ddp_and_single_and_prints_the_comparison_table(tmp_path):
     [res] = run_all([python("-m", "ddp_utils", "demo", "--epochs", "1", "--run-dir", str(tmp_path))],
                     timeout=300, env=base_env())
@@ -77,12 +78,15 @@ def test_ctrl_c_during_training_leaves_the_last_checkpoint_intact_and_says_how_t
     assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] >= 0
 
 
-def test_ci_runs_exactly_the_readme_install_and_test_command():
+def test_ci_runs_exactly_the_readme_install_and_test_commands_on_the_newest_torch_and_the_floor():
     readme = Path(REPO, "README.md").read_text()
     ci = Path(REPO, ".ci", "run").read_text()
     test_line = next(line.split("#")[0].strip() for line in readme.splitlines()
                      if "python -m pytest" in line and line.lstrip().startswith("pip install"))
-    assert test_line in ci
+    floor_line = next(line.split("#")[0].strip() for line in readme.splitlines() if line.startswith("tests/floor.sh"))
+    ci_lines = [line.strip() for line in ci.splitlines() if not line.lstrip().startswith("#")]
+    assert test_line in ci_lines and floor_line in ci_lines
+    assert ci_lines.index(floor_line) > ci_lines.index(test_line)   # the floor after the whole suite, with set -e
 
 
 @pytest.mark.slow

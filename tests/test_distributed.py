@@ -45,6 +45,7 @@ def basics():
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_two_ranks_init_and_all_reduce_sum_and_broadcast(basics):
     for c in basics[0]:
         assert c["sum"] == [3.0, 3.0, 3.0]  # (0 + 1) + (1 + 1)
@@ -58,6 +59,7 @@ def test_setup_twice_with_same_settings_keeps_the_process_group(basics):
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_setup_with_changed_settings_reinitialises_and_collectives_still_work(basics):
     checks_, results = basics
     for c, r in zip(checks_, results):
@@ -83,6 +85,7 @@ def test_setup_sets_socket_ifname_env_vars_on_every_rank(basics):
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_settings_mismatch_is_refused_on_both_ranks_naming_the_field():
     port = free_port()
     results = run_all([scenario("mismatch", r, 2, port) for r in range(2)], timeout=90, env=base_env())
@@ -218,6 +221,7 @@ def two_host_runs(two_hosts):
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_two_hosts_join_with_only_master_addr_set(two_host_runs):
     """Gloo alone would announce 127.0.0.1 (the host name's address) and hang; setup picks the veth."""
     (rank1, rank0, _), veths, port = two_host_runs

@@ -86,7 +86,7 @@ def two_hosts():
 # The watch (heartbeat.py) must catch these, not the collective timeout: with --collective-timeout 600 nothing
 # else could stop the ranks within 30 s; at the default (60 s) it still must be the watch.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["patient", "default"])
+@pytest.mark.parametrize("name", [pytest.param("patient", marks=pytest.mark.floor), "default"])
 def test_a_frozen_peer_stops_the_other_rank_within_30_s_naming_it(name, tmp_path):
     """SIGSTOP on rank 1 (a suspended VM, a kernel stuck in a C call): its connections stay open, so nothing
     but its silence tells rank 0. Rank 0 used to wait out the collective timeout (64 s at the default)."""
@@ -100,6 +100,7 @@ def test_a_frozen_peer_stops_the_other_rank_within_30_s_naming_it(name, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_a_killed_peer_stops_the_other_rank_within_seconds(tmp_path):
     """kill -9 of rank 1 with a collective timeout of 600 s: rank 0 says so at once, and its checkpoint is whole."""
     import signal
@@ -110,7 +111,7 @@ def test_a_killed_peer_stops_the_other_rank_within_seconds(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["plain", "patient", "default"])
+@pytest.mark.parametrize("name", ["plain", pytest.param("patient", marks=pytest.mark.floor), "default"])
 def test_a_node_that_drops_off_the_network_stops_both_ranks_within_30_s(name, two_hosts, tmp_path):
     """Rank 1's link goes down mid-run: both ranks stop within 30 s, also with a collective timeout of 600 s (only
     the kit's watch can do that), and rank 0 names the rank that went silent, rank 1 the store it lost."""
@@ -201,6 +202,7 @@ def test_more_sigterms_do_not_cut_the_clean_stop_short(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_run_all_again_in_the_same_kernels_after_an_interrupt_resumes_the_run(tmp_path):
     """No restart needed: after Stop on rank 0 both kernels run the cells again (RESUME set) and finish."""
     port = free_port()

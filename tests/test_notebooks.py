@@ -339,6 +339,7 @@ def two_hosts():
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_main_and_worker_train_across_two_hosts_given_only_master_addr(two_hosts, tmp_path):
     """Nothing but MASTER_ADDR points at host 1: the notebooks must pick the veth interface themselves.
 

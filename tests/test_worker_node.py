@@ -65,9 +65,10 @@ def start_and_kill_after_first_checkpoint(run_dir, port, *extra) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--accumulate", "5"],
+@pytest.mark.parametrize("extra", [pytest.param([], marks=pytest.mark.floor), ["--accumulate", "5"],
                                    ["--comm", "localsgd", "--average-every", "5", "--localsgd-warmup-steps", "3"],
-                                   ["--comm", "powersgd", "--powersgd-warmup-steps", "3", "--bucket-mb", "0.02"],
+                                   pytest.param(["--comm", "powersgd", "--powersgd-warmup-steps", "3", "--bucket-mb",
+                                                 "0.02"], marks=pytest.mark.floor),
                                    ["--comm", "powersgd", "--powersgd-warmup-steps", "12", "--bucket-mb", "0.02"],
                                    ["--comm", "auto", "--comm-auto-share", "0.99"]],
                          ids=["every-step", "accumulate-5", "localsgd", "powersgd", "powersgd-starts-at-the-resume",
