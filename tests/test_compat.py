@@ -141,36 +141,32 @@ class _StoreOf2_6:
         return self.real(*args, **kwargs)
 
 
-def _two_master_stores(said: list) -> list:
-    stores = []
+def _two_master_stores_on(monkeypatch, release: tuple[int, int]) -> tuple[list, list]:
+    """Two rank-0 stores made on a torch of ``release`` whose libuv store refuses a listening socket: what
+    TCPStore was asked for (use_libuv per call) and what the kit said."""
+    fake = _StoreOf2_6(dist.TCPStore)
+    monkeypatch.setattr(dist, "TCPStore", fake)
+    monkeypatch.setattr(compat, "_libuv_takes_a_socket", None)
+    monkeypatch.setattr(compat, "release", lambda version=None: release)
+    said, stores = [], []
     for _ in range(2):
         port, fd = _listening_socket()
         stores.append(compat.master_store("127.0.0.1", port, 1, timedelta(seconds=5), fd, said.append))
         stores[-1].set("k", "v")
-    return stores
+    return fake.calls, said
 
 
 def test_a_release_known_to_refuse_the_socket_gets_the_legacy_store_without_asking(monkeypatch):
     """torch 2.6 and 2.7: asking the libuv store first would print a C++ error line for nothing."""
-    fake = _StoreOf2_6(dist.TCPStore)
-    monkeypatch.setattr(dist, "TCPStore", fake)
-    monkeypatch.setattr(compat, "_libuv_takes_a_socket", None)
-    monkeypatch.setattr(compat, "release", lambda version=None: (2, 6))
-    said = []
-    _two_master_stores(said)
-    assert fake.calls == [False, False] and said == []
+    calls, said = _two_master_stores_on(monkeypatch, (2, 6))
+    assert calls == [False, False] and said == []
     assert "legacy TCPStore" in compat.store_path() and "before torch 2.8" in compat.store_path()
 
 
 def test_a_build_that_refuses_the_socket_against_its_release_falls_back_to_the_legacy_store_once(monkeypatch):
     """An NGC 2.8.0a0 snapshot taken before the libuv store learnt to take a socket: found out, said, remembered."""
-    fake = _StoreOf2_6(dist.TCPStore)
-    monkeypatch.setattr(dist, "TCPStore", fake)
-    monkeypatch.setattr(compat, "_libuv_takes_a_socket", None)
-    monkeypatch.setattr(compat, "release", lambda version=None: (2, 8))
-    said = []
-    _two_master_stores(said)
-    assert fake.calls == [True, False, False]          # found out once, then the legacy store straight away
+    calls, said = _two_master_stores_on(monkeypatch, (2, 8))
+    assert calls == [True, False, False]          # found out once, then the legacy store straight away
     assert len(said) == 1 and "legacy TCPStore" in said[0]
     assert "legacy" in compat.store_path()
 
