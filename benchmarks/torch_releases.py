@@ -117,6 +117,9 @@ def yes(flag: bool) -> str:
 
 
 def main() -> None:
+    import argparse
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="One row a run: run it in a venv with the "
+                            "torch to look at.").parse_args()
     nccl = getattr(dist, "ProcessGroupNCCL", None)
     probed = {"libuv store takes a listening socket": libuv_takes_a_listening_socket(),
               "ProcessGroup.abort": hasattr(dist.ProcessGroup, "abort"),
