@@ -222,11 +222,12 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
         # checkpoint) are explicit store waits (wait_for_all), bounded by init_timeout. With --compile
         # the first step compiles for minutes on a cold cache: the short timeout starts after it (train.py).
         if not set_collective_timeout(settings.init_timeout if settings.compile else settings.collective_timeout) \
-                and settings.compile:   # made with init_timeout, which this torch's gloo keeps for the whole run
-            log(f"rank {settings.rank}: with --compile, collectives may wait up to init_timeout "
-                f"({settings.init_timeout:g} s) all run long: {backend} on torch {torch.__version__} keeps the "
-                f"timeout its group was made with (robust/compat.py); the kit's watch still names a silent rank "
-                f"within seconds")
+                and timeout.total_seconds() != settings.collective_timeout:   # gloo before torch 2.9 (compat.py)
+            why = ("its first step may compile for minutes" if settings.compile else
+                   "and joining may not wait longer than init_timeout")
+            log(f"rank {settings.rank}: collectives may wait up to {timeout.total_seconds():g} s, not collective_timeout "
+                f"({settings.collective_timeout:g} s): {backend} on torch {torch.__version__} keeps the timeout its "
+                f"group was made with, {why}; the kit's watch still names a silent rank within seconds")
         # The store now only carries short messages (failures, explicit waits): a lost link must not
         # block a rank's look at it for minutes.
         _store.set_timeout(timedelta(seconds=10))

@@ -119,6 +119,7 @@ def failures():
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_unreachable_master_fails_within_the_bound_naming_address_and_port(failures):
     r, port = failures[0]["unreachable"], failures[1]["unreachable"]
     assert 3 <= checks(r)["seconds_to_error"] < 30  # retried for init_timeout, then gave up
@@ -127,6 +128,7 @@ def test_unreachable_master_fails_within_the_bound_naming_address_and_port(failu
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_busy_port_fails_fast_naming_the_port_and_the_holding_pid(failures):
     r, port = failures[0]["busy"], failures[1]["busy"]
     assert checks(r)["seconds_to_error"] < 5  # init_timeout is 20 s: nothing waited
@@ -135,6 +137,7 @@ def test_busy_port_fails_fast_naming_the_port_and_the_holding_pid(failures):
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_missing_worker_fails_at_init_timeout_naming_the_missing_rank(failures):
     r, port = failures[0]["no_worker"], failures[1]["no_worker"]
     assert 3 <= checks(r)["seconds_to_error"] < 30
@@ -143,6 +146,7 @@ def test_missing_worker_fails_at_init_timeout_naming_the_missing_rank(failures):
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_failing_init_process_group_becomes_a_readable_error_on_every_rank(failures):
     port = failures[1]["init_fails"]
     for rank in (0, 1):
@@ -154,6 +158,7 @@ def test_failing_init_process_group_becomes_a_readable_error_on_every_rank(failu
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_interrupt_while_waiting_for_workers_stops_at_once_and_tears_down(failures):
     r = failures[0]["interrupted"]
     c = checks(r)

@@ -16,7 +16,7 @@ works on the floor, and no other module branches on torch's version:
   holds the GIL while a worker thread needs it): the kit lets the workers finish first (``destroy_process_group``).
 - **the collective timeout**: NCCL takes a new one after init on every supported torch; gloo only from
   2.9 (before, its collectives keep the timeout the group was made with), so there the kit makes the
-  group with the collective timeout (``timeout_at_init``).
+  group with the collective timeout, or init_timeout where that is smaller (``timeout_at_init``).
 
 ``paths()`` names what this torch takes: ``check`` prints it, the watch logs its abort path, docs/gpu.md
 has the table for the supported releases.
@@ -139,13 +139,14 @@ def timeout_changes_after_init(backend: str, version: str | None = None) -> bool
 
 def timeout_at_init(settings, backend: str) -> float:
     """The timeout to make the process group with. Where it can be changed later: init_timeout (joining may
-    take long), lowered to collective_timeout once joined. Where it cannot (gloo before torch 2.9): the
-    collective timeout at once -- the ranks already met in the kit's store, so joining is quick -- or, with
-    --compile, init_timeout for the whole run (its first step may compile for minutes; the watch still names
-    a silent rank within seconds)."""
+    take long), lowered to collective_timeout once joined. Where it cannot (gloo before torch 2.9) it bounds
+    both the joining and every later collective, so: the smaller of the two (the ranks already met in the
+    kit's store, so joining is quick, and neither wait exceeds what was asked); with --compile, init_timeout
+    for the whole run (its first step may compile for minutes). The watch still names a silent rank within
+    seconds either way."""
     if timeout_changes_after_init(backend) or settings.compile:
         return settings.init_timeout
-    return settings.collective_timeout
+    return min(settings.init_timeout, settings.collective_timeout)
 
 
 def set_collective_timeout(seconds: float, backend: str) -> bool:
