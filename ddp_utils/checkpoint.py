@@ -202,7 +202,7 @@ def load_state(path, ctx, timeout: float = 300.0) -> dict | None:
     The others wait for the reading explicitly (``timeout`` s), not in the broadcast: a big file on a
     slow disk must not trip the collective timeout."""
     state = load_checkpoint(path) if ctx.is_main and path else None
-    distributed.wait_for_all("reading the checkpoint", ctx, timeout)
+    distributed.wait_for_all("finish reading the checkpoint", ctx, timeout)
     if ctx.distributed:
         state = distributed.broadcast_object(state, ctx)   # DDP: worker nodes get rank 0's file
     return state

@@ -47,10 +47,13 @@ def build_data(settings, ctx, log=print) -> Data:
     node's copy differs. On an error every rank is told and the process group is left.
     """
     with distributed.leaving_on_error(ctx):
+        # DDP: the other notebook may still be at an earlier cell: wait for it (up to init_timeout) before the
+        # cell's first collective (which ranks share this machine), not in one that times out
+        distributed.wait_for_all("start the data cell (build_data)", ctx, settings.init_timeout, log)
         set_threads(settings, ctx, log)       # ranks sharing a machine share its cores
         data = build_loaders(settings, ctx.rank, ctx.world_size, ctx.device)   # DDP: a DistributedSampler each
         # DDP: reading the data can take minutes on one node (a cold disk): wait for it explicitly
-        distributed.wait_for_all("reading the data", ctx, settings.init_timeout, log)
+        distributed.wait_for_all("finish reading the data", ctx, settings.init_timeout, log)
         distributed.agree(data.fingerprint(), ctx, what="data")   # DDP: the same data on every node
     return data
 

@@ -44,6 +44,7 @@ class DistContext:
     local_rank: int            # GPU index on this node
     device: torch.device       # cuda:local_rank when CUDA is available, else cpu
     backend: str | None        # "nccl" or "gloo"; None when world_size == 1 (no process group)
+    join_s: float = 0.0        # seconds setup took: pre-flight, waiting for the other ranks, init_process_group
 
     @property
     def is_main(self) -> bool:
@@ -144,6 +145,7 @@ def setup(settings, log=print) -> DistContext:
         log(f"rank {settings.rank}: a process group not made by ddp_utils exists; destroying it first")
         teardown()
 
+    started = time.monotonic()
     report = preflight(settings, log)
     ctx = DistContext(settings.rank, settings.world_size, settings.local_rank, _device(settings), None)
     if ctx.distributed:
@@ -152,13 +154,14 @@ def setup(settings, log=print) -> DistContext:
             backend = _init_process_group(settings, report, device_facts(settings, ctx.device), log)
             ctx = dataclasses.replace(ctx, backend=backend)   # the backend every rank agreed on
             agree({**must_agree, "backend": backend}, ctx)
+            ctx = dataclasses.replace(ctx, join_s=round(time.monotonic() - started, 2))
         except BaseException as e:  # also KeyboardInterrupt: never leave a half-made process group
             teardown()
             if isinstance(e, KeyboardInterrupt):
                 log(f"rank {settings.rank}: interrupted during setup; process group torn down")
             raise
         log(f"rank {ctx.rank}: joined {settings.url} as rank {ctx.rank} of {ctx.world_size} "
-            f"({backend}, {ctx.device})")
+            f"({backend}, {ctx.device}) in {ctx.join_s:.1f} s")
     _active = (settings, ctx)
     return ctx
 
@@ -410,8 +413,10 @@ def barrier(ctx: DistContext) -> None:
 
 def wait_for_all(what: str, ctx: DistContext, timeout: float, log=print) -> None:
     """An explicit barrier through the store, for waits longer than a collective may take (a rank still
-    reading its data, rank 0 starting W&B or writing a checkpoint). Says every ~30 s whom it waits for,
-    and stops at once with the other rank's reason if that rank failed meanwhile."""
+    reading its data, rank 0 starting W&B or writing a checkpoint, a notebook whose student still reads
+    the cell before). ``what`` completes "waiting for 1 other rank(s) to ...": "finish reading the data".
+    Says every ~30 s whom it waits for, and stops at once with the other rank's reason if that rank
+    failed meanwhile."""
     if not ctx.distributed or _store is None:
         return
     global _waits
@@ -429,11 +434,11 @@ def wait_for_all(what: str, ctx: DistContext, timeout: float, log=print) -> None
             raise PeerLost(f"rank {ctx.rank}: stopped because {failure}")
         now = time.monotonic()
         if count < ctx.world_size and now - start > timeout:
-            raise PeerLost(f"rank {ctx.rank}: waited {timeout:g} s for the other ranks to finish {what} and "
+            raise PeerLost(f"rank {ctx.rank}: waited {timeout:g} s for the other ranks to {what} and "
                            f"{ctx.world_size - count} did not. Look at the other nodes' output; restart every "
                            f"rank (with --resume RUN/last.pt if a checkpoint exists).")
         if now >= next_note and count < ctx.world_size:
-            log(f"rank {ctx.rank}: waiting for {ctx.world_size - count} other rank(s) to finish {what} "
+            log(f"rank {ctx.rank}: waiting for {ctx.world_size - count} other rank(s) to {what} "
                 f"({now - start:.0f} s)")
             next_note += 30.0
 

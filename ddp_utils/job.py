@@ -119,14 +119,15 @@ def open_run(settings, ctx, data: Data, model, resume: str | None = None, evalua
     """
     with distributed.leaving_on_error(ctx):
         _check_evaluate(resume, evaluate)
+        # DDP: the cell's first collective (the resume decision) waits for the other notebook here, up to init_timeout
+        distributed.wait_for_all("start the run cell (open_run)", ctx, settings.init_timeout, log)
         if resume and resume != "auto" and not evaluate and not settings.run_dir:
             # Continue writing into the folder the checkpoint came from (evaluation gets a new folder).
             settings = settings.replace(run_dir=os.path.dirname(os.path.abspath(resume)))
         if resume == "auto":   # DDP: rank 0 has the run folders; it decides for every rank
             resume, run_dir, why = distributed.broadcast_object(autoresume.decide(settings) if ctx.is_main else None,
                                                                 ctx)
-            if ctx.is_main:
-                log(f"resume auto: {why}")
+            log(f"resume auto: {why}")   # every rank says what all of them do
             settings = settings.replace(run_dir=run_dir)
         # DDP: loading is a collective (rank 0 reads its file and sends it), so all resume or none.
         distributed.agree({"resume": bool(resume)}, ctx, what="whether to resume")
@@ -141,7 +142,7 @@ def open_run(settings, ctx, data: Data, model, resume: str | None = None, evalua
     with _failing(job):
         job.model_table = logger.model_summary(model, (3, data.image_size, data.image_size))
         # DDP: rank 0 may take a while to start W&B; the others wait here, not in the first all-reduce
-        distributed.wait_for_all("starting the run", ctx, settings.init_timeout, log)
+        distributed.wait_for_all("finish starting the run", ctx, settings.init_timeout, log)
     return job
 
 

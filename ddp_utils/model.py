@@ -124,6 +124,9 @@ def prepare_model(model: nn.Module, settings, ctx, log=print) -> nn.Module:
     what runs (``describe_parallel``). On an error every rank is told and the process group is left.
     """
     with distributed.leaving_on_error(ctx):
+        # DDP: the wrap is a collective (rank 0's weights go to every rank); the other notebook may still be
+        # at an earlier cell, so wait for it here, up to init_timeout, not in a collective that times out
+        distributed.wait_for_all("start the model cell (prepare_model)", ctx, settings.init_timeout, log)
         model = _place(model, settings, ctx)
         use_fast_gpu_kernels(ctx.device)   # cuDNN's autotuner and TF32 on a GPU
         if ctx.is_main:

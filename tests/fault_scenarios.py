@@ -8,6 +8,9 @@ The rank prepares and trains on fake data (2 ranks, gloo, loopback). What the sc
 - ``plain``: nothing (collective timeout 8 s, the others 4 s).
 - ``slow_compile``: --compile, whose first step takes rank 1 8 s (emulated: torch.compile returns a wrapper that
   sleeps on its first call), longer than the collective timeout of 3 s; 1 epoch of 5 steps.
+- ``paced``: the notebook's cells one at a time (collective timeout 3 s); before each cell that meets the other
+  rank (data, model, run, Train) rank 1 pauses 6 s, longer than a collective may wait and than the watch's first
+  beats take: a student reading between cells. 2 epochs of 8 steps.
 - ``patient`` / ``default``: nothing, with a collective timeout of 600 s / the default 60 s: only the kit's own
   watch (heartbeat.py) can stop a rank whose peer went silent within seconds.
 Prints ``CHECK name=value`` lines the tests read.
@@ -27,7 +30,8 @@ from ddp_utils.train import fit
 
 
 def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") -> None:
-    timeout = {"plain": 8, "patient": 600, "default": Settings.collective_timeout, "slow_compile": 3}.get(name, 4)
+    timeout = {"plain": 8, "patient": 600, "default": Settings.collective_timeout, "slow_compile": 3,
+               "paced": 3}.get(name, 4)
     settings = Settings(dataset="fake", image_size=32, workers=0, wandb="disabled", backend="gloo", world_size=2,
                         rank=rank, master_addr=addr, master_port=port, init_timeout=60,
                         collective_timeout=timeout, epochs=30,
@@ -40,6 +44,8 @@ def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") 
         slow_compile(rank)
     if name == "rerun":
         return rerun(settings)
+    if name == "paced":
+        return paced(settings.replace(epochs=2, max_steps_per_epoch=8))
     try:
         job = prepare(settings)
         if name == "interrupt" and rank == 0:
@@ -65,6 +71,30 @@ def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") 
         print(f"CHECK stopped_at={time.time()}", flush=True)
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
         sys.exit(2)
+
+
+def paced(settings, pause: float = 6.0) -> None:
+    """main.ipynb's cells, one call each; rank 1 reads for ``pause`` s before each cell that needs rank 0."""
+    from ddp_utils.data import build_data
+    from ddp_utils.distributed import setup
+    from ddp_utils.job import open_run
+    from ddp_utils.model import build_model, prepare_model
+
+    def cell():
+        if settings.rank == 1:
+            time.sleep(pause)
+    ctx = setup(settings)
+    cell()
+    data = build_data(settings, ctx)
+    cell()
+    model = prepare_model(build_model(settings.arch, data.num_classes, settings.seed), settings, ctx)
+    cell()
+    job = open_run(settings, ctx, data, model, resume="auto")
+    cell()
+    with job:
+        results = fit(job)
+    print(f"CHECK acc1={results['acc1']}", flush=True)
+    print("CHECK finished=true", flush=True)
 
 
 def slow_compile(rank: int) -> None:

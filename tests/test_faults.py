@@ -77,6 +77,19 @@ def test_a_first_compiled_step_longer_than_the_collective_timeout_does_not_stop_
         assert checks(r).get("finished") == "true", describe(results)
 
 
+@pytest.mark.slow
+@pytest.mark.floor
+def test_a_rank_that_pauses_before_every_cell_longer_than_a_collective_may_wait_does_not_stop_the_run(tmp_path):
+    """A student reads between cells: every cell that meets the other rank waits for it (up to init_timeout), and
+    the watch never counts a rank that has not started its Train cell yet as one that stopped answering."""
+    port = free_port()
+    results = run_all([scenario("paced", r, port, tmp_path) for r in range(2)], timeout=150, env=base_env())
+    found = [checks(r) for r in results]
+    assert all(c.get("finished") == "true" for c in found), describe(results)
+    assert found[0]["acc1"] == found[1]["acc1"], describe(results)   # one run, the same global results
+    assert "stopped answering" not in results[0].output + results[1].output
+
+
 @pytest.fixture
 def two_hosts():
     with netns.two_hosts_or_skip("10.213.5") as hosts:
