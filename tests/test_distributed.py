@@ -219,7 +219,8 @@ def two_host_runs(two_hosts):
     port = free_port()
     runs = [(hosts[1], scenario("joined", 1, 2, port, "10.213.0.1")),  # first: it must wait for rank 0
             (hosts[0], scenario("joined", 0, 2, port, "10.213.0.1")),
-            (hosts[1], scenario("joined", 0, 2, free_port(), "10.213.0.1"))]  # host 2 is not 10.213.0.1
+            (hosts[1], scenario("joined", 0, 2, free_port(), "10.213.0.1")),  # host 2 is not 10.213.0.1
+            (hosts[1], scenario("joined", 1, 2, free_port(), "10.213.0.9", init_timeout=10))]  # no such host
     results = run_all([argv for _, argv in runs], timeout=90, env=base_env(), stagger=1.0,
                       prefix=[["ip", "netns", "exec", host] for host, _ in runs])
     return results, veths, port
@@ -229,8 +230,9 @@ def two_host_runs(two_hosts):
 @pytest.mark.floor
 def test_two_hosts_join_with_only_master_addr_set(two_host_runs):
     """Gloo alone would announce 127.0.0.1 (the host name's address) and hang; setup picks the veth."""
-    (rank1, rank0, _), veths, port = two_host_runs
+    (rank1, rank0, *_), veths, port = two_host_runs
     assert rank0.returncode == 0 and rank1.returncode == 0, describe([rank1, rank0])
+    assert f"rank 0: listening on 10.213.0.1:{port} (every node's master_addr and master_port" in rank0.output
     assert checks(rank0) == {"interface": veths[0], "sum": [3.0]}
     assert checks(rank1) == {"interface": veths[1], "sum": [3.0]}
     chosen = f"rank 1: using interface {veths[1]} (10.213.0.2) to reach master 10.213.0.1:{port}"
@@ -243,6 +245,20 @@ def test_rank0_refuses_a_master_addr_that_is_not_its_own(two_host_runs):
     assert r.returncode == 3, describe([r])
     assert "master_addr 10.213.0.1 (10.213.0.1) is not one of its addresses" in r.output
     assert "private IP" in r.output
+
+
+@pytest.mark.slow
+def test_a_worker_given_a_wrong_master_addr_says_what_the_network_answered_before_its_init_timeout(two_host_runs):
+    """A typo in MASTER_ADDR: within seconds the worker names what it tried, the network's answer and what to compare
+    (rank 0's 'listening on' line); it stops at init_timeout, as the pages say."""
+    (_, _, _, r), veths, _ = two_host_runs
+    assert r.returncode == 3, describe([r])
+    note = r.output.split("rank 1: no answer yet from the master at 10.213.0.9:", 1)
+    assert len(note) == 2, describe([r])   # printed before the 10 s init_timeout ended: the loop stops at it
+    said = note[1].split("ERROR", 1)[0]
+    assert f"(tried from 10.213.0.2 on {veths[1]})" in said and "No route to host" in said, said
+    assert "rank 0: listening on ADDRESS:PORT" in said and "init_timeout (10 s, at" in said, said
+    assert 10 <= checks(r)["seconds_to_error"] < 16
 
 
 @pytest.mark.slow

@@ -106,6 +106,33 @@ def test_wait_for_master_retries_until_init_timeout_then_explains():
     assert "has not started" in text and "--net=host" in text and "security group" in text
 
 
+def test_a_master_address_that_no_host_answers_is_named_at_the_first_try_with_what_to_compare(monkeypatch):
+    import errno
+
+    def unreachable(*_, **__):
+        time.sleep(0.05)
+        raise OSError(errno.EHOSTUNREACH, "No route to host")
+    monkeypatch.setattr(preflight.socket, "create_connection", unreachable)
+    said = []
+    settings = two_rank(rank=1, init_timeout=2, master_addr="10.0.0.9")
+    with pytest.raises(DistSetupError, match="No route to host"):
+        preflight.wait_for_master(settings, log=lambda line: said.append((time.monotonic(), line)),
+                                  local="10.0.0.2 on eth0")
+    first = said[0][1]
+    assert f"rank 1: no answer yet from the master at 10.0.0.9:{settings.master_port} (tried from 10.0.0.2 on eth0)" in first
+    assert "'No route to host': no machine answers at that address" in first
+    assert "rank 0 prints when it starts ('rank 0: listening on ADDRESS:PORT')" in first
+    assert "keeps trying until init_timeout (2 s, at " in first
+
+
+def test_a_master_not_started_yet_is_named_within_seconds_as_nothing_listening(monkeypatch):
+    monkeypatch.setattr(preflight, "FIRST_NOTE_S", 0.3)
+    said = []
+    with pytest.raises(DistSetupError):
+        preflight.wait_for_master(two_rank(rank=1, init_timeout=1.5), log=said.append)
+    assert len(said) == 1 and "'Connection refused': a machine has that address, but nothing listens" in said[0]
+
+
 def test_torchrun_env_init_skips_the_port_check(clean_env):
     with socket.socket() as s:  # the torchrun agent holds the port
         s.bind(("127.0.0.1", 0))

@@ -242,26 +242,57 @@ def _likely_causes(error: OSError | None) -> str:
             f"port.")
 
 
-def wait_for_master(settings, log=print) -> float:
+def _answer(error: OSError) -> str:
+    """What the network answered a connection to the master, in words a student can act on."""
+    said = error.strerror or str(error) or type(error).__name__
+    if isinstance(error, ConnectionRefusedError):
+        return (f"'{said}': a machine has that address, but nothing listens on the port yet (rank 0 has not "
+                f"run its setup yet, or the ports differ)")
+    if isinstance(error, (TimeoutError, socket.timeout)):
+        return (f"nothing ({said}): the packets are dropped, by a firewall or security group, or the address "
+                f"belongs to no machine")
+    return (f"'{said}': no machine answers at that address on this network (a wrong or public address, or the "
+            f"master node is down), or a firewall rejects the connection")
+
+
+FIRST_NOTE_S = 5.0   # a student learns what the network answered within seconds, not at init_timeout
+
+
+def wait_for_master(settings, log=print, local: str = "") -> float:
     """Ranks > 0: retry a TCP connection to the master until it answers or ``init_timeout`` passes.
 
-    Returns the seconds waited. Rank 0 may simply not be started yet, hence the retries.
+    Returns the seconds waited. Rank 0 may simply not be started yet, hence the retries. Within
+    ``FIRST_NOTE_S`` (or at the first answer that is not "refused") it says what it tried, what the
+    network answered and what to compare; ``local`` names this node's interface and address.
     """
     addr, port, rank = settings.master_addr, settings.master_port, settings.rank
     start = time.monotonic()
-    deadline, next_note, error = start + settings.init_timeout, start + 10, None
+    deadline, next_note, error, said = start + settings.init_timeout, start + FIRST_NOTE_S, None, False
+    ends_at = time.strftime("%H:%M:%S", time.localtime(time.time() + settings.init_timeout))
     while True:
         try:
-            wait = max(0.1, min(2.0, deadline - time.monotonic()))  # a dropped SYN never answers
+            # a dropped SYN never answers; an address nobody has answers "No route to host" after ~3 s (ARP)
+            wait = max(0.1, min(5.0, deadline - time.monotonic()))
             with socket.create_connection((addr, port), timeout=wait):
                 return time.monotonic() - start
         except OSError as e:
             error = e
         if time.monotonic() >= deadline:
             break
-        if time.monotonic() > next_note:  # a sign of life while waiting for a slow master
-            log(f"rank {rank}: still waiting for master {addr}:{port} ({error.strerror or error})")
-            next_note += 30
+        now = time.monotonic()
+        if now > next_note or (not said and not isinstance(error, ConnectionRefusedError)):
+            if not said:   # the full picture once: what was tried, the answer, what to compare, when it ends
+                said = True
+                tried = f" (tried from {local})" if local else ""
+                log(f"rank {rank}: no answer yet from the master at {addr}:{port}{tried}; the network"
+                    f" answered {_answer(error)}. Compare master_addr and master_port with the line "
+                    f"rank 0 prints when it starts ('rank 0: listening on ADDRESS:PORT'). This rank keeps trying "
+                    f"until init_timeout ({settings.init_timeout:g} s, at {ends_at}), then stops with what to do.")
+                next_note = now + 30
+            else:   # a sign of life while waiting for a slow master
+                log(f"rank {rank}: still waiting for master {addr}:{port} ({error.strerror or error}; "
+                    f"{now - start:.0f} s of init_timeout={settings.init_timeout:g} s)")
+                next_note += 30
         time.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
     raise DistSetupError(
         f"rank {rank} cannot reach the master at {addr}:{port}: TCP connections were tried for "
@@ -311,7 +342,8 @@ def preflight(settings, log=print) -> dict:
     report["interface"], report["local_ip"] = use_interface(settings, log)
     report["master"] = f"{settings.master_addr}:{settings.master_port}"
     if settings.rank > 0:
-        report["port_status"] = f"master answered after {wait_for_master(settings, log):.1f} s"
+        local = f"{report['local_ip']} on {report['interface']}"
+        report["port_status"] = f"master answered after {wait_for_master(settings, log, local):.1f} s"
     elif settings.init_method == "env":  # torchrun's agent already listens on the port
         report["port_status"] = "held by the torchrun agent (env://)"
     else:

@@ -35,6 +35,9 @@ def open_store(settings, log) -> dist.PrefixStore:
             if settings.rank == 0:
                 store = _master_store(settings, left, log)
                 generation = store.add(GENERATION, 1)  # counts up, also across reused stores
+                # the line to compare with when another node cannot reach this one
+                log(f"rank 0: listening on {settings.master_addr}:{settings.master_port} (every node's "
+                    f"master_addr and master_port must be these)")
                 return dist.PrefixStore(f"ddp_utils/{generation}", store)
             store = dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size,
                                   is_master=False, timeout=left, wait_for_workers=False)
