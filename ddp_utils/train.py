@@ -82,6 +82,7 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
     dtype = amp_dtype(settings, ctx.device)
     epoch_meter, window = Meter(ctx.device), Meter(ctx.device)
     data_s = step_s = 0.0
+    first_step_s = None   # from the epoch's start to its first step's end: loader start-up, first batch, first step
     step = start_step
     # Every rank shows its own bar (its steps, its data wait) and the same global lines; rank 0 also writes them.
     progress = Progress(settings.progress, len(data.train), f"epoch {epoch + 1}/{settings.epochs}",
@@ -132,6 +133,8 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
             if heartbeat is not None:
                 heartbeat.step()
             t_end = time.perf_counter()
+            if first_step_s is None:
+                first_step_s = t_end - t_epoch
         if local_sgd is not None:
             t_sync = time.perf_counter()
             local_sgd.end_of_epoch()   # one model on every rank again: for the evaluation and the checkpoint
@@ -155,7 +158,7 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
     means["wall_mean_s"] = means.pop("wall_s")
     stats.update(means, per_rank=per_rank, epoch=epoch, step=step, steps=step - start_step, wall_s=wall,
                  lr=scheduler.get_last_lr()[0], images_per_s_rank=rank_ips,
-                 images_per_s=stats["count"] / max(wall, 1e-9))
+                 images_per_s=stats["count"] / max(wall, 1e-9), first_step_s=first_step_s)
     return stats
 
 
@@ -238,6 +241,10 @@ def fit(job) -> dict:
     ``distributed.PeerLost`` with a paragraph that says what was saved and how to resume.
     """
     heartbeat = Heartbeat(job.ctx, log=print)   # the watch over the other ranks (robust/heartbeat.py)
+    # DDP: the other notebook's Train cell may start minutes later: wait for it (up to init_timeout) before the
+    # watch starts, so that a rank that has not started yet is never counted as one that stopped answering
+    _wait_for_the_others("training (the Train cell)", job)
+    started = time.perf_counter()   # start-up from here: the gradient communication's choice, loaders, first step
     try:
         with heartbeat, GpuMonitor(devices_used(job.parallel, job.ctx)) as gpu:   # dp: every GPU it drives
             if job.communication is None:   # DDP: how the gradients travel (all_reduce, or compressed), timed
@@ -248,7 +255,8 @@ def fit(job) -> dict:
             return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,
                         comm.timer, comm.probe, gpu, {"parallel": job.parallel, "comm": comm.choice,
                                                       "comm_reason": comm.reason,
-                                                      "resumed_from": job.resume if job.state is not None else None})
+                                                      "resumed_from": job.resume if job.state is not None else None},
+                        started)
     except Exception as exc:
         if job.ctx.distributed and heartbeat.verdict:   # the watch ended the group: whatever broke next, this is why
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)
@@ -265,8 +273,13 @@ def fit(job) -> dict:
         raise
 
 
+def _wait_for_the_others(what: str, job) -> None:
+    """Every rank reaches the cell before its first collective (``with job:`` tells the others of an error)."""
+    distributed.wait_for_all(f"start {what}", job.ctx, job.settings.init_timeout, job.log)
+
+
 def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm=None, probe=None,
-         gpu=None, meta=None) -> dict:
+         gpu=None, meta=None, started=None) -> dict:
     optimizer = build_optimizer(model, settings)
     per_epoch = optimizer_steps(len(data.train), settings.accumulate)
     scheduler = build_scheduler(optimizer, settings, per_epoch)
@@ -330,7 +343,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
                               {"choice": (meta or {}).get("comm", "none"),
                                "powersgd": memory.state_dict(ctx) if memory is not None else None})   # a collective
         # DDP: rank 0 may write for a while; the others wait for it here, not in a collective that times out
-        distributed.wait_for_all(f"saving epoch {epoch + 1}", ctx, settings.init_timeout, logger.info)
+        distributed.wait_for_all(f"finish saving epoch {epoch + 1}", ctx, settings.init_timeout, logger.info)
         logger.info(epoch_line(settings, train, val, epoch))
         stop_reason = early_stop(history, settings.patience, ctx)
         if stop_reason and epoch + 1 < settings.epochs:
@@ -352,12 +365,21 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
              # localsgd: waited after the evaluation for the momentum's average (not in the time split)
              "localsgd_wait_s": local_sgd.waited_s if local_sgd is not None else None}
     extra.update(run_cost(settings, ctx, wall, trained_now))
+    # Start-up, which wall_time_s (from the first epoch's start) leaves out: joining, and from the Train cell's
+    # start to its first step's end. This rank's figures (results are rank 0's).
+    first = history[-trained_now]["train"].get("first_step_s") if trained_now else None
+    extra.update(join_s=ctx.join_s, startup_s=(t0 - started + first) if started is not None and first is not None
+                 else None)
     # DDP: rank 0's run folder, named in every rank's results (the worker notebook's table shows it)
     extra["run_dir"] = distributed.broadcast_object(str(logger.run_dir) if ctx.is_main else None, ctx)
     results = summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=trained_now, extra=extra)
     for row, mine in zip(results["per_rank"], gpu_ranks):   # one row per rank: its time split and its GPU use
         row.update({key: mine.get(key) for key in ("gpu_util", "gpu_util_peak", "gpu_mem_peak_mb")})
     results = distributed.broadcast_object(results, ctx)   # DDP: rank 0's timings on every rank: one table
+    if results["startup_s"] is not None:
+        logger.info(f"start-up: {results['startup_s']:.1f} s from the start of training to the end of its first "
+                    f"step (choosing how gradients travel, loaders, first batch), besides {results['join_s']:.1f} s "
+                    f"to join the process group; wall_time_s starts after it")
     if results["cost"] is not None:
         logger.info(describe_cost(results))
     if probe and results["measured_step_s"]:
@@ -401,10 +423,20 @@ def run_cost(settings, ctx, wall_s: float, epochs: int) -> dict:
             "price_per_hour": settings.price_per_hour}
 
 
+def money(amount: float) -> str:
+    """An amount with three significant digits, at least two decimals: 0.00123, 0.0456, 0.526, 12.35."""
+    if amount <= 0 or amount >= 1:
+        return f"{amount:.2f}"
+    return f"{amount:.{max(2, 2 - math.floor(math.log10(amount)))}f}"
+
+
 def describe_cost(results: dict) -> str:
-    per_epoch = f", {results['cost_per_epoch']:.3f} per epoch" if results["cost_per_epoch"] is not None else ""
-    return (f"cost: {results['cost']:.3f} for this run ({results['wall_time_s'] / 3600:.3f} h x {results['nodes']} "
-            f"node(s) x {results['price_per_hour']:g} per node-hour){per_epoch}")
+    per_epoch = f", {money(results['cost_per_epoch'])} per epoch" if results["cost_per_epoch"] is not None else ""
+    shared = (f"; its {results['world_size']} ranks shared {results['nodes']} machine(s): a rehearsal, priced as "
+              f"what it used, where the GPU nodes would pay for {results['world_size']}"
+              if results["nodes"] < results["world_size"] else "")
+    return (f"cost: {money(results['cost'])} for this run ({results['wall_time_s'] / 3600:.4f} h x {results['nodes']} "
+            f"node(s) x {results['price_per_hour']:g} per node-hour){per_epoch}{shared}")
 
 
 def epoch_line(settings, train: dict, val: dict, epoch: int) -> str:
@@ -465,13 +497,14 @@ def kept_checkpoint(run_dir, ctx) -> str:
     try:
         epoch = checkpoint.load_checkpoint(last)["epoch"] + 1
     except Exception:   # noqa: BLE001 - only for the message
-        return f"{last} is kept as it was"
-    return f"{last} holds epoch {epoch}"
+        return f"the checkpoint {last} is kept as it was"
+    return f"the checkpoint {last} holds epoch {epoch}"   # a sentence may start with it: never capitalise a path
 
 
 def evaluate_only(job) -> dict:
     """Evaluate the weights of ``job.state`` (rank 0's checkpoint, sent to all ranks)."""
     settings, ctx, data, model, logger, resume = job.settings, job.ctx, job.data, job.model, job.logger, job.resume
+    _wait_for_the_others("evaluating", job)
     unwrap(model).load_state_dict(job.state["model"])
     val = evaluate(model, data.val, settings, ctx)
     logger.info(f"evaluated {resume} on {val['count']} images: loss {val['loss']:.4f} "

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.pages import kit_pages
 from tests.procs import REPO, base_env, describe, free_port, python, run_all, stop
@@ -42,6 +43,48 @@ def test_check_reports_a_missing_data_folder(tmp_path):
     [res] = run_all([python("-m", "ddp_utils", "check", "--dataset", "cinic10", "--data-dir",
                             str(tmp_path / "nope"))], timeout=60)
     assert res.returncode == 1 and str(tmp_path / "nope") in res.output, res.output
+
+
+def _check_one_node(monkeypatch, shm_bytes, cuda=False, **settings):
+    from ddp_utils.settings import Settings
+    from ddp_utils.tools import check
+    real = check.hardware_report
+    monkeypatch.setattr(check, "hardware_report", lambda: {**real(), "cuda": cuda, "shm_bytes": shm_bytes})
+    lines = []
+    ok = check.run_check(Settings(dataset="fake", **settings), log=lines.append)
+    return ok, "\n".join(lines)
+
+
+def test_check_in_nvidia_s_container_without_a_gpu_is_not_ready(monkeypatch):
+    """docker run without --gpus: training would run on the CPU for hours; the homework expects a GPU."""
+    monkeypatch.setenv("NVIDIA_PYTORCH_VERSION", "25.01")
+    ok, text = _check_one_node(monkeypatch, 16 << 30)
+    assert not ok and "NOT READY (hardware): this is NVIDIA's PyTorch container 25.01, but it sees no GPU" in text
+    assert "--gpus all" in text and text.endswith("NOT READY")
+    ok, text = _check_one_node(monkeypatch, 16 << 30, backend="gloo")   # a CPU rehearsal, said on purpose
+    assert ok and text.endswith("READY"), text
+    monkeypatch.delenv("NVIDIA_PYTORCH_VERSION")
+    ok, text = _check_one_node(monkeypatch, 16 << 30)   # a laptop: no container, no GPU expected
+    assert ok and text.endswith("READY"), text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_check_in_nvidia_s_container_with_its_gpu_is_ready(monkeypatch):
+    from ddp_utils.settings import Settings
+    from ddp_utils.tools.check import run_check
+    monkeypatch.setenv("NVIDIA_PYTORCH_VERSION", "25.01")
+    lines = []
+    run_check(Settings(dataset="fake", workers=0), log=lines.append)
+    assert not [line for line in lines if "NOT READY (hardware)" in line], lines
+
+
+def test_check_with_a_small_dev_shm_and_loader_workers_is_not_ready(monkeypatch):
+    ok, text = _check_one_node(monkeypatch, 64 << 20, workers=2, loader="workers")
+    assert not ok and "NOT READY (hardware): /dev/shm is only 64 MiB, and the 2 DataLoader worker(s)" in text
+    assert "--ipc=host" in text and "--workers 0" in text
+    ok, text = _check_one_node(monkeypatch, 64 << 20, workers=0)   # no workers: /dev/shm is not used
+    assert ok, text
 
 
 @pytest.mark.slow

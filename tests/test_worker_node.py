@@ -14,6 +14,7 @@ import torch
 from ddp_utils.robust import autoresume
 from ddp_utils.tools import report
 from ddp_utils.settings import Settings
+from ddp_utils.train import money
 from tests.procs import REPO, base_env, describe, free_port, stop
 from tests.test_training import run_ranks, train_cmd, weights
 
@@ -134,9 +135,17 @@ def test_resume_auto_finds_the_newest_unfinished_run_with_the_same_settings(tmp_
 
 
 # -- cost ------------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_a_price_per_node_hour_turns_wall_time_into_the_cost_of_the_run_and_of_each_epoch(tmp_path):
+@pytest.fixture(scope="module")
+def priced(tmp_path_factory):
+    """A two-rank run on this machine (a rehearsal) with a price per node-hour."""
+    tmp_path = tmp_path_factory.mktemp("priced")
     run_ranks(tmp_path, "priced", 2, "--epochs", "2", "--max-steps-per-epoch", "2", "--price-per-hour", "3.6")
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_a_price_per_node_hour_turns_wall_time_into_the_cost_of_the_run_and_of_each_epoch(priced):
+    tmp_path = priced
     run_ranks(tmp_path, "free", 1, "--epochs", "2", "--max-steps-per-epoch", "2")
     priced = json.loads((tmp_path / "priced" / "results.json").read_text())
     assert priced["nodes"] == 1   # two ranks on one machine: one machine to pay for
@@ -145,7 +154,25 @@ def test_a_price_per_node_hour_turns_wall_time_into_the_cost_of_the_run_and_of_e
     assert json.loads((tmp_path / "free" / "results.json").read_text())["cost"] is None   # nothing assumed
     table = report.results_table([tmp_path / "priced", tmp_path / "free"])
     assert "cost (per epoch)" in table.splitlines()[0]
-    assert f"{priced['cost']:.3f} ({priced['cost_per_epoch']:.3f})" in table and "| n/a |" in table
+    assert f"{money(priced['cost'])} ({money(priced['cost_per_epoch'])})" in table and "| n/a |" in table
+    log = (tmp_path / "priced" / "log.txt").read_text()
+    assert "its 2 ranks shared 1 machine(s): a rehearsal, priced as what it used" in log
+
+
+def test_costs_keep_three_significant_digits_so_a_short_run_is_not_0_000():
+    assert [money(x) for x in (0.000123, 0.0456, 0.526, 12.345, 0.0)] == ["0.000123", "0.0456", "0.526", "12.35",
+                                                                          "0.00"]
+
+
+@pytest.mark.slow
+def test_results_hold_the_start_up_that_wall_time_leaves_out(priced):
+    """Homework question 1 asks where the time besides training went: joining and the start of training are figures."""
+    results = json.loads((priced / "priced" / "results.json").read_text())
+    assert 0 < results["join_s"] < 60 and 0 < results["startup_s"] < 60, results
+    first = results["history"][0]["train"]["first_step_s"]
+    assert 0 < first <= results["startup_s"]
+    assert re.search(r"start-up: [\d.]+ s from the start of training to the end of its first step .* besides "
+                     r"[\d.]+ s to join the process group", (priced / "priced" / "log.txt").read_text())
 
 
 @pytest.mark.slow

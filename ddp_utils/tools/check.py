@@ -6,6 +6,7 @@ run proves the address, the port and the firewall before any training starts.
 """
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -14,7 +15,8 @@ from ..datasets import DataError, check_data
 from ..progress import interactive
 from ..distributed import DistSetupError
 from ..robust import compat
-from ..robust.preflight import preflight
+from ..data import loader_for
+from ..robust.preflight import SMALL_SHM, hardware_report, preflight
 
 HELLO = b"ddp_utils-check rank="
 
@@ -37,6 +39,9 @@ def run_check(settings, log=print, verify_images: bool = False) -> bool:
                 f"{report['port_status']}")
     except DistSetupError as exc:
         log(f"NOT READY (network): {exc}")
+        ok = False
+    for problem in hardware_problems(settings, hardware_report()):
+        log(f"NOT READY (hardware): {problem}")
         ok = False
     try:
         summary = check_data(settings)
@@ -61,6 +66,24 @@ def run_check(settings, log=print, verify_images: bool = False) -> bool:
         ok = _meet_workers(settings, log) if settings.rank == 0 else _greet_master(settings, log)
     log("READY" if ok else "NOT READY")
     return ok
+
+
+def hardware_problems(settings, report: dict) -> list[str]:
+    """What on this node would make the run other than the homework's: a GPU container without its GPU
+    (training would quietly run on the CPU, hours per epoch), /dev/shm too small for the loader's workers."""
+    problems = []
+    ngc = os.environ.get("NVIDIA_PYTORCH_VERSION")   # set in NVIDIA's PyTorch containers (and ours, built on one)
+    if ngc and not report["cuda"] and settings.backend != "gloo":
+        problems.append(f"this is NVIDIA's PyTorch container {ngc}, but it sees no GPU (torch.cuda.is_available() "
+                        f"is False), so training would run on the CPU. Start the container with --gpus all "
+                        f"(docker/run.sh does) and check `nvidia-smi` on the node; to rehearse on a CPU on purpose, "
+                        f"pass --backend gloo.")
+    shm = report["shm_bytes"]
+    if shm is not None and shm < SMALL_SHM and settings.workers > 0 and loader_for(settings) == "workers":
+        problems.append(f"/dev/shm is only {shm >> 20} MiB, and the {settings.workers} DataLoader worker(s) per process "
+                        f"pass every batch through it: they die with 'Bus error' below {SMALL_SHM >> 30} GiB. Start "
+                        f"Docker with --ipc=host or --shm-size=2g (docker/run.sh passes --ipc=host), or use --workers 0.")
+    return problems
 
 
 def _meet_workers(settings, log) -> bool:

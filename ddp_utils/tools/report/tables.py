@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 
+from ...train import money
 from .runs import MODE_NAMES, _differing_settings, _gpus, _load_all, _ranks, _seed, group_runs, parallel_mode
 
 # -- the numbers ---------------------------------------------------------------------------------
@@ -95,11 +96,11 @@ def results_table(run_dirs, baseline=None) -> str:
 
 
 def format_cost(run: dict) -> str:
-    """``0.123 (0.015)``: the run's cost and its cost per epoch, or ``n/a`` without a price."""
+    """``0.123 (0.0154)``: the run's cost and its cost per epoch, or ``n/a`` without a price."""
     if run.get("cost") is None:
         return "n/a"
-    per_epoch = f" ({run['cost_per_epoch']:.3f})" if run.get("cost_per_epoch") is not None else ""
-    return f"{run['cost']:.3f}{per_epoch}"
+    per_epoch = f" ({money(run['cost_per_epoch'])})" if run.get("cost_per_epoch") is not None else ""
+    return f"{money(run['cost'])}{per_epoch}"
 
 
 def _table_notes(runs: list[dict], baseline) -> list[str]:
