@@ -1,0 +1,448 @@
+"""The kit's output that the pages quote, recorded from real runs and pasted by one command.
+
+Every ```text block of README.md, docs/*.md, lab/README.md and notebooks/lesson.md that shows what the
+kit prints sits between cog markers (HTML comments, so GitHub renders only the fence)::
+
+    <!-- [[[cog quote("demo-step0") ]]] -->
+    ```text
+    ...
+    ```
+    <!-- [[[end]]] -->
+
+and the figures the prose takes from the same run (speed-up, per-step ms, final Acc@1) are generated the
+same way. The lines come from ``docs/output/NAME.txt``, written by a real run of the command in RUNS.
+
+**After changing a line the kit prints**, re-record and re-paste (on an otherwise idle machine: the
+pages name it and quote its timings)::
+
+    python docs/quotes.py record            # all of RUNS (about 2 minutes on 2 cores); or: record check docker
+    python docs/quotes.py pages             # = cog -r -p "from docs.quotes import *" PAGES
+    python -m pytest tests/test_quotes.py   # pages in sync; the slow tier re-runs the commands
+
+``tests/test_quotes.py`` fails while a page and ``docs/output/`` disagree (fast tier), and while a
+command prints lines other than the recorded ones, digits, paths and ports aside (slow tier).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import shlex
+import string
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+OUTPUT = REPO / "docs" / "output"
+PAGES = ["README.md", "docs/commands.md", "docs/time-split.md", "lab/README.md", "notebooks/lesson.md"]
+
+
+# -- what is run -----------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One or more processes started together (``{tmp}`` a fresh folder, ``{port}`` a free port).
+
+    ``procs`` maps each recorded output's NAME to its argv; ``shown`` is the path/port the pages show
+    in place of each temporary one. ``cwd`` is relative to the repository; ``{tmp}`` allowed."""
+    procs: dict[str, list[str]]
+    cwd: str = "."
+    env: dict[str, str | None] = field(default_factory=dict)   # None: unset
+    shown: dict[str, str] = field(default_factory=dict)
+    stagger: float = 1.0        # seconds between starting the processes (rank 0 listens first)
+    timeout: float = 600
+    before: list[list[str]] = field(default_factory=list)   # run first, to completion, not recorded
+    drop: str = ""              # a regex: lines that are not the kit's (a library's warning), left out
+    action: Callable[[dict, str], None] | None = None   # done to the running processes (procs by NAME, tmp)
+    returncode: int = 0         # what every process must exit with
+    compare: Callable[[list[str]], list[str]] = lambda lines: lines   # the lines the slow tests compare
+
+
+WIDTH = 115     # the pages' prose lines
+PY = "python"   # replaced by sys.executable when run
+LAUNCH = ["--nproc-per-node", "2", "--master-port", "{port}", "--dataset", "fake", "--image-size", "32", "--workers", "0",
+          "--wandb", "disabled", "--batch-size", "8", "--max-steps-per-epoch", "2", "--no-link-probe", "--run-dir", "{tmp}/rs"]
+RUNS: dict[str, Run] = {
+    # step 0 of the walkthrough, README's table, the link probe of docs/time-split.md
+    "demo": Run({"demo": [PY, "-m", "ddp_utils", "demo", "--run-dir", "{tmp}/runs/demo"]},
+                shown={"{tmp}/": ""}),
+    # step 8: the report of the demo's two runs (run after "demo", in the same {tmp})
+    "report": Run({"report": [PY, "-m", "ddp_utils", "report", "{tmp}/runs/demo/*-ddp2", "{tmp}/runs/demo/*-single"]},
+                  cwd="{tmp}", shown={"{tmp}/": ""}),
+    # step 5: both ranks' checks on loopback
+    "check": Run({f"check-rank{r}": [PY, "-m", "ddp_utils", "check", "--master-addr", "127.0.0.1", "--master-port",
+                                     "{port}", "--world-size", "2", "--rank", str(r)] for r in (0, 1)},
+                 shown={"{port}": "29611"}, timeout=120),
+    # step 6: main.ipynb and worker.ipynb cell by cell on the demo data, as a student runs them
+    "notebooks": Run({f"notebook-{nb}": [PY, "-m", "tests.run_cells", f"notebooks/{nb}.ipynb",
+                                         '{"EPOCHS": 1, "MAX_STEPS": 3, "WORKERS": 0, "BACKEND": "gloo", '
+                                         '"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": {port}, "INIT_TIMEOUT": 120, '
+                                         '"WANDB_MODE": "disabled", "TENSORBOARD": false, "RUN_DIR": "{tmp}/runs/ddp"}',
+                                         "{}", "notebooks"] for nb in ("main", "worker")},
+                     env={"OMP_NUM_THREADS": None}, shown={"{tmp}/": "../", "{port}": "29677"},
+                     drop=r"MissingIDFieldWarning|^  _validate\(", stagger=3.0, timeout=300),
+    # question 9: a resume on one machine (a 1-epoch run first, then 2 epochs from its last.pt)
+    "resume": Run({"resume": [PY, "-m", "ddp_utils", "launch", *LAUNCH, "--epochs", "2", "--resume", "{tmp}/rs/last.pt"]},
+                  before=[[PY, "-m", "ddp_utils", "launch", *LAUNCH, "--epochs", "1"]],
+                  shown={"{tmp}/": "", "{port}": "29691"}, timeout=300),
+    # docs/commands.md: launch when the out-of-memory killer takes rank 1 (we kill -9 it once last.pt is written)
+    "launch-kill": Run({"launch-kill": [PY, "-m", "ddp_utils", "launch", *LAUNCH, "--epochs", "50"]},
+                       action=lambda procs, tmp: _kill_rank1(procs["launch-kill"], Path(tmp, "rs", "last.pt")),
+                       shown={"{tmp}/": "", "{port}": "29612"}, returncode=2, timeout=300,
+                       compare=lambda lines: _from(lines, "error: rank 1 failed")),   # rank 0's words vary
+    # step 3: the docker command
+    "docker": Run({"docker": ["docker/run.sh", "--print"]}, env={"DATA": "/tmp"},
+                  shown={str(REPO): "/home/ubuntu/ddp-kit"}, timeout=30),
+}
+
+def _from(lines: list[str], start: str) -> list[str]:
+    return lines[next(i for i, line in enumerate(lines) if line.startswith(start)):]
+
+
+def _kill_rank1(launcher: subprocess.Popen, checkpoint: Path) -> None:
+    """SIGKILL the launcher's rank 1 (a child we started) once the first checkpoint exists."""
+    deadline = time.monotonic() + 240
+    while not checkpoint.exists():
+        if time.monotonic() > deadline or launcher.poll() is not None:
+            raise RuntimeError(f"no {checkpoint} in time")
+        time.sleep(0.2)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher.pid and "--rank 1 " in cmd:
+            os.kill(int(stat.parent.name), 9)
+            return
+    raise RuntimeError("the launcher's rank 1 was not found")
+
+
+# Phrases the kit prints only sometimes, for the shape comparison of the slow tests (a recorded run and
+# a fresh one may differ in them without a printed line having changed).
+VARIABLE = [
+    (re.compile(r" \(\d+ ms for one rank alone: these ranks share a machine\)"), ""),   # linkprobe.describe
+    (re.compile(r"(?<=: )[\w-]+-bound(?=:)"), "BOUND"),                                # the report's bottleneck
+    (re.compile(r"ddp_utils-launch-[\w-]+"), "ddp_utils-launch-LOGS"),                 # launch's temporary log folder
+]
+
+
+def _expand(text: str, tmp: str, port: int) -> str:
+    return text.replace("{tmp}", tmp).replace("{port}", str(port))
+
+
+def execute(name: str, tmp: str) -> dict[str, str]:
+    """Run RUNS[name] for real in ``tmp``; every process's output, temporary paths shown as the pages do."""
+    import glob
+    import socket
+    run = RUNS[name]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "WANDB_API_KEY",
+                        "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    env.update(WANDB_SILENT="true", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.setdefault("OMP_NUM_THREADS", "1")   # as the tests run the kit
+    for k, v in run.env.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    cwd = REPO / _expand(run.cwd, tmp, port)
+    def argv_of(argv: list[str]) -> list[str]:
+        args = []
+        for a in argv:
+            a = sys.executable if a == PY else _expand(a, tmp, port)
+            args += sorted(glob.glob(a)) if "*" in a else [a]
+        return args
+
+    for argv in run.before:
+        first = subprocess.run(argv_of(argv), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, timeout=run.timeout)
+        if first.returncode != 0:
+            raise RuntimeError(f"{argv} exited {first.returncode}:\n{first.stdout}")
+    procs = {}
+    try:
+        for i, (proc, argv) in enumerate(run.procs.items()):
+            if i:
+                time.sleep(run.stagger)
+            args = argv_of(argv)
+            procs[proc] = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True, start_new_session=True)
+        deadline = time.monotonic() + run.timeout
+        if run.action:
+            run.action(procs, tmp)
+        outs = {proc: p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for proc, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    for proc, p in procs.items():
+        if p.returncode != run.returncode:
+            raise RuntimeError(f"{proc} exited {p.returncode}:\n{outs[proc]}")
+    return {proc: shown(run, out, tmp, port) for proc, out in outs.items()}
+
+
+def shown(run: Run, text: str, tmp: str, port: int) -> str:
+    for temporary, page in run.shown.items():
+        text = text.replace(_expand(temporary, tmp, port), page)
+    return "".join(line.rstrip() + "\n" for line in text.splitlines() if not (run.drop and re.search(run.drop, line)))
+
+
+def command(name: str) -> str:
+    """The command as the pages show it (temporary paths replaced)."""
+    run = RUNS[name]
+    lines = []
+    for argv in run.procs.values():
+        words = [a if a == PY else shown(run, _expand(a, "{tmp}", "{port}"), "{tmp}", "{port}").strip()
+                 for a in argv]
+        lines.append(" ".join(shlex.quote(w) if "*" not in w else w for w in words))
+    env = " ".join(f"{k}={v}" for k, v in run.env.items() if v is not None)
+    return " & ".join(f"{env} {line}".strip() for line in lines)
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import torch
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def record(names: list[str]) -> None:
+    """Run RUNS' commands for real and write docs/output/NAME.txt (the demo's runs feed the report)."""
+    OUTPUT.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ddp-quotes-") as tmp:
+        for name in RUNS if not names else names:
+            if name == "report" and not Path(tmp, "runs", "demo").is_dir():
+                execute("demo", tmp)   # the report needs the demo's runs
+            print(f"recording {name}: {command(name)}", flush=True)
+            for proc, out in execute(name, tmp).items():
+                head = (f"# {command(name)} | machine: {machine()} | "
+                        f"{datetime.datetime.now().strftime('%Y-%m-%d')}\n")
+                (OUTPUT / f"{proc}.txt").write_text(head + out, encoding="utf-8")
+
+
+def recorded(proc: str) -> tuple[str, list[str]]:
+    """(the header comment, the output's lines) of docs/output/PROC.txt."""
+    head, *lines = (OUTPUT / f"{proc}.txt").read_text(encoding="utf-8").splitlines()
+    return head, lines
+
+
+def shape(line: str) -> str:
+    """A line with what differs between runs masked: every run of digits, the phrases of VARIABLE."""
+    for pattern, repl in VARIABLE:
+        line = pattern.sub(repl, line)
+    return re.sub(r"\d+", "#", line)
+
+
+# -- how the pages show it ------------------------------------------------------------------------
+def shorten_epochs(lines: list[str]) -> list[str]:
+    """Keep epochs 1 to 3 and the last (each an `epoch` line and its indented lines); the others become `...`."""
+    out, skipping = [], False
+    for line in lines:
+        m = re.match(r"epoch (\d+)/(\d+):", line)
+        if m:
+            was, skipping = skipping, 3 < int(m.group(1)) < int(m.group(2))
+            if skipping and not was:
+                out.append("...")
+        elif not line.startswith("  "):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return out
+
+
+def table(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("|")]
+
+
+def link_probe(lines: list[str]) -> list[str]:
+    """The link probe's lines (the first and the indented ones after it)."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("link probe:"))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("  "))
+    return lines[start:end]
+
+
+# NAME -> (recorded output, how the page shortens it)
+QUOTES: dict[str, tuple[str, Callable[[list[str]], list[str]]]] = {
+    "demo": ("demo", shorten_epochs),
+    "demo-table": ("demo", table),
+    "link-probe": ("demo", link_probe),
+    "report": ("report", lambda lines: lines),
+    "check-rank0": ("check-rank0", lambda lines: lines),
+    "check-rank1": ("check-rank1", lambda lines: lines),
+    "docker": ("docker", lambda lines: lines),
+    "launch-kill": ("launch-kill", lambda lines: _from(lines, "error: rank 1 failed")),
+    "resume": ("resume", lambda lines: [line for line in lines if re.match(r"rank 0: joined|=== resumed|resumed from", line)]),
+}
+
+
+def lines_of(name: str) -> list[str]:
+    proc, view = QUOTES[name]
+    return view(recorded(proc)[1])
+
+
+def _out(text: str) -> None:
+    import cog  # only while cog runs
+    cog.outl(text)
+
+
+def quote(name: str, intro: str = "", indent: int = 0) -> None:
+    """Cog: the ```text block of QUOTES[name], after ``intro`` (a sentence; {where} names the machine);
+    ``indent``: in a list item."""
+    head = [textwrap.fill(intro.format(where=where(QUOTES[name][0])), WIDTH)] if intro else []
+    _out("\n".join((" " * indent + line).rstrip() for line in [*head, "```text", *lines_of(name), "```"]))
+
+
+def where(proc: str = "demo") -> str:
+    """The machine and date the recorded output comes from, from its header line."""
+    head, _ = recorded(proc)
+    m = re.search(r"machine: (.*?), (\d+) cores, torch (\S+) \| (\S+)", head)
+    return f"{m.group(2)}-core {m.group(1)} machine, torch {m.group(3)}, {m.group(4)}"
+
+
+def demo_figures() -> dict[str, str]:
+    """The figures the prose takes from the recorded demo: speed-up, probe, per-step ms, batch, Acc@1."""
+    lines = recorded("demo")[1]
+    text = "\n".join(lines)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table(lines)[2:]]
+    probe = " ".join(line.strip() for line in link_probe(lines))
+    compute = re.search(r"one step's compute (\d+) ms", probe).group(1)
+    alone = re.search(r"\((\d+) ms for one rank alone", probe)
+    batches = re.findall(r"global batch (\d+) = ", text)
+    lrs = re.findall(r"lr [\d.]+ x \d+/\d+ = ([\d.]+)", text)
+    return {"speedup": rows[0][-2], "predicted": re.search(r"about ([\d.]+x) one rank", probe).group(1),
+            "share": re.search(r"up to (\d+ %) of a step", probe).group(1), "compute": compute,
+            "alone": alone.group(1) if alone else "", "batch_ddp": batches[0], "batch_single": batches[1],
+            "lr_ddp_line": re.search(r"lr [\d.]+ x \d+/\d+ = [\d.]+", text).group(0), "lr_single": lrs[1],
+            "run_ddp": rows[0][0], "run_single": rows[1][0],
+            "acc_ddp": rows[0][7], "acc_single": rows[1][7], "wall_ddp": rows[0][4], "wall_single": rows[1][4]}
+
+
+def say(template: str, proc: str = "demo") -> None:
+    """Cog: ``template`` with {speedup}, {predicted}, ... of demo_figures() and {where} filled in."""
+    _out(textwrap.fill(template.format(where=where(proc), **demo_figures()), WIDTH))
+
+
+def step0() -> None:
+    """Cog: the lessons the walkthrough's step 0 draws from the recorded demo, with its figures."""
+    f = demo_figures()
+    lines = recorded("demo")[1]
+    data = re.search(r"time: data (\d+%)", "\n".join(lines)).group(1)
+    cores = re.search(r", (\d+) cores,", recorded("demo")[0]).group(1)
+    slower = (f"each slower than one alone ({f['compute']} ms against {f['alone']} ms a step)" if f["alone"] else
+              f"slower than one alone would be (the probe prints both step times when they differ by over 10 %)")
+    end = (f"both runs end at {f['acc_ddp']} %" if f["acc_ddp"] == f["acc_single"] else
+           f"the runs end at {f['acc_ddp']} % (DDP) and {f['acc_single']} % (single)")
+    speed, batch = f"""Two lessons are already in this output (recorded on a {where()}). **Speed:** this machine has {cores} CPU
+cores, and the demo gives every process one thread, so each rank had a core of its own, as each cloud node has its
+own GPU, and the single run stands for one node: {f['speedup']}, not 2x. The link probe predicted {f['predicted']}
+before training: the all-reduce is small here ({f['share']} of a step), but two processes computing at once on one
+machine are {slower}, and each rank also decodes its own PNGs (`time: data {data}`). Run it while something else
+loads the cores and DDP can even be slower than one process: DDP only helps when every rank gets its own device.""", f"""**Batch and learning rate:** both runs use the demo preset's recipe (lr 0.8 for a global batch of 256, half an
+epoch of warm-up). DDP's global batch is twice as big ({f['batch_ddp']} against {f['batch_single']}), so it took
+half as many optimizer steps per epoch, and the kit doubled its learning rate (`{f['lr_ddp_line']}` against
+`{f['lr_single']}`). The bigger steps can make its early epochs unstable (look at its validation loss in the
+first epochs: the BatchNorm running statistics lag behind the fast-moving weights), but it caught up: {end}.
+You will meet both questions again on ImageNet."""
+    _out("\n".join(textwrap.fill(" ".join(text.split()), WIDTH) for text in (speed, batch)))
+
+
+def cell_output(proc: str) -> dict[int, list[str]]:
+    """A notebook's recorded output by cell: tests/run_cells prints `CELL n: ok` after each cell's output."""
+    cells, current = {}, []
+    for line in recorded(proc)[1]:
+        m = re.fullmatch(r"CELL (\d+): ok", line)
+        if m:
+            cells[int(m.group(1))], current = current, []
+        else:
+            current.append(line)
+    return cells
+
+
+class _Cells(string.Formatter):
+    """``{m6_0}``: main.ipynb's cell 6, its first output line, in backticks; ``{w6_1}`` worker.ipynb's;
+    ``{m7_0:cut}`` only up to the first `: ` (then `...`)."""
+    def __init__(self):
+        self.out = {"m": cell_output("notebook-main"), "w": cell_output("notebook-worker")}
+
+    def get_value(self, key, args, kwargs):
+        nb, cell, line = re.fullmatch(r"([mw])(\d+)_(\d+)", key).groups()
+        return self.out[nb][int(cell)][int(line)].strip()
+
+    def format_field(self, value, spec):
+        if spec == "cut":
+            value = value[:value.index(": ") + 2] + "..."
+        return "`" + value.replace("|", "\\|") + "`"
+
+
+# Step 6 of the walkthrough: (cell, what it prints, what it means), from the recorded notebooks.
+CELLS = [
+    ("Settings", "{m2_0} then {m2_1}", "the global batch, the lr that will really be used and the rest of the recipe"),
+    ("1. Join the process group", "{m3_0}, {m3_1}, {m3_2}, {m3_3}",
+     "the interface the pre-flight chose, rank 0 listening, then both ranks are in and their settings agree"),
+    ("2. The data", "{m4_0}, {m4_1} then {m4_2}",
+     "each rank got its share of the cores and of the data (half the steps `single.ipynb` takes per epoch; "
+     "`MAX_STEPS = 3` cuts both to 3 here), and the ranks' data agree"),
+    ("3. The model", "{m5_0}, {m5_1}", "DDP copied rank 0's weights to rank 1"),
+    ("4. The run folder", "{m6_0}, {m6_1:cut}, then the layer table (rank 1: {w6_0}, {w6_1})",
+     "every rank looks for a run to continue; rank 0 writes the run folder, rank 1 writes nothing"),
+    ("5. Train", "{m7_0:cut} (how it would stop a hung collective on this torch), {m7_2:cut}, {m7_6}, a progress bar, "
+     "then the epoch's two lines, {m7_10} and {m7_11}, then {m7_13:cut} and {m7_14:cut} (rank 1: its own progress "
+     "bar and the same epoch lines)", "global metrics, throughput, time waiting for data; start-up; the step against "
+     "the link probe's prediction"),
+    ("Results", "{m8_0}, then a key a line: {m8_1}, {m8_2}, {m8_3}, {m8_4}, {m8_5}, {m8_6} ... "
+     "(rank 1 prints the same numbers)", "**the same accuracy and loss on both ranks**"),
+]
+
+
+def cells() -> None:
+    """Cog: step 6's table of what each cell of main.ipynb prints."""
+    fmt = _Cells()
+    intro = textwrap.fill(f"What each cell prints. Real output on a {where('notebook-main')} (both notebooks on the "
+                          "demo data, `EPOCHS = 1`, `MAX_STEPS = 3`, `WORKERS = 0`), rank 0 unless marked:", WIDTH)
+    rows = [intro, "", "| cell | rank 0 (main.ipynb) | what it means |", "| --- | --- | --- |"]
+    rows += [f"| {cell} | {fmt.format(printed)} | {meaning} |" for cell, printed, meaning in CELLS]
+    rows.append("| results table and curves, TensorBoard, teardown | the results table, the loss / Acc@1 curves, the "
+                "time split and a sentence on what bound the run (rank 1: the same table); TensorBoard (rank 0); "
+                "nothing | |")
+    _out("\n".join(rows))
+
+
+def pages(check: bool = False) -> int:
+    from cogapp import Cog
+    argv = ["cog", "--check" if check else "-r", "-p", "from docs.quotes import *", *PAGES]
+    if check:
+        argv.insert(2, "--diff")
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        return Cog().main(argv)
+    finally:
+        os.chdir(cwd)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    what, *rest = sys.argv[1:] or ["-h"]
+    if what == "record":
+        record(rest)
+    elif what == "pages":
+        sys.exit(pages())
+    elif what == "check":
+        sys.exit(pages(check=True))
+    else:
+        print(__doc__.split("\n\n**After")[0] + "\n\nusage: python docs/quotes.py record [NAME ...] | pages | check")

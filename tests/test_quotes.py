@@ -1,0 +1,120 @@
+"""The kit's output quoted on the pages is a recorded run's (docs/quotes.py, docs/output/), and still the kit's.
+
+Fast tier: every page is in sync with docs/output/ (`python docs/quotes.py pages` pastes it), every ```text
+block is either generated or marked, and an illustrative block (GPU nodes) quotes only lines the kit prints.
+Slow tier: the recorded commands, run again now, print the same lines in the same order (numbers, temporary
+paths and ports aside); after changing a printed line, `python docs/quotes.py record` and `pages`.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+
+import pytest
+
+from docs import quotes
+from tests.procs import REPO
+
+FENCE = re.compile(r"^( *)```text\n(.*?)^\1```$", re.M | re.S)
+REGION = re.compile(r"<!-- \[\[\[cog quote\(\"([\w-]+)\".*?\]\]\] -->\n(.*?)<!-- \[\[\[end\]\]\] -->", re.S)
+MARK = re.compile(r"<!-- (illustrative|not the kit's)[^>]* -->\n *$")
+
+
+# Lines only a GPU node prints (illustrative blocks may quote them; nothing here records them).
+GPU_ONLY = [
+    "backend nccl; GPUs: Tesla T4; NCCL 2.x.y; torch 2.6.0a0+ecf3bae40a.nv25.01",
+    "  rank 0's store: legacy TCPStore on a socket bound to master_addr only (the libuv one takes no such socket "
+    "before torch 2.8)",
+    "  a hung collective is stopped by the NCCL backend's abort() (torch 2.6 has no ProcessGroup.abort)",
+    "  the NCCL backend's abort() (torch 2.6 has no ProcessGroup.abort)",
+    "data imagenet at /data/imagenet: train 1281167 images / 1000 classes, val 50000 images / 1000 classes",
+    "rank 0: joined tcp://172.31.9.80:29500 as rank 0 of 2 (nccl, cuda:0) in 0.7 s",
+]
+
+
+def blocks() -> list[tuple[str, str | None, str | None, list[str]]]:
+    """(page, quote name, illustrative/not-the-kit's, lines) of every ```text block of the pages."""
+    found = []
+    for page in quotes.PAGES:
+        text = Path(REPO, page).read_text(encoding="utf-8")
+        regions = [(m.start(2), m.end(2), m.group(1)) for m in REGION.finditer(text)]
+        for m in FENCE.finditer(text):
+            name = next((n for start, end, n in regions if start <= m.start() < end), None)
+            mark = MARK.search(text, max(0, m.start() - 200), m.start())
+            lines = [line[len(m.group(1)):] for line in m.group(2).splitlines()]
+            found.append((page, name, mark and mark.group(1), lines))
+    return found
+
+
+def test_every_page_is_in_sync_with_the_recorded_output():
+    assert quotes.pages(check=True) == 0, "run: python docs/quotes.py pages (then commit docs/output and the pages)"
+
+
+def test_every_output_block_is_generated_or_marked_illustrative():
+    for page, name, mark, lines in blocks():
+        assert name or mark, f"{page}: a ```text block neither generated nor marked illustrative: {lines[:2]}"
+        assert name is None or name in quotes.QUOTES, (page, name)
+
+
+def test_every_recorded_output_names_its_command_and_machine_and_is_quoted():
+    quoted = {name for _, name, _, _ in blocks() if name}
+    for name, (proc, _) in quotes.QUOTES.items():
+        head, lines = quotes.recorded(proc)
+        assert head.startswith("# ") and "machine: " in head and " cores, torch " in head, head
+        assert lines, proc
+    every = {proc for run in quotes.RUNS.values() for proc in run.procs}
+    used = {quotes.QUOTES[name][0] for name in quoted}
+    if "[[[cog cells() ]]]" in Path(REPO, "lab", "README.md").read_text(encoding="utf-8"):
+        used |= {"notebook-main", "notebook-worker"}      # step 6's table of what each cell prints
+    assert used == every, f"recorded outputs no page quotes: {every - used}"
+
+
+# A GPU node's names for what the recorded runs call otherwise (the same line of the kit).
+NODE_NAMES = [(r"interface ens5\b", "interface lo"), (r"model resnet18\b", "model convnet"),
+              (r"precision torch.float16; device cuda:0", "precision fp32; device cpu")]
+
+
+def _pattern(line: str) -> re.Pattern:
+    """An illustrative line as a pattern over shapes: `...` and `..` stand for anything."""
+    for name, recorded in NODE_NAMES:
+        line = re.sub(name, recorded, line)
+    parts = re.split(r"\.\.\.?", quotes.shape(line))
+    return re.compile(".*".join(re.escape(p) for p in parts))
+
+
+def test_illustrative_blocks_quote_only_lines_the_kit_prints():
+    printed = {quotes.shape(line) for run in quotes.RUNS.values() for proc in run.procs
+               for line in quotes.recorded(proc)[1]}
+    unknown = [f"{page}: {line}" for page, _, mark, lines in blocks() if mark == "illustrative" for line in lines
+               if line not in GPU_ONLY and line != "..." and not any(_pattern(line).fullmatch(p) for p in printed)]
+    assert not unknown, "illustrative lines the kit prints nowhere in docs/output/ (nor GPU_ONLY):\n" + "\n".join(unknown)
+
+
+def test_shorten_keeps_epochs_one_to_three_and_the_last():
+    lines = [x for e in range(1, 9) for x in (f"epoch {e}/8: loss", f"  {e} img/s")] + ["GPU use: none"]
+    assert quotes.shorten_epochs(lines) == lines[:6] + ["..."] + lines[14:]
+
+
+# -- slow: the commands run again print the recorded lines ---------------------------------------------
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory) -> dict[str, str]:
+    """One run of every recorded command now (the demo once: the report reads its runs)."""
+    tmp = str(tmp_path_factory.mktemp("quotes"))
+    out = {}
+    for name in quotes.RUNS:
+        out.update(quotes.execute(name, tmp))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("run,proc", [(r, p) for r, run in quotes.RUNS.items() for p in run.procs])
+def test_the_recorded_command_still_prints_the_recorded_lines(run, proc, fresh):
+    head, lines = quotes.recorded(proc)
+    compare = quotes.RUNS[run].compare
+    want = [quotes.shape(line) for line in compare(lines)]
+    got = [quotes.shape(line) for line in compare(fresh[proc].splitlines())]
+    assert got == want, (f"`{head[2:]}` now prints other lines than docs/output/{proc}.txt; if that is intended: "
+                         "python docs/quotes.py record && python docs/quotes.py pages\n"
+                         + "\n".join(difflib.unified_diff(want, got, "recorded", "now", lineterm="")))
