@@ -267,11 +267,16 @@ def table(lines: list[str]) -> list[str]:
     return [line for line in lines if line.startswith("|")]
 
 
+def _block(lines: list[str], start: str) -> list[str]:
+    """The first line starting with ``start`` and the indented lines after it."""
+    first = next(i for i, line in enumerate(lines) if line.startswith(start))
+    end = next((i for i in range(first + 1, len(lines)) if not lines[i].startswith("  ")), len(lines))
+    return lines[first:end]
+
+
 def link_probe(lines: list[str]) -> list[str]:
-    """The link probe's lines (the first and the indented ones after it)."""
-    start = next(i for i, line in enumerate(lines) if line.startswith("link probe:"))
-    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("  "))
-    return lines[start:end]
+    """The link probe's lines."""
+    return _block(lines, "link probe:")
 
 
 # NAME -> (recorded output, how the page shortens it)
@@ -279,6 +284,7 @@ QUOTES: dict[str, tuple[str, Callable[[list[str]], list[str]]]] = {
     "demo": ("demo", shorten_epochs),
     "demo-table": ("demo", table),
     "link-probe": ("demo", link_probe),
+    "per-step": ("demo", lambda lines: _block(lines, "per step:")),
     "report": ("report", lambda lines: lines),
     "check-rank0": ("check-rank0", lambda lines: lines),
     "check-rank1": ("check-rank1", lambda lines: lines),
@@ -301,7 +307,8 @@ def _out(text: str) -> None:
 def quote(name: str, intro: str = "", indent: int = 0) -> None:
     """Cog: the ```text block of QUOTES[name], after ``intro`` (a sentence; {where} names the machine);
     ``indent``: in a list item."""
-    head = [textwrap.fill(intro.format(where=where(QUOTES[name][0])), WIDTH)] if intro else []
+    head = [textwrap.fill(intro.format(where=where(QUOTES[name][0]), **demo_figures()), WIDTH,
+                          break_on_hyphens=False)] if intro else []
     _out("\n".join((" " * indent + line).rstrip() for line in [*head, "```text", *lines_of(name), "```"]))
 
 
@@ -373,7 +380,7 @@ def cell_output(proc: str) -> dict[int, list[str]]:
 
 class _Cells(string.Formatter):
     """``{m6_0}``: main.ipynb's cell 6, its first output line, in backticks; ``{w6_1}`` worker.ipynb's;
-    ``{m7_0:cut}`` only up to the first `: ` (then `...`)."""
+    ``{m7_0:cut}`` only up to the first `: ` (then `...`), ``{m7_0:cut2}`` up to the second."""
     def __init__(self):
         self.out = {"m": cell_output("notebook-main"), "w": cell_output("notebook-worker")}
 
@@ -382,8 +389,11 @@ class _Cells(string.Formatter):
         return self.out[nb][int(cell)][int(line)].strip()
 
     def format_field(self, value, spec):
-        if spec == "cut":
-            value = value[:value.index(": ") + 2] + "..."
+        if spec.startswith("cut"):   # cut, cut2: keep up to the first (second) ": "
+            end = -1
+            for _ in range(int(spec[3:] or 1)):
+                end = value.index(": ", end + 1)
+            value = value[:end + 2] + "..."
         return "`" + value.replace("|", "\\|") + "`"
 
 
@@ -398,7 +408,7 @@ CELLS = [
     ("3. The model", "{m5_0}, {m5_1}", "DDP copied rank 0's weights to rank 1"),
     ("4. The run folder", "{m6_0}, {m6_1:cut}, then the layer table (rank 1: {w6_0}, {w6_1})",
      "every rank looks for a run to continue; rank 0 writes the run folder, rank 1 writes nothing"),
-    ("5. Train", "{m7_0:cut} (how it would stop a hung collective on this torch), {m7_2:cut}, {m7_6}, a progress bar, "
+    ("5. Train", "{m7_0:cut2} (how it would stop a hung collective on this torch), {m7_2:cut}, {m7_6}, a progress bar, "
      "then the epoch's two lines, {m7_10} and {m7_11}, then {m7_13:cut} and {m7_14:cut} (rank 1: its own progress "
      "bar and the same epoch lines)", "global metrics, throughput, time waiting for data; start-up; the step against "
      "the link probe's prediction"),
