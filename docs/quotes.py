@@ -16,8 +16,15 @@ same way. The lines come from ``docs/output/NAME.txt``, written by a real run of
 pages name it and quote its timings)::
 
     python docs/quotes.py record            # all of RUNS (about 2 minutes on 2 cores); or: record check docker
-    python docs/quotes.py pages             # = cog -r -p "from docs.quotes import *" PAGES
+    python docs/quotes.py pages             # = cog -I . -r -p "from docs.quotes import *" README.md docs/*.md
+                                            #         lab/README.md notebooks/lesson.md
+    python docs/quotes.py check             # only says whether a page is out of date (cog --check)
     python -m pytest tests/test_quotes.py   # pages in sync; the slow tier re-runs the commands
+
+A new quoted block: add its command to RUNS (or a view of a recorded one to QUOTES), record it, put the
+markers in the page, run ``pages``. A block this machine cannot produce (a GPU node's) stays hand-written
+after an ``<!-- illustrative: ... -->`` comment; the fast tests then require each of its lines to have the
+shape of a line in docs/output/ or be listed in tests/test_quotes.py's GPU_ONLY.
 
 ``tests/test_quotes.py`` fails while a page and ``docs/output/`` disagree (fast tier), and while a
 command prints lines other than the recorded ones, digits, paths and ports aside (slow tier).
@@ -41,7 +48,8 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 OUTPUT = REPO / "docs" / "output"
-PAGES = ["README.md", "docs/commands.md", "docs/time-split.md", "lab/README.md", "notebooks/lesson.md"]
+PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")), "lab/README.md",
+         "notebooks/lesson.md"]
 
 
 # -- what is run -----------------------------------------------------------------------------------
@@ -67,7 +75,7 @@ class Run:
 WIDTH = 115     # the pages' prose lines
 PY = "python"   # replaced by sys.executable when run
 LAUNCH = ["--nproc-per-node", "2", "--master-port", "{port}", "--dataset", "fake", "--image-size", "32", "--workers", "0",
-          "--wandb", "disabled", "--batch-size", "8", "--max-steps-per-epoch", "2", "--no-link-probe", "--run-dir", "{tmp}/rs"]
+          "--wandb", "disabled", "--batch-size", "8", "--max-steps-per-epoch", "2", "--no-link-probe"]
 RUNS: dict[str, Run] = {
     # step 0 of the walkthrough, README's table, the link probe of docs/time-split.md
     "demo": Run({"demo": [PY, "-m", "ddp_utils", "demo", "--run-dir", "{tmp}/runs/demo"]},
@@ -88,12 +96,14 @@ RUNS: dict[str, Run] = {
                      env={"OMP_NUM_THREADS": None}, shown={"{tmp}/": "../", "{port}": "29677"},
                      drop=r"MissingIDFieldWarning|^  _validate\(", stagger=3.0, timeout=300),
     # question 9: a resume on one machine (a 1-epoch run first, then 2 epochs from its last.pt)
-    "resume": Run({"resume": [PY, "-m", "ddp_utils", "launch", *LAUNCH, "--epochs", "2", "--resume", "{tmp}/rs/last.pt"]},
-                  before=[[PY, "-m", "ddp_utils", "launch", *LAUNCH, "--epochs", "1"]],
+    "resume": Run({"resume": [PY, "-m", "ddp_utils", "launch", *LAUNCH, "--run-dir", "{tmp}/rs", "--epochs", "2",
+                              "--resume", "{tmp}/rs/last.pt"]},
+                  before=[[PY, "-m", "ddp_utils", "launch", *LAUNCH, "--run-dir", "{tmp}/rs", "--epochs", "1"]],
                   shown={"{tmp}/": "", "{port}": "29691"}, timeout=300),
     # docs/commands.md: launch when the out-of-memory killer takes rank 1 (we kill -9 it once last.pt is written)
-    "launch-kill": Run({"launch-kill": [PY, "-m", "ddp_utils", "launch", *LAUNCH, "--epochs", "50"]},
-                       action=lambda procs, tmp: _kill_rank1(procs["launch-kill"], Path(tmp, "rs", "last.pt")),
+    "launch-kill": Run({"launch-kill": [PY, "-m", "ddp_utils", "launch", *LAUNCH, "--run-dir", "{tmp}/oom",
+                                        "--epochs", "50"]},
+                       action=lambda procs, tmp: _kill_rank1(procs["launch-kill"], Path(tmp, "oom", "last.pt")),
                        shown={"{tmp}/": "", "{port}": "29612"}, returncode=2, timeout=300,
                        compare=lambda lines: _from(lines, "error: rank 1 failed")),   # rank 0's words vary
     # step 3: the docker command
@@ -216,12 +226,15 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     import torch
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, load {os.getloadavg()[0]:.1f}"
 
 
 def record(names: list[str]) -> None:
     """Run RUNS' commands for real and write docs/output/NAME.txt (the demo's runs feed the report)."""
     OUTPUT.mkdir(exist_ok=True)
+    if os.getloadavg()[0] > 0.5:
+        print(f"warning: this machine is busy (load {os.getloadavg()[0]:.1f}); the pages quote these timings, "
+              "and the demo's speed-up shows the load", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="ddp-quotes-") as tmp:
         for name in RUNS if not names else names:
             if name == "report" and not Path(tmp, "runs", "demo").is_dir():
@@ -315,8 +328,9 @@ def quote(name: str, intro: str = "", indent: int = 0) -> None:
 def where(proc: str = "demo") -> str:
     """The machine and date the recorded output comes from, from its header line."""
     head, _ = recorded(proc)
-    m = re.search(r"machine: (.*?), (\d+) cores, torch (\S+) \| (\S+)", head)
-    return f"{m.group(2)}-core {m.group(1)} machine, torch {m.group(3)}, {m.group(4)}"
+    m = re.search(r"machine: (.*?), (\d+) cores, torch (\S+?)(?:, load ([\d.]+))? \| (\S+)", head)
+    busy = f", load average {m.group(4)}" if m.group(4) else ""
+    return f"{m.group(2)}-core {m.group(1)} machine, torch {m.group(3)}{busy}, {m.group(5)}"
 
 
 def demo_figures() -> dict[str, str]:
@@ -349,7 +363,8 @@ def step0() -> None:
     data = re.search(r"time: data (\d+%)", "\n".join(lines)).group(1)
     cores = re.search(r", (\d+) cores,", recorded("demo")[0]).group(1)
     slower = (f"each slower than one alone ({f['compute']} ms against {f['alone']} ms a step)" if f["alone"] else
-              f"slower than one alone would be (the probe prints both step times when they differ by over 10 %)")
+              "often each slower than one alone (the probe prints both step times when they differ by over 10 %; "
+              "in this run they did not)")
     end = (f"both runs end at {f['acc_ddp']} %" if f["acc_ddp"] == f["acc_single"] else
            f"the runs end at {f['acc_ddp']} % (DDP) and {f['acc_single']} % (single)")
     speed, batch = f"""Two lessons are already in this output (recorded on a {where()}). **Speed:** this machine has {cores} CPU

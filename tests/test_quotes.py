@@ -59,10 +59,12 @@ def test_every_output_block_is_generated_or_marked_illustrative():
 
 def test_every_recorded_output_names_its_command_and_machine_and_is_quoted():
     quoted = {name for _, name, _, _ in blocks() if name}
-    for name, (proc, _) in quotes.QUOTES.items():
-        head, lines = quotes.recorded(proc)
-        assert head.startswith("# ") and "machine: " in head and " cores, torch " in head, head
-        assert lines, proc
+    for run, spec in quotes.RUNS.items():
+        for proc in spec.procs:
+            head, lines = quotes.recorded(proc)
+            assert head.startswith(f"# {quotes.command(run)} | machine: ") and " cores, torch " in head, \
+                f"docs/output/{proc}.txt is not a recording of RUNS[{run!r}]: python docs/quotes.py record {run}"
+            assert lines, proc
     every = {proc for run in quotes.RUNS.values() for proc in run.procs}
     used = {quotes.QUOTES[name][0] for name in quoted}
     if "[[[cog cells() ]]]" in Path(REPO, "lab", "README.md").read_text(encoding="utf-8"):
