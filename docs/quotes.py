@@ -99,13 +99,14 @@ RUNS: dict[str, Run] = {
     "resume": Run({"resume": [PY, "-m", "ddp_utils", "launch", *LAUNCH, "--run-dir", "{tmp}/rs", "--epochs", "2",
                               "--resume", "{tmp}/rs/last.pt"]},
                   before=[[PY, "-m", "ddp_utils", "launch", *LAUNCH, "--run-dir", "{tmp}/rs", "--epochs", "1"]],
-                  shown={"{tmp}/": "", "{port}": "29691"}, timeout=300),
+                  shown={"{tmp}/": "", "{tmp}": ".", "{port}": "29691"}, timeout=300),
     # docs/commands.md: launch when the out-of-memory killer takes rank 1 (we kill -9 it once last.pt is written)
     "launch-kill": Run({"launch-kill": [PY, "-m", "ddp_utils", "launch", *LAUNCH, "--run-dir", "{tmp}/oom",
                                         "--epochs", "50"]},
                        action=lambda procs, tmp: _kill_rank1(procs["launch-kill"], Path(tmp, "oom", "last.pt")),
                        shown={"{tmp}/": "", "{port}": "29612"}, returncode=2, timeout=300,
-                       compare=lambda lines: _from(lines, "error: rank 1 failed")),   # rank 0's words vary
+                       compare=lambda lines: _from(lines, "error: rank 1 failed")[:2]),
+    # (the rest depends on how far the ranks got when the kill came, and whether rank 0 stopped by itself)
     # step 3: the docker command
     "docker": Run({"docker": ["docker/run.sh", "--print"]}, env={"DATA": "/tmp"},
                   shown={str(REPO): "/home/ubuntu/ddp-kit"}, timeout=30),

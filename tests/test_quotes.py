@@ -122,5 +122,5 @@ def test_the_recorded_command_still_prints_the_recorded_lines(run, proc, fresh):
     want = [quotes.shape(line) for line in compare(lines)]
     got = [quotes.shape(line) for line in compare(fresh(run, proc).splitlines())]
     assert got == want, (f"`{head[2:]}` now prints other lines than docs/output/{proc}.txt; if that is intended: "
-                         "python docs/quotes.py record && python docs/quotes.py pages\n"
+                         f"python docs/quotes.py record {run} && python docs/quotes.py pages\n"
                          + "\n".join(difflib.unified_diff(want, got, "recorded", "now", lineterm="")))
