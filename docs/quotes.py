@@ -3,7 +3,7 @@
 Every ```text block of README.md, docs/*.md, lab/README.md and notebooks/lesson.md that shows what the
 kit prints sits between cog markers (HTML comments, so GitHub renders only the fence)::
 
-    <!-- [[[cog quote("demo-step0") ]]] -->
+    <!-- [[[cog quote("demo") ]]] -->
     ```text
     ...
     ```
@@ -15,7 +15,7 @@ same way. The lines come from ``docs/output/NAME.txt``, written by a real run of
 **After changing a line the kit prints**, re-record and re-paste (on an otherwise idle machine: the
 pages name it and quote its timings)::
 
-    python docs/quotes.py record            # all of RUNS (about 2 minutes on 2 cores); or: record check docker
+    python docs/quotes.py record            # all of RUNS (a few minutes on 2 cores); or: record check docker
     python docs/quotes.py pages             # = cog -I . -r -p "from docs.quotes import *" README.md docs/*.md
                                             #         lab/README.md notebooks/lesson.md
     python docs/quotes.py check             # only says whether a page is out of date (cog --check)
@@ -111,6 +111,7 @@ RUNS: dict[str, Run] = {
     "docker": Run({"docker": ["docker/run.sh", "--print"]}, env={"DATA": "/tmp"},
                   shown={str(REPO): "/home/ubuntu/ddp-kit"}, timeout=30),
 }
+
 
 def _from(lines: list[str], start: str) -> list[str]:
     return lines[next(i for i, line in enumerate(lines) if line.startswith(start)):]
@@ -330,7 +331,7 @@ def where(proc: str = "demo") -> str:
     """The machine and date the recorded output comes from, from its header line."""
     head, _ = recorded(proc)
     m = re.search(r"machine: (.*?), (\d+) cores, torch (\S+?)(?:, load ([\d.]+))? \| (\S+)", head)
-    busy = f", load average {m.group(4)}" if m.group(4) else ""
+    busy = f", load {m.group(4)}" if m.group(4) else ""
     return f"{m.group(2)}-core {m.group(1)} machine, torch {m.group(3)}{busy}, {m.group(5)}"
 
 
@@ -379,7 +380,9 @@ half as many optimizer steps per epoch, and the kit doubled its learning rate (`
 `{f['lr_single']}`). The bigger steps can make its early epochs unstable (look at its validation loss in the
 first epochs: the BatchNorm running statistics lag behind the fast-moving weights), but it caught up: {end}.
 You will meet both questions again on ImageNet."""
-    _out("\n".join(textwrap.fill(" ".join(text.split()), WIDTH) for text in (speed, batch)))
+    keep = f": {f['speedup']}, not 2x"   # one phrase, never broken across lines (tests/test_lab.py looks for it)
+    speed = " ".join(speed.split()).replace(keep, keep.replace(" ", "\ue000"))
+    _out("\n".join(textwrap.fill(" ".join(text.split()), WIDTH).replace("\ue000", " ") for text in (speed, batch)))
 
 
 def cell_output(proc: str) -> dict[int, list[str]]:
