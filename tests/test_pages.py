@@ -113,6 +113,7 @@ EXTERNAL = {
     "torchrun": (r"torchrun|torch\.distributed\.run", {"--nproc-per-node", "--nnodes", "--node-rank",
                                                          "--master-addr", "--master-port"}),
     "pytest": (r"\bpytest\b", {"--basetemp"}),
+    "papermill": (r"\bpapermill\b", {"--cwd"}),
     "nvidia-smi": (r"nvidia-smi", {"--query-gpu", "--format"}),
     "aws": (r"\baws ec2\b", {"--group-name", "--description", "--vpc-id", "--group-id", "--protocol", "--port",
                              "--cidr", "--source-group", "--strategy", "--image-id", "--instance-type", "--count",
