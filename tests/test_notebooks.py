@@ -412,16 +412,18 @@ def test_main_and_worker_train_across_two_hosts_given_only_master_addr(two_hosts
 @pytest.mark.slow
 def test_main_and_worker_run_cell_by_cell_with_pauses_and_both_finish(tmp_path):
     """Two notebooks stepped through cell by cell: main reads 20 s before its model cell, the worker 10 s before
-    its run cell and 60 s before its Train cell (longer than a collective may wait, 60 s, plus the watch's 15 s).
+    its run cell, 60 s before its Train cell (longer than a collective may wait, 60 s, plus the watch's 15 s) and
+    then 5 s and 15 s before its results and teardown cells, after main has left the process group.
     Every cell that needs the other rank waits for it; nothing counts the late rank as lost."""
     params = {**DDP, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port(), "DATA_DIR": str(tmp_path / "demo"),
               "RUN_DIR": str(tmp_path / "runs" / "ddp"), "EPOCHS": 2, "INIT_TIMEOUT": 300}   # the notebooks' default
-    pauses = {MAIN: {"prepare_model(": 20}, WORKER: {"open_run(": 10, "fit(job)": 60}}
+    pauses = {MAIN: {"prepare_model(": 20},   # then main runs on to its teardown cell while the worker still reads:
+              WORKER: {"open_run(": 10, "fit(job)": 60, "results_table(": 5, "teardown()": 15}}
     results = run_all([[sys.executable, "-m", "tests.run_cells", str(nb), json.dumps(params), json.dumps(pauses[nb]),
                         str(NOTEBOOKS)] for nb in (MAIN, WORKER)], timeout=TIME_BOUND + 90, env=base_env())
     assert_finished(results)
     out = [r.output for r in results]
-    assert "PAUSE 60 s" in out[1] and "PAUSE 20 s" in out[0]
+    assert "PAUSE 60 s" in out[1] and "PAUSE 20 s" in out[0] and "PAUSE 15 s" in out[1]
     assert "stopped answering" not in out[0] + out[1]
     lines = [re.findall(r"^epoch \d+/\d+: train loss.*$", o, re.M) for o in out]
     assert len(lines[0]) == 2 and lines[0] == lines[1]   # one run: the same global epoch lines on both ranks
