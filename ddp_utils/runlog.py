@@ -28,7 +28,10 @@ the curves line up with the course's)::
     Loss/val    acc1/val    acc5/val         the same on the validation split (global, all ranks)
     lr                                       learning rate of the optimiser's first group
     throughput/images_per_s                  global images per second (all ranks together)
+    throughput/images_per_s_rank             one rank's share of it
     time/data_s  time/compute_s              seconds per epoch spent waiting for data / computing
+    time/comm_s  time/idle_s                 ... waiting for the gradients' all-reduce / on the rest
+    gpu/util_mean  gpu/mem_peak_mb           on GPUs: utilisation (%) and peak memory (MB) per epoch
 
 Weights & Biases never prompts: ``auto`` runs online when a key is set up (``WANDB_API_KEY`` or
 ``wandb login``, which stores it in ~/.netrc), offline otherwise. The key is never written into the

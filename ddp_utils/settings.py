@@ -91,8 +91,8 @@ class Settings:
     threads: int = _f(0, "CPU threads per process; 0 = this machine's cores / the ranks on it, so that "
                          "ranks sharing a machine do not fight over its cores (OMP_NUM_THREADS wins if set)")
     seed: int = _f(0, "seed for weights, shuffling and augmentation; same on every rank")
-    price_per_hour: float = _f(0.0, "what one node costs per hour (any currency, e.g. 0.526 for an AWS g4dn.xlarge "
-                                    "in USD); results then give the cost of the run and of each epoch for all "
+    price_per_hour: float = _f(0.0, "what one node costs per hour (any currency, e.g. 0.752 for an AWS g4dn.2xlarge "
+                                    "in USD, on demand in us-east-1); results then give the cost of the run and of each epoch for all "
                                     "nodes together; 0 = not set, no cost")
     # -- output -------------------------------------------------------------------------------
     run_dir: str = _f("", "folder for logs, TensorBoard, checkpoints; empty = runs/<dataset>-<arch>-ws<N>-<time>")
@@ -100,7 +100,7 @@ class Settings:
                             "offline or disabled", choices=WANDB_MODES)
     wandb_project: str = _f("ddp-course", "W&B project name")
     log_every: int = _f(20, "steps between TensorBoard scalars on rank 0")
-    progress: str = _f("auto", "auto: a progress bar on a terminal or in Jupyter, one line per epoch when the "
+    progress: str = _f("auto", "auto: a progress bar on a terminal or in Jupyter, two lines per epoch when the "
                                "output is piped; steps: also a line every log_every steps; bar; off",
                        choices=PROGRESS_MODES)
     # -- distributed --------------------------------------------------------------------------

@@ -49,7 +49,7 @@ class Diverged(RuntimeError):
                 else kept or "rank 0's last.pt, if there is one, holds the last epoch with finite numbers")
         return (f"rank {rank}: training diverged at step {self.step}: {self.what} with lr {self.lr:.4g}. "
                 f"Nothing of this epoch was saved; {kept}. Try a smaller lr (a tenth), a longer warm-up "
-                f"(--warmup-epochs / WARMUP_EPOCHS), or amp=bf16 / off if fp16 overflowed; then start again "
+                f"(--warmup-epochs / WARMUP_EPOCHS), or bf16 / no AMP if fp16 overflowed (--amp bf16 / off; in a notebook amp= in the Settings cell); then start again "
                 f"(or resume from that checkpoint with the smaller lr).")
 
 

@@ -25,6 +25,9 @@ Environment (defaults in brackets):
   JUPYTER_TOKEN  JupyterLab login token                      [random, printed at start]
   SHM_SIZE       e.g. 8g: use --shm-size=SHM_SIZE instead of --ipc=host
   WANDB_API_KEY  passed through if set (never written to a file)
+  GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME
+                 passed through if set: the network interface the ranks use, when the kit's
+                 choice (the one that routes to the master) is wrong
 
 Examples:
   docker/run.sh --build                 # first time on a node
@@ -89,6 +92,7 @@ run_cmd=(
     -v "$KIT_DIR:/workspace/ddp-kit" # the host's kit: notebook edits and runs/ survive --rm
     -e "PORT=$PORT"
     -e JUPYTER_IP -e JUPYTER_TOKEN -e WANDB_API_KEY   # by name: values stay out of `ps` and history
+    -e GLOO_SOCKET_IFNAME -e NCCL_SOCKET_IFNAME       # an interface chosen by hand reaches the notebooks
     "$IMAGE"
     "$@"
 )

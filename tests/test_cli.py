@@ -141,8 +141,8 @@ def test_every_flag_the_readme_mentions_exists(tmp_path):
                                     env=base_env()).stdout for script in Path(REPO, "benchmarks").glob("*.py"))
     torchrun_flags = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--build"}
     for flag in sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", readme)) - torchrun_flags):
-        if flag in ("--net", "--ipc", "--gpus", "--shm-size", "--logdir", "--basetemp"):
-            continue   # docker / tensorboard / pytest flags
+        if flag in ("--net", "--ipc", "--gpus", "--shm-size", "--logdir", "--basetemp", "--cwd"):
+            continue   # docker / tensorboard / pytest / papermill flags
         assert flag in helps, f"README mentions {flag}, which no ddp_utils command or benchmark accepts"
 
 

@@ -248,6 +248,13 @@ def test_run_sh_shm_size_replaces_ipc_host(tmp_path):
     assert "--shm-size=8g" in words and "--ipc=host" not in words
 
 
+def test_run_sh_passes_an_interface_chosen_by_hand_on_to_the_notebooks_by_name(tmp_path):
+    """The pages tell students to override a wrongly chosen interface this way: the kernels must see it."""
+    words = shlex.split(run_script(RUN_SH, "--print", env={"DATA": str(tmp_path)}).stdout)
+    passed = [words[i + 1] for i, w in enumerate(words) if w == "-e"]
+    assert {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"} <= set(passed)   # docker passes them on only when set
+
+
 def test_run_sh_takes_image_port_and_command_from_its_caller(tmp_path):
     env = {"DATA": str(tmp_path), "IMAGE": "my/kit:1", "PORT": "8890"}
     words = shlex.split(run_script(RUN_SH, "--print", "--", "bash", "-l", env=env).stdout)

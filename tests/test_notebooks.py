@@ -242,18 +242,65 @@ def test_single_is_main_without_its_ddp_lines():
 
 
 # -- execution on one machine: main + worker on loopback, single beside them -------------------
+def headless_commands() -> dict[str, tuple[Path, Path, dict]]:
+    """The papermill commands docs/commands.md gives, by notebook name: (notebook, --cwd, its -p parameters)."""
+    import shlex
+
+    from papermill.cli import _resolve_type   # how papermill's CLI reads a -p value ("False" -> False)
+    page = (Path(REPO) / "docs" / "commands.md").read_text()
+    out = {}
+    for line in re.findall(r"^papermill .*$", page, re.M):
+        words = shlex.split(line)
+        cwd = Path(REPO) / words[words.index("--cwd") + 1]
+        params = {words[i + 1]: _resolve_type(words[i + 2]) for i, w in enumerate(words) if w == "-p"}
+        out[Path(words[1]).stem] = (Path(REPO) / words[1], cwd, params)
+    return out
+
+
 @pytest.fixture(scope="module")
 def on_loopback(tmp_path_factory):
-    """main, worker and single started together; the notebooks build the demo data themselves."""
+    """main, worker and single started together, as docs/commands.md's headless commands start them (their
+    notebook, --cwd and parameters) with small settings on top; the notebooks build the demo data themselves."""
     tmp = tmp_path_factory.mktemp("notebooks")
     data = str(tmp / "demo")  # absent: both ranks and single write it at once (prepare_demo is race-safe)
+    documented = headless_commands()
     ddp = {**DDP, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port(), "DATA_DIR": data,
            "RUN_DIR": str(tmp / "runs" / "ddp")}
     single = {**QUICK, "DATA_DIR": data, "RUN_DIR": str(tmp / "runs" / "single")}
     outs = {name: tmp / f"{name}.out.ipynb" for name in ("main", "worker", "single")}
-    results = run_all([papermill(MAIN, outs["main"], ddp), papermill(WORKER, outs["worker"], ddp),
-                       papermill(SINGLE, outs["single"], single)], timeout=TIME_BOUND, env=base_env())
+    commands = []
+    for name, ours in (("main", ddp), ("worker", ddp), ("single", single)):
+        notebook, cwd, params = documented[name]
+        params = {**params, **ours}   # the page's, with this machine's address and the small settings
+        commands.append([sys.executable, "-m", "tests.run_notebook", str(notebook), str(outs[name]),
+                         json.dumps(params), str(cwd)])
+    results = run_all(commands, timeout=TIME_BOUND, env=base_env())
     return tmp, outs, results
+
+
+def test_the_headless_commands_run_each_notebook_in_its_folder_without_tensorboard():
+    documented = headless_commands()
+    assert set(documented) == {"main", "worker", "single"}
+    for name, (notebook, cwd, params) in documented.items():
+        assert notebook == {"main": MAIN, "worker": WORKER, "single": SINGLE}[name] and cwd == NOTEBOOKS
+        assert params["TENSORBOARD"] is False and "RANK" not in params and "WORLD_SIZE" not in params
+    assert documented["main"][2] == documented["worker"][2]   # the same parameters on both nodes
+
+
+@pytest.mark.slow
+def test_papermill_s_own_command_line_runs_the_baseline_notebook_as_documented(tmp_path):
+    """The real `papermill` CLI with docs/commands.md's single.ipynb command (one kernel: no port race)."""
+    import shlex
+    line = re.search(r"^papermill notebooks/single.ipynb .*$", (Path(REPO) / "docs" / "commands.md").read_text(),
+                     re.M).group(0)
+    words = shlex.split(line)
+    words[2] = str(tmp_path / "single-out.ipynb")
+    quick = {**QUICK, "DATA_DIR": str(tmp_path / "demo"), "RUN_DIR": str(tmp_path / "runs" / "single")}
+    extra = [w for key, value in quick.items() for w in ("-p", key, str(value))]
+    [result] = run_all([[sys.executable, "-m", *words, *extra]], timeout=TIME_BOUND, env=base_env())
+    assert result.returncode == 0, describe([result])
+    assert "global results" in printed(tmp_path / "single-out.ipynb")
+    assert (tmp_path / "runs" / "single" / "results.json").exists()
 
 
 @pytest.mark.slow
@@ -365,16 +412,18 @@ def test_main_and_worker_train_across_two_hosts_given_only_master_addr(two_hosts
 @pytest.mark.slow
 def test_main_and_worker_run_cell_by_cell_with_pauses_and_both_finish(tmp_path):
     """Two notebooks stepped through cell by cell: main reads 20 s before its model cell, the worker 10 s before
-    its run cell and 60 s before its Train cell (longer than a collective may wait, 60 s, plus the watch's 15 s).
+    its run cell, 60 s before its Train cell (longer than a collective may wait, 60 s, plus the watch's 15 s) and
+    then 5 s and 15 s before its results and teardown cells, after main has left the process group.
     Every cell that needs the other rank waits for it; nothing counts the late rank as lost."""
     params = {**DDP, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port(), "DATA_DIR": str(tmp_path / "demo"),
               "RUN_DIR": str(tmp_path / "runs" / "ddp"), "EPOCHS": 2, "INIT_TIMEOUT": 300}   # the notebooks' default
-    pauses = {MAIN: {"prepare_model(": 20}, WORKER: {"open_run(": 10, "fit(job)": 60}}
+    pauses = {MAIN: {"prepare_model(": 20},   # then main runs on to its teardown cell while the worker still reads:
+              WORKER: {"open_run(": 10, "fit(job)": 60, "results_table(": 5, "teardown()": 15}}
     results = run_all([[sys.executable, "-m", "tests.run_cells", str(nb), json.dumps(params), json.dumps(pauses[nb]),
                         str(NOTEBOOKS)] for nb in (MAIN, WORKER)], timeout=TIME_BOUND + 90, env=base_env())
     assert_finished(results)
     out = [r.output for r in results]
-    assert "PAUSE 60 s" in out[1] and "PAUSE 20 s" in out[0]
+    assert "PAUSE 60 s" in out[1] and "PAUSE 20 s" in out[0] and "PAUSE 15 s" in out[1]
     assert "stopped answering" not in out[0] + out[1]
     lines = [re.findall(r"^epoch \d+/\d+: train loss.*$", o, re.M) for o in out]
     assert len(lines[0]) == 2 and lines[0] == lines[1]   # one run: the same global epoch lines on both ranks

@@ -1,4 +1,4 @@
-"""Every page of the kit against the code: links and anchors, --flags, parameter lists, prices.
+"""Every page of the kit against the code: links and anchors, --flags and their defaults, parameter lists, prices.
 
 The pages are the front-page README, docs/*.md, the walkthrough (lab/README.md), notebooks/lesson.md and
 the notebooks' markdown cells and parameter comments. Each test reads files only (no process, no training):
@@ -113,6 +113,7 @@ EXTERNAL = {
     "torchrun": (r"torchrun|torch\.distributed\.run", {"--nproc-per-node", "--nnodes", "--node-rank",
                                                          "--master-addr", "--master-port"}),
     "pytest": (r"\bpytest\b", {"--basetemp"}),
+    "papermill": (r"\bpapermill\b", {"--cwd"}),
     "nvidia-smi": (r"nvidia-smi", {"--query-gpu", "--format"}),
     "aws": (r"\baws ec2\b", {"--group-name", "--description", "--vpc-id", "--group-id", "--protocol", "--port",
                              "--cidr", "--source-group", "--strategy", "--image-id", "--instance-type", "--count",
@@ -331,3 +332,41 @@ def test_costs_quoted_at_a_price_per_node_hour_use_the_course_instances_price():
         assert walls and costs, row
         h = [int(a) + int(b) / 60 + int(c) / 3600 for a, b, c in (walls[0][:3], walls[0][3:])]
         assert [round(h[0] * 2 * float(at), 2), round(h[1] * 1 * float(at), 2)] == [float(c) for c in costs[0]], row
+
+
+# -- (5) the defaults a flag table quotes are the Settings' defaults -------------------------------------
+def quoted_defaults(text: str) -> list[tuple[str, str]]:
+    """(flag, quoted default) from the rows of a `| flag | default | meaning |` table: one default per flag
+    (``--rank``, ``--world-size`` | ``0, 1``); rows whose default is a word (recipe, -) are not literals."""
+    out = []
+    tables = re.findall(r"^\| flag \| default \|.*\n((?:\|.*\n?)+)", text, re.M)
+    for row in re.findall(r"^\| ((?:`--[\w-]+`(?:, )?)+) \| ([^|]+) \|", "\n".join(tables), re.M):
+        flags = re.findall(r"`(--[\w-]+)`", row[0])
+        values = [v.strip().strip("`") for v in row[1].split(",")]
+        if len(values) == len(flags):
+            out += list(zip(flags, values))
+    return out
+
+
+def test_every_default_a_flag_table_quotes_is_the_kits():
+    from dataclasses import fields
+
+    from ddp_utils.settings import Settings
+    defaults = {"--" + f.name.replace("_", "-"): f.default for f in fields(Settings)}
+    checked, wrong = 0, []
+    for page, text in pages().items():
+        for flag, quoted in quoted_defaults(text):
+            if flag not in defaults or quoted in ("recipe", "-", "") or "<" in quoted:   # a word, not a value
+                continue
+            real = defaults[flag]
+            if isinstance(real, bool):
+                said = {"on": True, "off": False}.get(quoted)
+            elif isinstance(real, float):
+                said = float(quoted) if re.fullmatch(r"[\d.]+", quoted) else quoted
+            else:
+                said = int(quoted) if isinstance(real, int) and quoted.isdigit() else quoted
+            checked += 1
+            if said != real:
+                wrong.append(f"{rel(page)}: {flag} quoted as {quoted!r}, the default is {real!r}")
+    assert checked >= 15, checked
+    assert wrong == [], "\n".join(wrong)

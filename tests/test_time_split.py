@@ -194,3 +194,33 @@ def test_seeds_and_resume_together_are_refused(capsys):
     from ddp_utils.tools import cli
     assert cli.main(["train", "--seeds", "2,4", "--resume", "x/last.pt"]) == 2
     assert "--seed N instead of --seeds" in capsys.readouterr().err
+
+
+# -- the pages' TensorBoard tag lists are the tags a run logs ------------------------------------
+TAG = re.compile(r"\b((?:Loss|acc1|acc5|throughput|time|gpu)/\w+|lr)\b")
+
+
+def tag_lists() -> list[tuple[str, set[str]]]:
+    """(where, tags) for every list of TensorBoard tags in the pages and in runlog.py's docstring: a paragraph
+    (a notebook cell) that names `Loss/train`, with the tags it names."""
+    import ddp_utils.runlog
+    from tests.test_pages import pages, rel
+    found = [("ddp_utils/runlog.py", set(TAG.findall(ddp_utils.runlog.__doc__.split("TensorBoard tags", 1)[1]
+                                                      .split("\n\n", 2)[1])))]
+    for page, text in pages().items():
+        for block in re.split(r"\n\s*\n", text):
+            if "`Loss/train`" in block:
+                found.append((rel(page), set(re.findall(r"`" + TAG.pattern[2:-2] + r"`", block))))
+    return found
+
+
+@pytest.mark.slow
+def test_every_tag_list_on_the_pages_names_the_tags_a_run_logs(two_ranks):
+    """A page that lists the curves must list every curve a run writes (the GPU-only ones may be added)."""
+    logged = set(read_scalars(two_ranks))
+    from tests.procs import REPO
+    gpu_only = set(re.findall(r'"(gpu/\w+)"', open(f"{REPO}/ddp_utils/train.py").read()))
+    lists = tag_lists()
+    assert len(lists) >= 5, lists
+    for where, tags in lists:
+        assert tags - gpu_only == logged, (where, sorted(logged - tags), sorted(tags - logged - gpu_only))

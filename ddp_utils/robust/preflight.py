@@ -229,7 +229,7 @@ def check_master_is_local(settings) -> None:
 
 def _likely_causes(error: OSError | None) -> str:
     """The causes that best match how the connection failed, most likely first."""
-    refused = ("nothing listens there: the master has not started its init cell / command yet, the "
+    refused = ("nothing listens there: the master has not started its setup cell / command yet, the "
                "port differs, or the master runs in a container without --net=host")
     dropped = ("packets are dropped: a security group / firewall blocks the port, or the address is "
                "wrong (a public IP instead of the private one, a typo)")
