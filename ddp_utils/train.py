@@ -377,9 +377,11 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
         row.update({key: mine.get(key) for key in ("gpu_util", "gpu_util_peak", "gpu_mem_peak_mb")})
     results = distributed.broadcast_object(results, ctx)   # DDP: rank 0's timings on every rank: one table
     if results["startup_s"] is not None:
+        # lines under 100 characters: a notebook wraps longer ones mid-word
         logger.info(f"start-up: {results['startup_s']:.1f} s from the start of training to the end of its first "
-                    f"step (choosing how gradients travel, loaders, first batch), besides {results['join_s']:.1f} s "
-                    f"to join the process group; wall_time_s starts after it")
+                    f"step,
+  besides {results['join_s']:.1f} s to join the process group (wall_time_s leaves both "
+                    f"out)")
     if results["cost"] is not None:
         logger.info(describe_cost(results))
     if probe and results["measured_step_s"]:
@@ -432,8 +434,8 @@ def money(amount: float) -> str:
 
 def describe_cost(results: dict) -> str:
     per_epoch = f", {money(results['cost_per_epoch'])} per epoch" if results["cost_per_epoch"] is not None else ""
-    shared = (f"; its {results['world_size']} ranks shared {results['nodes']} machine(s): a rehearsal, priced as "
-              f"what it used, where the GPU nodes would pay for {results['world_size']}"
+    shared = (f";\n  its {results['world_size']} ranks shared {results['nodes']} machine(s): a rehearsal, priced as "
+              f"what it used (the GPU nodes pay for {results['world_size']})"
               if results["nodes"] < results["world_size"] else "")
     return (f"cost: {money(results['cost'])} for this run ({results['wall_time_s'] / 3600:.4f} h x {results['nodes']} "
             f"node(s) x {results['price_per_hour']:g} per node-hour){per_epoch}{shared}")

@@ -257,7 +257,7 @@ def test_a_worker_given_a_wrong_master_addr_says_what_the_network_answered_befor
     assert len(note) == 2, describe([r])   # printed before the 10 s init_timeout ended: the loop stops at it
     said = note[1].split("ERROR", 1)[0]
     assert f"(tried from 10.213.0.2 on {veths[1]})" in said and "No route to host" in said, said
-    assert "rank 0: listening on ADDRESS:PORT" in said and "init_timeout (10 s, at" in said, said
+    assert "rank 0: listening on ADDRESS:PORT" in said and "init_timeout\n  (10 s, at" in said, said
     assert 10 <= checks(r)["seconds_to_error"] < 16
 
 

@@ -246,13 +246,13 @@ def _answer(error: OSError) -> str:
     """What the network answered a connection to the master, in words a student can act on."""
     said = error.strerror or str(error) or type(error).__name__
     if isinstance(error, ConnectionRefusedError):
-        return (f"'{said}': a machine has that address, but nothing listens on the port yet (rank 0 has not "
-                f"run its setup yet, or the ports differ)")
+        return (f"'{said}':\n  a machine has that address, but nothing listens on the port yet (rank 0 has not "
+                f"run its setup yet,\n  or the ports differ)")
     if isinstance(error, (TimeoutError, socket.timeout)):
-        return (f"nothing ({said}): the packets are dropped, by a firewall or security group, or the address "
+        return (f"nothing ({said}):\n  the packets are dropped, by a firewall or security group, or the address "
                 f"belongs to no machine")
-    return (f"'{said}': no machine answers at that address on this network (a wrong or public address, or the "
-            f"master node is down), or a firewall rejects the connection")
+    return (f"'{said}':\n  no machine answers at that address (a wrong or public address, or the master node "
+            f"is down),\n  or a firewall rejects the connection")
 
 
 FIRST_NOTE_S = 5.0   # a student learns what the network answered within seconds, not at init_timeout
@@ -284,10 +284,12 @@ def wait_for_master(settings, log=print, local: str = "") -> float:
             if not said:   # the full picture once: what was tried, the answer, what to compare, when it ends
                 said = True
                 tried = f" (tried from {local})" if local else ""
-                log(f"rank {rank}: no answer yet from the master at {addr}:{port}{tried}; the network"
-                    f" answered {_answer(error)}. Compare master_addr and master_port with the line "
-                    f"rank 0 prints when it starts ('rank 0: listening on ADDRESS:PORT'). This rank keeps trying "
-                    f"until init_timeout ({settings.init_timeout:g} s, at {ends_at}), then stops with what to do.")
+                # short lines: a notebook wraps lines of 100 characters and more mid-word
+                log(f"rank {rank}: no answer yet from the master at {addr}:{port}{tried};\n"
+                    f"  the network answered {_answer(error)}.\n"
+                    f"  Compare master_addr and master_port with the line rank 0 prints when it starts\n"
+                    f"  ('rank 0: listening on ADDRESS:PORT'). This rank keeps trying until init_timeout\n"
+                    f"  ({settings.init_timeout:g} s, at {ends_at}), then stops with what to do.")
                 next_note = now + 30
             else:   # a sign of life while waiting for a slow master
                 log(f"rank {rank}: still waiting for master {addr}:{port} ({error.strerror or error}; "
