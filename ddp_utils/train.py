@@ -379,8 +379,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
     if results["startup_s"] is not None:
         # lines under 100 characters: a notebook wraps longer ones mid-word
         logger.info(f"start-up: {results['startup_s']:.1f} s from the start of training to the end of its first "
-                    f"step,
-  besides {results['join_s']:.1f} s to join the process group (wall_time_s leaves both "
+                    f"step,\n  besides {results['join_s']:.1f} s to join the process group (wall_time_s leaves both "
                     f"out)")
     if results["cost"] is not None:
         logger.info(describe_cost(results))
