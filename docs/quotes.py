@@ -428,7 +428,7 @@ CELLS = [
     ("4. The run folder", "{m6_0}, {m6_1:cut}, then the layer table (rank 1: {w6_0}, {w6_1})",
      "every rank looks for a run to continue; rank 0 writes the run folder, rank 1 writes nothing"),
     ("5. Train", "{m7_0:cut2} (how it would stop a hung collective on this torch), {m7_2:cut}, {m7_6}, a progress bar, "
-     "then the epoch's two lines, {m7_10} and {m7_11}, then {m7_13:cut} and {m7_14:cut} (rank 1: its own progress "
+     "then the epoch's two lines, {m7_10} and {m7_11}, then {m7_13:cut} and {m7_15:cut} (rank 1: its own progress "
      "bar and the same epoch lines)", "global metrics, throughput, time waiting for data; start-up; the step against "
      "the link probe's prediction"),
     ("Results", "{m8_0}, then a key a line: {m8_1}, {m8_2}, {m8_3}, {m8_4}, {m8_5}, {m8_6} ... "
