@@ -399,13 +399,18 @@ def cell_output(proc: str) -> dict[int, list[str]]:
 
 class _Cells(string.Formatter):
     """``{m6_0}``: main.ipynb's cell 6, its first output line, in backticks; ``{w6_1}`` worker.ipynb's;
+    ``{m7_start-up}`` the cell's first line that starts with `start-up`, ``{m7_epoch+1}`` the line after it (a
+    line named by its start stays right when the cell prints a line more before it);
     ``{m7_0:cut}`` only up to the first `: ` (then `...`), ``{m7_0:cut2}`` up to the second."""
     def __init__(self):
         self.out = {"m": cell_output("notebook-main"), "w": cell_output("notebook-worker")}
 
     def get_value(self, key, args, kwargs):
-        nb, cell, line = re.fullmatch(r"([mw])(\d+)_(\d+)", key).groups()
-        return self.out[nb][int(cell)][int(line)].strip()
+        nb, cell, line, after = re.fullmatch(r"([mw])(\d+)_([\w-]+?)(?:\+(\d+))?", key).groups()
+        lines = [text.strip() for text in self.out[nb][int(cell)]]
+        if not line.isdigit():   # named by how it starts: KeyError-like failure if no line does
+            line = next(i for i, text in enumerate(lines) if text.startswith(line))
+        return lines[int(line) + int(after or 0)]
 
     def format_field(self, value, spec):
         if spec.startswith("cut"):   # cut, cut2: keep up to the first (second) ": "
@@ -427,8 +432,9 @@ CELLS = [
     ("3. The model", "{m5_0}, {m5_1}", "DDP copied rank 0's weights to rank 1"),
     ("4. The run folder", "{m6_0}, {m6_1:cut}, then the layer table (rank 1: {w6_0}, {w6_1})",
      "every rank looks for a run to continue; rank 0 writes the run folder, rank 1 writes nothing"),
-    ("5. Train", "{m7_0:cut2} (how it would stop a hung collective on this torch), {m7_2:cut}, {m7_6}, a progress bar, "
-     "then the epoch's two lines, {m7_10} and {m7_11}, then {m7_13:cut} and {m7_15:cut} (rank 1: its own progress "
+    ("5. Train", "{m7_rank:cut2} (how it would stop a hung collective on this torch), {m7_link:cut}, {m7_gradient}, "
+     "a progress bar, then the epoch's two lines, {m7_epoch} and {m7_epoch+1}, then {m7_start-up:cut} and "
+     "{m7_per:cut} (rank 1: its own progress "
      "bar and the same epoch lines)", "global metrics, throughput, time waiting for data; start-up; the step against "
      "the link probe's prediction"),
     ("Results", "{m8_0}, then a key a line: {m8_1}, {m8_2}, {m8_3}, {m8_4}, {m8_5}, {m8_6} ... "
