@@ -92,8 +92,8 @@ class Settings:
                          "ranks sharing a machine do not fight over its cores (OMP_NUM_THREADS wins if set)")
     seed: int = _f(0, "seed for weights, shuffling and augmentation; same on every rank")
     price_per_hour: float = _f(0.0, "what one node costs per hour (any currency, e.g. 0.752 for an AWS g4dn.2xlarge "
-                                    "in USD, on demand in us-east-1); results then give the cost of the run and of each epoch for all "
-                                    "nodes together; 0 = not set, no cost")
+                                    "in USD, on demand in us-east-1); results then give the cost of the run "
+                                    "and of each epoch for all nodes together; 0 = not set, no cost")
     # -- output -------------------------------------------------------------------------------
     run_dir: str = _f("", "folder for logs, TensorBoard, checkpoints; empty = runs/<dataset>-<arch>-ws<N>-<time>")
     wandb: str = _f("auto", "Weights & Biases: auto (online if a key is set up, else offline), online, "
