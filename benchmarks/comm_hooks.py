@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from ddp_utils.settings import Settings  # noqa: E402
 from tests import netns  # noqa: E402
 from tests.procs import base_env, describe, free_port, python, run_all  # noqa: E402
+from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
 COMMS = ("none", "localsgd", "auto", "powersgd", "none+acc4")
 
@@ -105,7 +106,9 @@ def main() -> None:
                         "'+accK' adds --accumulate K, e.g. none+acc4 (a global batch K times larger: the lr scales)")
     parser.add_argument("--powersgd-rank", type=int, default=Settings().powersgd_rank,
                         help=f"PowerSGD's rank (default {Settings().powersgd_rank}, the kit's)")
+    add_out(parser, "comm_hooks")
     args = parser.parse_args()
+    recorder = Recorder("comm_hooks", args)
     seeds = [int(s) for s in args.seeds.split(",")]
     comms, rates = args.comms.split(","), args.rates.split(",")
     rows: dict[tuple, dict[str, list]] = {key: {"ips": [], "ratio": [], "late": [], "acc1": [], "chose": [], "comm": [],
@@ -143,17 +146,25 @@ def main() -> None:
           f"{args.epochs} epochs, PowerSGD rank {args.powersgd_rank}, 1 thread "
           f"per process, links {args.rates}; mean +- std over seeds {args.seeds}\n")
     fast = rows.get(("unshaped", "none"), {}).get("ips")   # the goal: a slow link as fast as this one
-    print("| run | link | --comm (chosen) | img/s | of 2 x one rank | the same, second half of the run | of the unshaped "
-          "link, none | comm waited (% of train time) | per step: compute / comm waited (ms) | final Acc@1 (%) |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    table = ["| run | link | --comm (chosen) | img/s | of 2 x one rank | the same, second half of the run | of the "
+             "unshaped link, none | comm waited (% of train time) | per step: compute / comm waited (ms) | final Acc@1 "
+             "(%) |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for (rate, name), row in rows.items():
         chosen = "-" if name == "1 rank" else f"{name} ({'/'.join(sorted(set(row['chose'])))})"
         comm = pm(row["comm"], ".0f") if row["comm"] else "-"
         label = "1 rank" if name == "1 rank" else "2 ranks"
         step = pm(row["compute_ms"], ".0f") + (f" / {pm(row['comm_ms'], '.0f')}" if row["comm_ms"] else "")
         of_fast = pm([a / b for a, b in zip(row["ips"], fast)], ".2f") if fast and label == "2 ranks" else "-"
-        print(f"| {label} | {rate} | {chosen} | {pm(row['ips'], '.0f')} | {pm(row['ratio'], '.2f')} | {pm(row['late'], '.2f')} "
-              f"| {of_fast} | {comm} | {step} | {pm(row['acc1'], '.2f')} |")
+        table.append(f"| {label} | {rate} | {chosen} | {pm(row['ips'], '.0f')} | {pm(row['ratio'], '.2f')} | "
+                     f"{pm(row['late'], '.2f')} | {of_fast} | {comm} | {step} | {pm(row['acc1'], '.2f')} |")
+        if fast and label == "2 ranks":
+            row["of_unshaped"] = [a / b for a, b in zip(row["ips"], fast)]
+    print("\n".join(table))
+    # figures["1gbit/localsgd"]["acc1"] = {"mean": ..., "std": ..., "values": [one a seed]}
+    recorder.save({f"{rate}/{name}" if rate != "-" else name: {
+        key: {"mean": statistics.mean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "values": v}
+        if key != "chose" else sorted(set(v)) for key, v in row.items() if v} for (rate, name), row in rows.items()},
+        table)
 
 
 if __name__ == "__main__":

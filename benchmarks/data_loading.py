@@ -25,6 +25,7 @@ from ddp_utils.data import build_loaders  # noqa: E402
 from ddp_utils.demo_data import prepare_demo  # noqa: E402
 from ddp_utils.runlog import cpu_name  # noqa: E402
 from ddp_utils.settings import Settings  # noqa: E402
+from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
 
 def epoch_images_per_s(loader, epoch: int) -> float:
@@ -40,7 +41,9 @@ def main():
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    add_out(p, "data_loading")
     args = p.parse_args()
+    recorder = Recorder("data_loading", args)
     torch.set_num_threads(args.threads)
     if args.dataset == "demo":
         prepare_demo(args.data_dir)
@@ -70,6 +73,15 @@ def main():
     print(f"  memory / workers 0 = {median['memory'] / median['workers 0']:.1f}x, "
           f"memory / workers 2 = {median['memory'] / median['workers 2']:.1f}x; "
           f"memory loader's one-time build (check + decode of train and valid): {decode_s:.2f} s")
+    label = {"workers 0": "`--loader workers --workers 0`",
+             "workers 2": "`--loader workers --workers 2` (processes restarted each epoch, as in training)",
+             "memory": f"`--loader memory` (decoded once: {decode_s:.2f} s for train and valid)"}
+    table = ["| loader | images/s | `memory` / this |", "| --- | ---: | ---: |"]
+    table += [f"| {label[name]} | {value:,.0f} | "
+              f"{'-' if name == 'memory' else format(median['memory'] / value, '.1f') + 'x'} |"
+              for name, value in median.items()]
+    recorder.save({"images": images, "images_per_s": median, "rounds": rates, "decode_s": decode_s,
+                   "memory_over": {name: median["memory"] / value for name, value in median.items()}}, table)
 
 
 if __name__ == "__main__":

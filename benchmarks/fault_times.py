@@ -24,6 +24,7 @@ from tests import netns  # noqa: E402
 from tests.fault_scenarios import (output_of, signal_rank_1_after_epoch_1, start_ranks, stop_all,  # noqa: E402
                                    wait_for_epoch_1)
 from tests.procs import base_env, free_port, python, run_all  # noqa: E402
+from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
 
 def last_line(output: str) -> str:
@@ -63,7 +64,9 @@ def cut_link(name: str, timeout: str, folder: Path) -> tuple:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_out(parser, "fault_times")
+    recorder = Recorder("fault_times", parser.parse_args())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
@@ -76,10 +79,12 @@ def main() -> None:
             rows.append(frozen_or_killed(name, timeout, "SIGSTOP", Path(tmp) / f"frozen-{name}"))
             rows.append(frozen_or_killed(name, timeout, "SIGKILL", Path(tmp) / f"killed-{name}"))
             rows.append(cut_link(name, timeout, Path(tmp) / f"cut-{name}"))
-    print("| fault | rank 0 stops after (s) | rank 1 stops after (s) | what rank 0 / rank 1 says |")
-    print("| --- | ---: | ---: | --- |")
+    table = ["| fault | rank 0 stops after (s) | rank 1 stops after (s) |", "| --- | ---: | ---: |"]
+    table += ["| " + " | ".join(row[:3]) + " |" for row in rows]
+    print("\n".join(table))
     for row in rows:
-        print("| " + " | ".join(row) + " |")
+        print(f"{row[0]}: {row[3]}")
+    recorder.save({row[0]: {"rank0_s": row[1], "rank1_s": row[2], "says": row[3]} for row in rows}, table)
 
 
 if __name__ == "__main__":

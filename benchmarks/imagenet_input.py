@@ -30,7 +30,6 @@ ratio is the median over rounds of each round's ratio to the course's path. Run 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import random
@@ -43,12 +42,24 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_utils import fastjpeg  # noqa: E402
+from ddp_utils.speed import fastjpeg  # noqa: E402
 from ddp_utils.data import build_loaders  # noqa: E402
 from ddp_utils.datasets import EpochLoader, ImageFolderDataset, load_preset, train_transform  # noqa: E402
 from ddp_utils.runlog import cpu_name  # noqa: E402
 from ddp_utils.settings import Settings  # noqa: E402
+from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
+LABELS = {   # what each path is, as the table says it
+    "course": "course: Pillow decodes, RandomResizedCrop, ToTensor, Normalize per image (float32 batches)",
+    "kit workers": "**kit `--loader workers`**: `decode_jpeg`, v2 crop/resize/flip on uint8 (uint8 batches; the GPU "
+                   "normalises)",
+    "kit workers, normalised on the CPU": "the same with the normalisation on this CPU too (a CPU-only run)",
+    "Pillow draft": "Pillow `draft()` where the crop allows, Pillow crop and resize (uint8 batches)",
+    "DALI CPU": "DALI's CPU pipeline, `--loader dali` without a GPU (float32 batches)",
+    "kit workers, 288-px copy": "kit `--loader workers` on the 288-px copy from `resize_imagenet.py` (uint8 batches)",
+    "decode only, originals": "decode only, `decode_jpeg`: the originals",
+    "decode only, 288-px copy": "decode only, `decode_jpeg`: the 288-px copy",
+}
 WNIDS = ["n01440764", "n01443537", "n01484850", "n01491361"]
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,10 +90,9 @@ def make_photos(root: Path, train: int, val: int, seed: int = 0) -> Path:
 
 
 def resized_copy(src: Path, dst: Path, short_side: int = 288) -> Path:
-    spec = importlib.util.spec_from_file_location("resize_imagenet", REPO / "lab" / "scripts" / "resize_imagenet.py")
-    script = importlib.util.module_from_spec(spec)
-    sys.modules["resize_imagenet"] = script   # its pool workers find resize_one by module name
-    spec.loader.exec_module(script)
+    # importable by name: the script's forkserver pool workers import it to find resize_one
+    sys.path.insert(0, str(REPO / "lab" / "scripts"))
+    import resize_imagenet as script
     if script.main([str(src), str(dst), "--short-side", str(short_side), "--no-progress"]) != 0:
         raise SystemExit(f"resize_imagenet.py failed on {src}")
     return dst
@@ -173,7 +183,9 @@ def main():
     p.add_argument("--images", type=int, default=384, help="training images (a multiple of --batch-size)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--batch-size", type=int, default=64)
+    add_out(p, "imagenet_input")
     args = p.parse_args()
+    recorder = Recorder("imagenet_input", args)
     torch.set_num_threads(1)
     root = Path(args.data_dir)
     original = make_photos(root / "original", args.images, args.images // 4)
@@ -188,14 +200,14 @@ def main():
         return EpochLoader(train.loader, seed=train.seed, rank=train.rank)
 
     draft, draft_crop = draft_loader(original, args.batch_size)
-    paths = {"course: Pillow, float32 per image": course_loader(original, args.batch_size),
-             "kit workers: decode_jpeg, uint8 batches": uint8(original),
-             "kit workers + normalise on this CPU": kit(original),
-             "Pillow draft: uint8 batches": EpochLoader(draft.loader),
-             "DALI CPU pipeline: float32 batches": kit(original, "dali"),
-             "kit workers, 288-px copy: uint8 batches": uint8(copy),
-             "decode only: decode_jpeg, originals": DecodeOnly(original),
-             "decode only: decode_jpeg, 288-px copy": DecodeOnly(copy)}
+    paths = {"course": course_loader(original, args.batch_size),
+             "kit workers": uint8(original),
+             "kit workers, normalised on the CPU": kit(original),
+             "Pillow draft": EpochLoader(draft.loader),
+             "DALI CPU": kit(original, "dali"),
+             "kit workers, 288-px copy": uint8(copy),
+             "decode only, originals": DecodeOnly(original),
+             "decode only, 288-px copy": DecodeOnly(copy)}
     names = list(paths)
     for name in names:            # warm-up: first-call costs (DALI's pipeline build, page cache) out of the figures
         one_epoch(paths[name], 100)
@@ -215,16 +227,20 @@ def main():
     print(f"{args.images} training images of 400-500 px ({original}); batches of {args.batch_size}; "
           f"{cpu_name()}, {os.cpu_count()} cores, 1 thread, torch {torch.__version__}; median of {args.rounds} "
           f"rounds; other processes used {others:.2f} cores on average meanwhile")
-    print("| path | img/s per core | img/s wall | per core vs the course's path |")
-    print("| --- | ---: | ---: | ---: |")
-    for name in names:
-        print(f"| {name} | {statistics.median(per_core[name]):,.0f} | {statistics.median(wall[name]):,.0f} | "
-              f"{ratio[name]:.2f}x |")
+    table = ["| path | img/s per core | img/s wall | per core vs the course's path |", "| --- | ---: | ---: | ---: |"]
+    table += [f"| {LABELS[name]} | {statistics.median(per_core[name]):,.0f} | {statistics.median(wall[name]):,.0f} | "
+              f"{ratio[name]:.2f}x |" for name in names]
+    print("\n".join(table))
     print(f"Pillow draft decoded {draft_crop.reduced} of {args.images * (args.rounds + 1)} crops at a reduced scale; "
           f"the 288-px copy decodes {ratio[names[7]] / ratio[names[6]]:.2f}x faster than the originals and the kit's "
           f"workers path runs {ratio[names[5]] / ratio[names[1]]:.2f}x faster on it")
     if others > 0.1:
         print("note: the machine was not idle (other processes used the CPU meanwhile): run again when it is")
+    recorder.save({"per_core": {name: statistics.median(v) for name, v in per_core.items()},
+                   "wall": {name: statistics.median(v) for name, v in wall.items()}, "vs_course": ratio,
+                   "draft_reduced": draft_crop.reduced, "crops": args.images * (args.rounds + 1),
+                   "decode_ms": {name: 1000 / statistics.median(per_core[name]) for name in names[6:]},
+                   "course_ms": 1000 / statistics.median(per_core[course])}, table, others=others)
 
 
 if __name__ == "__main__":

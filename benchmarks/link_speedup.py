@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 from ddp_utils.settings import Settings  # noqa: E402
 from tests import netns  # noqa: E402
 from tests.procs import base_env, describe, free_port, python, run_all  # noqa: E402
+from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
 
 def train(run_dir: Path, rank: int, world_size: int, addr: str, port: int, args) -> list[str]:
@@ -67,8 +68,13 @@ def figures(results: dict, baseline: dict | None) -> dict:
             "measured": last["images_per_s"] / baseline["history"][-1]["train"]["images_per_s"] if baseline else 1.0}
 
 
+def medians(rounds: list[dict]) -> dict:
+    return {key: statistics.median(r[key] for r in rounds) if rounds[0][key] is not None else None
+            for key in rounds[0]}
+
+
 def median_row(name: str, rounds: list[dict]) -> str:
-    m = {key: statistics.median(r[key] for r in rounds) if rounds[0][key] is not None else None for key in rounds[0]}
+    m = medians(rounds)
     probe = f"{m['probe_ms']:.0f}" if m["probe_ms"] is not None else "-"
     link = f"{m['link']:.2f}" if m["link"] else "-"
     predicted = f"{m['predicted']:.2f}x" if m["predicted"] else "-"
@@ -84,7 +90,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="steps per epoch (2 epochs per run; default 15)")
     parser.add_argument("--arch", default="resnet18", help="model (default resnet18: 45 MB of gradients)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three runs; medians (default 3)")
+    add_out(parser, "link_speedup")
     args = parser.parse_args()
+    recorder = Recorder("link_speedup", args)
     names = ["1 rank", "2 ranks, unshaped veth", f"2 ranks, link shaped to {args.rate}"]
     rounds: dict[str, list] = {name: [] for name in names}
     for _ in range(args.rounds):
@@ -96,11 +104,13 @@ def main() -> None:
             rounds[names[2]].append(figures(run(hosts, Path(tmp, "slow"), 2, args), one))
     print(f"{args.arch}, 32 px, batch 64 per rank, 1 thread per process, fake data, last of 2 epochs "
           f"({args.steps} steps each), medians of {args.rounds} rounds\n")
-    print("| run | img/s | time: data / compute / comm waited / idle (%) | comm in flight (%) "
-          "| compute per step (ms): probe / training | link (Gbit/s) | predicted speed-up (vs measured) "
-          "| measured speed-up |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
-    print("\n".join(median_row(name, rounds[name]) for name in names))
+    table = ["| run | img/s | time: data / compute / comm waited / idle (%) | comm in flight (%) "
+             "| compute per step (ms): probe / training | link (Gbit/s) | predicted speed-up (vs measured) "
+             "| measured speed-up |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    table += [median_row(name, rounds[name]) for name in names]
+    print("\n".join(table))
+    recorder.save({key: medians(rounds[name]) for key, name in zip(("one", "unshaped", "shaped"), names)}, table,
+                  rounds=rounds)
 
 
 if __name__ == "__main__":

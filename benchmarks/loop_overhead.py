@@ -28,6 +28,7 @@ from ddp_utils import optim, train  # noqa: E402
 from ddp_utils.job import prepare  # noqa: E402
 from ddp_utils.model import build_model  # noqa: E402
 from ddp_utils.settings import Settings  # noqa: E402
+from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
 
 class InMemoryLoader:
@@ -118,20 +119,23 @@ def main():
     p.add_argument("--arch", default="convnet")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--epochs", type=int, default=4, help="epochs of the scaling runs")
+    add_out(p, "loop_overhead")
     args = p.parse_args()
+    recorder, figures = Recorder("loop_overhead", args), {}
     cpu = f"{os.cpu_count()} CPU cores, torch {torch.__version__}"
     if args.part in ("loop", "all"):
-        r = part_loop(args.rounds, args.steps, args.batch, args.arch, args.threads)
+        r = figures["loop"] = part_loop(args.rounds, args.steps, args.batch, args.arch, args.threads)
         print(f"loop ({cpu}; {r['arch']}, batch {r['batch']}, {r['steps']} steps x {r['rounds']} rounds, "
               f"{r['threads']} thread): bare {r['bare_images_per_s']:.0f} img/s, kit {r['kit_images_per_s']:.0f} "
               f"img/s, kit/bare = {r['kit_over_bare']:.3f}")
     if args.part in ("scaling", "all"):
         from ddp_utils.demo_data import prepare_demo
         prepare_demo("data/demo")
-        r = part_scaling(args.epochs)
+        r = figures["scaling"] = part_scaling(args.epochs)
         print(f"scaling ({cpu}; demo set, convnet, batch 32 per rank, {r['epochs']} epochs, gloo on loopback): "
               f"1 rank {r['images_per_s_1_rank']:.0f} img/s, 2 ranks {r['images_per_s_2_ranks']:.0f} img/s, "
               f"speed-up {r['speedup']:.2f}x; Acc@1 {r['acc1_1_rank']:.1f} vs {r['acc1_2_ranks']:.1f}")
+    recorder.save(figures)
 
 
 if __name__ == "__main__":

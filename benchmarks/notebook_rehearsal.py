@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests import netns  # noqa: E402  (the test suite's two-host helper)
+from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
 NOTEBOOKS = REPO / "notebooks"
 
@@ -74,9 +75,12 @@ def main():
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--epochs", type=int, default=None, help="EPOCHS of every notebook (default: theirs)")
     p.add_argument("--workers", type=int, default=None, help="WORKERS of every notebook (default: theirs)")
+    p.add_argument("--loader", default=None, help="LOADER of every notebook (default: theirs)")
+    add_out(p, "notebook_rehearsal")
     args = p.parse_args()
-    changes = {name: value for name, value in (("EPOCHS", args.epochs), ("WORKERS", args.workers))
-               if value is not None}
+    recorder = Recorder("notebook_rehearsal", args)
+    changes = {name: value for name, value in (("EPOCHS", args.epochs), ("WORKERS", args.workers),
+                                               ("LOADER", args.loader)) if value is not None}
     from ddp_utils.demo_data import prepare_demo
     from ddp_utils.runlog import cpu_name
     rounds = []
@@ -99,6 +103,17 @@ def main():
           f"{ratio['single_node']:.2f}x (target >= 1.4x)\n"
           f"  single.ipynb with every core ({first['single_all']['threads']}): {ratio['single_all']:.2f}x "
           f"(the same hardware in one process: about 1x at best)")
+    ips = {name: statistics.median(r[name]["images_per_s"] for r in rounds) for name in ("ddp", *ratio)}
+    threads = {name: first[name]["threads"] for name in ("ddp", *ratio)}
+    table = ["| DDP notebooks (2 ranks x 1 thread) against | DDP | single | ratio |", "| --- | ---: | ---: | ---: |"]
+    for name, what in (("single_node", f"`single.ipynb` with one rank's threads (`THREADS = {threads['single_node']}`): "
+                                        "one node against two, the homework's comparison"),
+                       ("single_all", f"`single.ipynb` with every core ({os.cpu_count()} threads): the same machine "
+                                      "in one process")):
+        table.append(f"| {what} | {ips['ddp']:,.0f} img/s | {ips[name]:,.0f} img/s | **{ratio[name]:.2f}x** |")
+    recorder.save({"ratio": ratio, "images_per_s": ips, "threads": threads, "epochs": first["ddp"]["epochs"],
+                   "rounds": [{name: r[name]["images_per_s"] for name in r} for r in rounds],
+                   "acc1": {name: statistics.median(r[name]["acc1"] for r in rounds) for name in ips}}, table)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_utils.settings import Settings  # noqa: E402
 from tests.procs import free_port  # noqa: E402
+from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
 WARMUP = 2     # exact steps before PowerSGD compresses (DDP rebuilds its buckets after the first)
 
@@ -55,7 +56,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     parser.add_argument("--steps", type=int, default=16, help="steps per hook and round (default 16)")
     parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    add_out(parser, "powersgd_cost")
     args = parser.parse_args()
+    recorder = Recorder("powersgd_cost", args)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -77,12 +80,17 @@ def main() -> None:
     base = statistics.median(times[next(iter(hooks))])
     print(f"torchvision ResNet-18 at 32 px, batch {args.batch}, 1 thread, world size 1 (no network); "
           f"median of {args.rounds} alternating rounds\n")
-    print("| communication hook | ms per step | hook's own work (ms) | of the step without it |")
-    print("| --- | ---: | ---: | ---: |")
+    table = ["| communication hook | ms per step | hook's own work (ms) | of the step without it |",
+             "| --- | ---: | ---: | ---: |"]
+    hooks_ms = {}
     for name, values in times.items():
         median = statistics.median(values)
         extra = median - base
-        print(f"| {name} | {1000 * median:.0f} | {1000 * extra:+.0f} | {100 * extra / base:+.0f} % |")
+        hooks_ms[name] = {"ms": 1000 * median, "extra_ms": 1000 * extra, "extra_pct": 100 * extra / base}
+        table.append(f"| {name} | {1000 * median:.0f} | {1000 * extra:+.0f} | {100 * extra / base:+.0f} % |")
+    print("\n".join(table))
+    recorder.save({"base_ms": 1000 * base, "hooks": hooks_ms,
+                   "kit": hooks_ms[next(name for name in hooks_ms if "kit default" in name)]}, table)
 
 
 if __name__ == "__main__":

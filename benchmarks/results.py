@@ -1,0 +1,127 @@
+"""What a benchmark measured, written to a JSON file the pages are generated from.
+
+Every benchmark takes ``--out`` (default ``benchmarks/results/NAME.json``) and writes there its table, its
+figures, the command that made them and the machine it ran on: the processor, cores, memory, GPU, torch,
+and how busy the machine was meanwhile (the cores other processes used: a figure taken beside a test run
+is not the machine's). ``docs/figures.py`` pastes them into docs/benchmarks.md, docs/faults.md and the
+README with cog (``python docs/quotes.py pages``), so a page quotes only what a file says.
+
+    recorder = results.Recorder("loop_overhead", args)    # at the start: the clock and the machine's CPU use
+    recorder.save(figures={...}, table=[...])             # at the end: writes args.out
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def add_out(parser, name: str) -> None:
+    """The ``--out`` flag every benchmark has."""
+    parser.add_argument("--out", default=str(RESULTS / f"{name}.json"),
+                        help=f"the JSON file the figures go to (default benchmarks/results/{name}.json, which "
+                             "the pages quote; give another path for a trial run)")
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds all processes of the machine have used since boot (Linux /proc/stat; 0 elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return 0.0
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """This process's CPU seconds and those of the children it has waited for (the runs it started)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def gpu_name() -> str:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    except Exception:   # noqa: BLE001 - a broken CUDA setup is "no GPU" for the record
+        pass
+    return ""
+
+
+def machine() -> dict:
+    """The hardware and software a figure was measured on."""
+    import torch
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "memory_gib": round(memory, 1), "gpu": gpu_name(),
+            "torch": torch.__version__.split("+")[0], "python": platform.python_version(),
+            "virtual": _virtual()}
+
+
+def _virtual() -> bool:
+    try:
+        return "hypervisor" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("+changes" if dirty else "") if sha else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+class Recorder:
+    """Starts the clock at creation; ``save`` writes the figures with the command and the machine."""
+
+    def __init__(self, name: str, args):
+        self.name, self.args = name, args
+        self.command = "python " + " ".join(shlex.quote(a) for a in
+                                            [os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+        self.start = (time.perf_counter(), busy_cpu_seconds(), own_cpu_seconds())
+        self.date = datetime.datetime.now().strftime("%Y-%m-%d")
+
+    def others(self) -> float:
+        """The cores other processes of the machine used on average since the start."""
+        wall = time.perf_counter() - self.start[0]
+        theirs = (busy_cpu_seconds() - self.start[1]) - (own_cpu_seconds() - self.start[2])
+        return max(0.0, theirs / wall) if wall > 0 else 0.0
+
+    def save(self, figures: dict, table: list[str] | None = None, others: float | None = None, **extra) -> Path:
+        """``others``: the benchmark's own measure of the other processes' cores, over its timed part only."""
+        others = self.others() if others is None else others
+        record = {"benchmark": self.name, "command": self.command, "date": self.date, "commit": commit(),
+                  "seconds": round(time.perf_counter() - self.start[0], 1), "machine": machine(),
+                  "other_processes_cores": round(others, 2),
+                  "args": {k: v for k, v in vars(self.args).items() if k != "out"},
+                  "figures": figures, "table": table or [], **extra}
+        out = Path(self.args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
+        os.replace(tmp, out)
+        print(f"figures written to {out}" + (f" (note: other processes used {others:.2f} cores meanwhile: "
+                                              "take figures on an idle machine)" if others > 0.2 else ""))
+        return out
