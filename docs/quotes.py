@@ -16,8 +16,8 @@ same way. The lines come from ``docs/output/NAME.txt``, written by a real run of
 pages name it and quote its timings)::
 
     python docs/quotes.py record            # all of RUNS (a few minutes on 2 cores); or: record check docker
-    python docs/quotes.py pages             # = cog -I . -r -p "from docs.quotes import *" README.md docs/*.md
-                                            #         lab/README.md notebooks/lesson.md
+    python docs/quotes.py pages             # = cog -r -p "from docs.quotes import *; from docs import figures"
+                                            #   README.md docs/*.md lab/README.md notebooks/lesson.md
     python docs/quotes.py check             # only says whether a page is out of date (cog --check)
     python -m pytest tests/test_quotes.py   # pages in sync; the slow tier re-runs the commands
 
@@ -398,15 +398,15 @@ def cell_output(proc: str) -> dict[int, list[str]]:
 
 
 class _Cells(string.Formatter):
-    """``{m6_0}``: main.ipynb's cell 6, its first output line, in backticks; ``{w6_1}`` worker.ipynb's;
-    ``{m7_start-up}`` the cell's first line that starts with `start-up`, ``{m7_epoch+1}`` the line after it (a
-    line named by its start stays right when the cell prints a line more before it);
+    """``{m7_start-up}``: main.ipynb's cell 7, its first output line that starts with `start-up`, in backticks;
+    ``{m7_epoch+1}`` the line after the first that starts with `epoch`; ``{w6_resume}`` worker.ipynb's (a line
+    named by its start stays right when the cell prints a line more before it; ``{m6_0}``, by index, would not);
     ``{m7_0:cut}`` only up to the first `: ` (then `...`), ``{m7_0:cut2}`` up to the second."""
     def __init__(self):
         self.out = {"m": cell_output("notebook-main"), "w": cell_output("notebook-worker")}
 
     def get_value(self, key, args, kwargs):
-        nb, cell, line, after = re.fullmatch(r"([mw])(\d+)_([\w-]+?)(?:\+(\d+))?", key).groups()
+        nb, cell, line, after = re.fullmatch(r"([mw])(\d+)_([\w -]+?)(?:\+(\d+))?", key).groups()
         lines = [text.strip() for text in self.out[nb][int(cell)]]
         if not line.isdigit():   # named by how it starts: KeyError-like failure if no line does
             line = next(i for i, text in enumerate(lines) if text.startswith(line))
@@ -423,21 +423,22 @@ class _Cells(string.Formatter):
 
 # Step 6 of the walkthrough: (cell, what it prints, what it means), from the recorded notebooks.
 CELLS = [
-    ("Settings", "{m2_0} then {m2_1}", "the global batch, the lr that will really be used and the rest of the recipe"),
-    ("1. Join the process group", "{m3_0}, {m3_1}, {m3_2}, {m3_3}",
+    ("Settings", "{m2_global} then {m2_global+1}", "the global batch, the lr that will really be used and the rest of the recipe"),
+    ("1. Join the process group", "{m3_rank 0}, {m3_rank 0+1}, {m3_rank 0+2}, {m3_DistContext}",
      "the interface the pre-flight chose, rank 0 listening, then both ranks are in and their settings agree"),
-    ("2. The data", "{m4_0}, {m4_1} then {m4_2}",
+    ("2. The data", "{m4_CPU}, {m4_CPU+1} then {m4_this}",
      "each rank got its share of the cores and of the data (half the steps `single.ipynb` takes per epoch; "
      "`MAX_STEPS = 3` cuts both to 3 here), and the ranks' data agree"),
-    ("3. The model", "{m5_0}, {m5_1}", "DDP copied rank 0's weights to rank 1"),
-    ("4. The run folder", "{m6_0}, {m6_1:cut}, then the layer table (rank 1: {w6_0}, {w6_1})",
+    ("3. The model", "{m5_parallel}, {m5_model}", "DDP copied rank 0's weights to rank 1"),
+    ("4. The run folder", "{m6_resume}, {m6_Run:cut}, then the layer table (rank 1: {w6_resume}, {w6_resume+1})",
      "every rank looks for a run to continue; rank 0 writes the run folder, rank 1 writes nothing"),
     ("5. Train", "{m7_rank:cut2} (how it would stop a hung collective on this torch), {m7_link:cut}, {m7_gradient}, "
      "a progress bar, then the epoch's two lines, {m7_epoch} and {m7_epoch+1}, then {m7_start-up:cut} and "
      "{m7_per:cut} (rank 1: its own progress "
      "bar and the same epoch lines)", "global metrics, throughput, time waiting for data; start-up; the step against "
      "the link probe's prediction"),
-    ("Results", "{m8_0}, then a key a line: {m8_1}, {m8_2}, {m8_3}, {m8_4}, {m8_5}, {m8_6} ... "
+    ("Results", "{m8_global}, then a key a line: {m8_global+1}, {m8_global+2}, {m8_global+3}, {m8_global+4}, "
+     "{m8_global+5}, {m8_global+6} ... "
      "(rank 1 prints the same numbers)", "**the same accuracy and loss on both ranks**"),
 ]
 
@@ -457,7 +458,8 @@ def cells() -> None:
 
 def pages(check: bool = False) -> int:
     from cogapp import Cog
-    argv = ["cog", "--check" if check else "-r", "-p", "from docs.quotes import *", *PAGES]
+    argv = ["cog", "--check" if check else "-r", "-p", "from docs.quotes import *; from docs import figures",
+            *PAGES]
     if check:
         argv.insert(2, "--diff")
     if str(REPO) not in sys.path:

@@ -1,0 +1,86 @@
+"""The benchmarks' figures in the pages, pasted from the files the benchmarks write.
+
+Every benchmark writes ``benchmarks/results/NAME.json`` (its command, the machine, how busy the machine
+was, the date and commit, its table and figures: ``benchmarks/results.py``). The tables and the sentences
+with figures in docs/benchmarks.md, docs/faults.md and the README sit between cog markers that call
+the functions below, so a page quotes only what a file says, with the machine beside it::
+
+    python benchmarks/data_loading.py       # writes benchmarks/results/data_loading.json
+    python docs/quotes.py pages             # pastes it (and every quoted output) into the pages
+
+``tests/test_figures.py`` fails while a page and a results file disagree, and when a results file lacks
+its command or machine.
+"""
+from __future__ import annotations
+
+import json
+import string
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+WIDTH = 115   # the pages' prose lines (docs/quotes.py's)
+
+
+def bench(name: str) -> dict:
+    """The results file of one benchmark run."""
+    return json.loads((RESULTS / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def machine_of(name: str) -> str:
+    """'an idle 2-core AMD EPYC VM (23.5 GiB, no GPU), torch 2.14.1, 2026-11-25': where a file's figures come from."""
+    r = bench(name)
+    m = r["machine"]
+    others = r["other_processes_cores"]
+    busy = "an idle" if others < 0.2 else f"a busy (other processes used {others:.1f} cores meanwhile)"
+    kind = "VM" if m.get("virtual") else "machine"
+    gpu = m["gpu"] or "no GPU"
+    return f"{busy} {m['cores']}-core {m['cpu']} {kind} ({m['memory_gib']:.0f} GiB, {gpu}), torch {m['torch']}, {r['date']}"
+
+
+class _Figures(string.Formatter):
+    """``{f[ratio][single_node]:.2f}``: a figure of the file; ``{command}``, ``{machine}``; ``{x:pm0}`` a
+    {mean, std} pair as 'mean +- std' with 0 decimals."""
+
+    def format_field(self, value, spec):
+        if spec.startswith("pm"):
+            digits = int(spec[2:] or 0)
+            return f"{value['mean']:.{digits}f} +- {value['std']:.{digits}f}"
+        return super().format_field(value, spec)
+
+
+def fill(name: str, template: str, **more) -> str:
+    r = bench(name)
+    return _Figures().format(template, f=r["figures"], command=f"`{r['command']}`", machine=machine_of(name),
+                             args=r["args"], **more)
+
+
+def _out(text: str) -> None:
+    import cog  # only while cog runs
+    cog.outl(text)
+
+
+def say(name: str, template: str, hang: int = 0, **more) -> None:
+    """Cog: a paragraph with the figures of benchmarks/results/NAME.json filled in, wrapped as the pages are
+    (``hang``: the indent of the lines after the first, 2 in a list item)."""
+    text = " ".join(fill(name, template, **more).split())
+    _out(textwrap.fill(text, WIDTH, subsequent_indent=" " * hang, break_on_hyphens=False, break_long_words=False))
+
+
+def table(name: str, rows: list[str] | None = None) -> None:
+    """Cog: the benchmark's own Markdown table, or ``rows`` (templates) filled with its figures."""
+    _out("\n".join(fill(name, row) for row in rows) if rows else "\n".join(bench(name)["table"]))
+
+
+# -- sentences whose words depend on the figures ------------------------------------------------------
+def faster(ratio: float, than: str = "one rank") -> str:
+    """'faster than one rank' / 'slower than one rank' / 'as fast as one rank'."""
+    if abs(ratio - 1) < 0.03:
+        return f"about as fast as {than}"
+    return f"{'faster' if ratio > 1 else 'slower'} than {than}"
+
+
+def chose(name: str, key: str) -> str:
+    """What ``--comm auto`` chose in the runs of ``key`` ('localsgd', or 'fp16 / none' where seeds differed)."""
+    return " / ".join(bench(name)["figures"][key]["chose"])

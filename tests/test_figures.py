@@ -1,0 +1,118 @@
+"""The benchmarks' figures on the pages come from the files the benchmarks write (docs/figures.py).
+
+Every benchmark writes benchmarks/results/NAME.json (benchmarks/results.py) with its command and machine; the
+pages paste tables and figures from those files with cog, so these tests fail when a page quotes a figure no
+file holds, a file no page quotes, a file lacks its machine, or a benchmark no longer starts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from docs import figures
+from tests.procs import REPO
+
+BENCHMARKS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if "__main__" in p.read_text(encoding="utf-8"))
+RESULTS = sorted((REPO / "benchmarks" / "results").glob("*.json"))
+PAGES = ["README.md", "docs/benchmarks.md", "docs/faults.md"]
+CALL = re.compile(r"figures\.(?:say|table|bench|chose)\(\"([\w-]+)\"")
+# Measured figures as a page would hand-write them: img/s, ms, a speed-up, seconds with a decimal.
+MEASURED = re.compile(r"\b\d[\d,]*(?:\.\d+)? ?(?:img/s|ms)\b|\b\d+\.\d+x\b|\b\d+\.\d+ s\b")
+REFERENCE = ["about 300 img/s"]   # the course's reference figures (lab/README.md), not this kit's measurements
+GENERATED = re.compile(r"<!-- \[\[\[cog\n.*?<!-- \[\[\[end\]\]\] -->|<!-- \[\[\[cog .*?<!-- \[\[\[end\]\]\] -->",
+                       re.S)
+
+
+def test_every_benchmark_starts(tmp_path):
+    """`--help` of every script in one process: a renamed module breaks a benchmark nobody runs in CI."""
+    script = ("import runpy, sys\n"
+              "for path in sys.argv[1:]:\n"
+              "    sys.argv = [path, '--help']\n"
+              "    try:\n"
+              "        runpy.run_path(path, run_name='__main__')\n"
+              "    except SystemExit as e:\n"
+              "        assert e.code in (0, None), (path, e.code)\n"
+              "    print('STARTED', path, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", script, *map(str, BENCHMARKS)], cwd=REPO, capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("STARTED") == len(BENCHMARKS), out.stdout[-2000:]
+    for path in BENCHMARKS:
+        if path.name not in ("gpu_peak.py", "torch_releases.py"):   # these write elsewhere (gpu-figures/, stdout)
+            assert "--out" in path.read_text(encoding="utf-8") or "add_out(" in path.read_text(encoding="utf-8"), \
+                f"{path.name} writes no results file"
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=[p.stem for p in RESULTS])
+def test_every_results_file_names_its_command_machine_and_date(path):
+    r = json.loads(path.read_text(encoding="utf-8"))
+    script = re.match(r"python (benchmarks/(\w+)\.py)( |$)", r["command"])
+    assert script and (REPO / script.group(1)).is_file(), r["command"]
+    assert r["benchmark"] == script.group(2) and path.stem.startswith(r["benchmark"]), (path.name, r["benchmark"])
+    if path.stem != r["benchmark"]:   # a second run of the same benchmark names its own file
+        assert f"--out benchmarks/results/{path.name}" in r["command"], r["command"]
+    assert r["machine"]["cpu"] and r["machine"]["cores"] >= 1 and r["machine"]["torch"], r["machine"]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["date"]) and r["commit"], (r["date"], r["commit"])
+    assert r["figures"], "no figures"
+    for line in r["table"]:
+        assert line.startswith("|") and line.endswith("|"), line
+
+
+def test_every_results_file_is_quoted_and_every_quote_has_its_file():
+    quoted = {name for page in PAGES for name in CALL.findall((REPO / page).read_text(encoding="utf-8"))}
+    assert quoted, "no page quotes a benchmark"
+    files = {p.stem for p in RESULTS}
+    assert quoted - files == set(), f"pages quote benchmarks/results/{sorted(quoted - files)}.json, which is missing"
+    assert files - quoted == set(), f"no page quotes {sorted(files - quoted)}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_measured_figure_is_written_by_hand(page):
+    """Outside the generated regions a page names no images/s, milliseconds, speed-up or measured seconds."""
+    text = GENERATED.sub("", (REPO / page).read_text(encoding="utf-8"))
+    for reference in REFERENCE:
+        text = text.replace(reference, "")
+    found = [m.group(0) for m in MEASURED.finditer(text)]
+    assert not found, f"{page} writes figures by hand (generate them from benchmarks/results/): {found}"
+
+
+def test_the_machine_is_named_and_a_busy_one_is_said(tmp_path, monkeypatch):
+    r = {"command": "python benchmarks/x.py", "date": "2026-11-25", "other_processes_cores": 0.0, "args": {},
+         "machine": {"cpu": "AMD EPYC", "cores": 2, "memory_gib": 23.5, "gpu": "", "torch": "2.6.0",
+                     "virtual": True}, "figures": {"speedup": {"mean": 1.234, "std": 0.05}}, "table": []}
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+    (tmp_path / "x.json").write_text(json.dumps(r))
+    assert figures.machine_of("x") == "an idle 2-core AMD EPYC VM (24 GiB, no GPU), torch 2.6.0, 2026-11-25"
+    assert figures.fill("x", "{f[speedup]:pm2} ({machine})").startswith("1.23 +- 0.05 (an idle 2-core")
+    (tmp_path / "x.json").write_text(json.dumps({**r, "other_processes_cores": 0.9}))
+    assert figures.machine_of("x").startswith("a busy (other processes used 0.9 cores meanwhile) 2-core")
+
+
+def test_a_recorder_writes_the_figures_the_command_and_the_load_beside_it(tmp_path):
+    """A benchmark run beside another load says so in its file (and so on the page)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import results
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    recorder = results.Recorder("b", argparse.Namespace(out=str(tmp_path / "b.json"), rounds=3))
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(2)
+        path = recorder.save({"ratio": 1.5}, ["| a |"])
+    finally:
+        busy.kill()
+        busy.wait()
+    saved = json.loads(Path(path).read_text())
+    assert saved["figures"] == {"ratio": 1.5} and saved["table"] == ["| a |"] and saved["args"] == {"rounds": 3}
+    assert saved["command"].startswith("python ") and saved["machine"]["cores"] >= 1
+    assert saved["other_processes_cores"] > 0.5, saved["other_processes_cores"]
+    assert not list(tmp_path.glob(".*.tmp")), "a temporary file was left"
