@@ -49,9 +49,9 @@ class Diverged(RuntimeError):
                 else kept or "rank 0's last.pt, if there is one, holds the last epoch with finite numbers")
         return (f"rank {rank}: training diverged at step {self.step}: {self.what} with lr {self.lr:.4g}. "
                 f"Nothing of this epoch was saved; {kept}. Try a smaller lr (a tenth), a longer warm-up "
-                f"(--warmup-epochs / WARMUP_EPOCHS), or bf16 / no AMP if fp16 overflowed (--amp bf16 / off; in a "
-                f"notebook amp= in the Settings cell); then start again (or resume from that checkpoint with the "
-                f"smaller lr).")
+                f"(--warmup-epochs / WARMUP_EPOCHS), or, if fp16 overflowed, no AMP (--amp off) or bf16 on a GPU "
+                f"that has it (compute capability 8.0+, not a T4: --amp bf16; in a notebook amp= in the Settings "
+                f"cell); then start again (or resume from that checkpoint with the smaller lr).")
 
 
 def _check_finite(value: float, what: str, step: int, lr: float) -> None:
