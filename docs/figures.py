@@ -14,6 +14,7 @@ its command or machine.
 from __future__ import annotations
 
 import json
+import re
 import string
 import textwrap
 from pathlib import Path
@@ -40,8 +41,8 @@ def machine_of(name: str) -> str:
 
 
 class _Figures(string.Formatter):
-    """``{f[ratio][single_node]:.2f}``: a figure of the file; ``{command}``, ``{machine}``; ``{x:pm0}`` a
-    {mean, std} pair as 'mean +- std' with 0 decimals."""
+    """``{f[ratio][single_node]:.2f}``: a figure of the file; ``{command}``, ``{machine}``, ``{where}``,
+    ``{args[rounds]}``; ``{x:pm0}`` a {mean, std} pair as 'mean +- std' with 0 decimals."""
 
     def format_field(self, value, spec):
         if spec.startswith("pm"):
@@ -50,10 +51,17 @@ class _Figures(string.Formatter):
         return super().format_field(value, spec)
 
 
+def where(name: str) -> str:
+    """'a 2-core AMD EPYC VM': the machine in a few words (the README's), the whole of it being on the linked page."""
+    m = bench(name)["machine"]
+    return f"a {m['cores']}-core {m['cpu']} {'VM' if m.get('virtual') else 'machine'}" + (f", {m['gpu']}" if m["gpu"]
+                                                                                           else "")
+
+
 def fill(name: str, template: str, **more) -> str:
     r = bench(name)
     return _Figures().format(template, f=r["figures"], command=f"`{r['command']}`", machine=machine_of(name),
-                             args=r["args"], **more)
+                             where=where(name), args=r["args"], **more)
 
 
 def _out(text: str) -> None:
@@ -82,5 +90,27 @@ def faster(ratio: float, than: str = "one rank") -> str:
 
 
 def chose(name: str, key: str) -> str:
-    """What ``--comm auto`` chose in the runs of ``key`` ('localsgd', or 'fp16 / none' where seeds differed)."""
-    return " / ".join(bench(name)["figures"][key]["chose"])
+    """What ``--comm auto`` chose in the runs of ``key``: '`localsgd`', or '`fp16` in some runs and `localsgd` in
+    the others' where the seeds' probes fell on either side of a threshold."""
+    found = [f"`{c}`" for c in bench(name)["figures"][key]["chose"]]
+    return found[0] if len(found) == 1 else f"{', '.join(found[:-1])} in some runs and {found[-1]} in the others"
+
+
+def releases(template: str) -> None:
+    """Cog: ``template`` with the probes of every benchmarks/results/torch_releases-*.json (one per torch release):
+    {releases} '2.6.0, 2.7.1, ...', {hung} 'hung in 3 of 3 runs on 2.6.0 and 2.7.1; in 0 of 3 on ...', {agrees},
+    {machine} (the first release's)."""
+    runs = sorted((bench(p.stem) for p in RESULTS.glob("torch_releases-*.json")),
+                  key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["figures"]["release"])[:3]))
+    names = [f"torch_releases-{r['figures']['release']}" for r in runs]
+    by_count: dict[str, list[str]] = {}
+    for r in runs:
+        f = r["figures"]
+        by_count.setdefault(f"{f['destroy_hung']} of {f['destroy_runs']}", []).append(f["release"])
+    hung = "; ".join(f"{count} on {', '.join(found)}" for count, found in by_count.items())
+    wrong = [r["figures"]["release"] for r in runs if not r["figures"]["compat_agrees"]]
+    agrees = "it did on each" if not wrong else f"it did not on {', '.join(wrong)}"
+    machines = {machine_of(name).split(", torch")[0] for name in names}
+    text = template.format(releases=", ".join(r["figures"]["release"] for r in runs), hung=hung, agrees=agrees,
+                           machine=" / ".join(sorted(machines)))
+    _out(textwrap.fill(" ".join(text.split()), WIDTH, break_on_hyphens=False, break_long_words=False))

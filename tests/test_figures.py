@@ -17,12 +17,15 @@ from pathlib import Path
 import pytest
 
 from docs import figures
-from tests.procs import REPO
+from tests.procs import REPO as _REPO
+
+REPO = Path(_REPO)
 
 BENCHMARKS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if "__main__" in p.read_text(encoding="utf-8"))
 RESULTS = sorted((REPO / "benchmarks" / "results").glob("*.json"))
-PAGES = ["README.md", "docs/benchmarks.md", "docs/faults.md"]
-CALL = re.compile(r"figures\.(?:say|table|bench|chose)\(\"([\w-]+)\"")
+PAGES = ["README.md", "docs/benchmarks.md", "docs/faults.md", "docs/gpu.md"]
+HAND_CHECKED = ["README.md", "docs/benchmarks.md", "docs/faults.md"]   # whose figures are all measurements
+CALL = re.compile(r"figures\.(?:say|table|bench|chose)\(\"([\w.-]+)\"")
 # Measured figures as a page would hand-write them: img/s, ms, a speed-up, seconds with a decimal.
 MEASURED = re.compile(r"\b\d[\d,]*(?:\.\d+)? ?(?:img/s|ms)\b|\b\d+\.\d+x\b|\b\d+\.\d+ s\b")
 REFERENCE = ["about 300 img/s"]   # the course's reference figures (lab/README.md), not this kit's measurements
@@ -32,9 +35,10 @@ GENERATED = re.compile(r"<!-- \[\[\[cog\n.*?<!-- \[\[\[end\]\]\] -->|<!-- \[\[\[
 
 def test_every_benchmark_starts(tmp_path):
     """`--help` of every script in one process: a renamed module breaks a benchmark nobody runs in CI."""
-    script = ("import runpy, sys\n"
+    script = ("import os, runpy, sys\n"
               "for path in sys.argv[1:]:\n"
               "    sys.argv = [path, '--help']\n"
+              "    sys.path.insert(0, os.path.dirname(path))   # as `python benchmarks/x.py` does\n"
               "    try:\n"
               "        runpy.run_path(path, run_name='__main__')\n"
               "    except SystemExit as e:\n"
@@ -56,7 +60,9 @@ def test_every_results_file_names_its_command_machine_and_date(path):
     script = re.match(r"python (benchmarks/(\w+)\.py)( |$)", r["command"])
     assert script and (REPO / script.group(1)).is_file(), r["command"]
     assert r["benchmark"] == script.group(2) and path.stem.startswith(r["benchmark"]), (path.name, r["benchmark"])
-    if path.stem != r["benchmark"]:   # a second run of the same benchmark names its own file
+    if r["benchmark"] == "torch_releases":   # one file per release, named by it
+        assert path.stem == f"torch_releases-{r['figures']['release']}", path.name
+    elif path.stem != r["benchmark"]:   # a second run of the same benchmark names its own file
         assert f"--out benchmarks/results/{path.name}" in r["command"], r["command"]
     assert r["machine"]["cpu"] and r["machine"]["cores"] >= 1 and r["machine"]["torch"], r["machine"]
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["date"]) and r["commit"], (r["date"], r["commit"])
@@ -66,14 +72,17 @@ def test_every_results_file_names_its_command_machine_and_date(path):
 
 
 def test_every_results_file_is_quoted_and_every_quote_has_its_file():
-    quoted = {name for page in PAGES for name in CALL.findall((REPO / page).read_text(encoding="utf-8"))}
+    texts = [(REPO / page).read_text(encoding="utf-8") for page in PAGES]
+    quoted = {name for text in texts for name in CALL.findall(text)}
     assert quoted, "no page quotes a benchmark"
     files = {p.stem for p in RESULTS}
+    if any("figures.releases(" in text for text in texts):   # it quotes every torch_releases-RELEASE.json
+        quoted |= {name for name in files if name.startswith("torch_releases-")}
     assert quoted - files == set(), f"pages quote benchmarks/results/{sorted(quoted - files)}.json, which is missing"
     assert files - quoted == set(), f"no page quotes {sorted(files - quoted)}"
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", HAND_CHECKED)
 def test_no_measured_figure_is_written_by_hand(page):
     """Outside the generated regions a page names no images/s, milliseconds, speed-up or measured seconds."""
     text = GENERATED.sub("", (REPO / page).read_text(encoding="utf-8"))
