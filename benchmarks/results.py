@@ -86,7 +86,9 @@ def commit() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+        # changed code, not pages: the pages are regenerated while benchmarks run
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "ddp_utils",
+                                "benchmarks/*.py", "tests", "notebooks", "requirements.txt"], cwd=REPO,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return sha + ("+changes" if dirty else "") if sha else ""
     except (OSError, subprocess.SubprocessError):
@@ -102,6 +104,7 @@ class Recorder:
                                             [os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
         self.start = (time.perf_counter(), busy_cpu_seconds(), own_cpu_seconds())
         self.date = datetime.datetime.now().strftime("%Y-%m-%d")
+        self.commit = commit()   # the code that runs is the code at the start
 
     def others(self) -> float:
         """The cores other processes of the machine used on average since the start."""
@@ -112,7 +115,7 @@ class Recorder:
     def save(self, figures: dict, table: list[str] | None = None, others: float | None = None, **extra) -> Path:
         """``others``: the benchmark's own measure of the other processes' cores, over its timed part only."""
         others = self.others() if others is None else others
-        record = {"benchmark": self.name, "command": self.command, "date": self.date, "commit": commit(),
+        record = {"benchmark": self.name, "command": self.command, "date": self.date, "commit": self.commit,
                   "seconds": round(time.perf_counter() - self.start[0], 1), "machine": machine(),
                   "other_processes_cores": round(others, 2),
                   "args": {k: v for k, v in vars(self.args).items() if k != "out"},

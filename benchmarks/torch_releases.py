@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_utils.robust import compat  # noqa: E402
+from results import RESULTS, Recorder  # noqa: E402  (benchmarks/results.py)
 
 
 def libuv_takes_a_listening_socket() -> bool:
@@ -118,8 +119,13 @@ def yes(flag: bool) -> str:
 
 def main() -> None:
     import argparse
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="One row a run: run it in a venv with the "
-                            "torch to look at.").parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="One row a run: run it in a venv "
+                                     "with the torch to look at.")
+    release = torch.__version__.split("+")[0]
+    parser.add_argument("--out", default=str(RESULTS / f"torch_releases-{release}.json"),
+                        help="the JSON file the probes go to (default benchmarks/results/torch_releases-RELEASE.json)")
+    args = parser.parse_args()
+    recorder = Recorder("torch_releases", args)
     nccl = getattr(dist, "ProcessGroupNCCL", None)
     probed = {"libuv store takes a listening socket": libuv_takes_a_listening_socket(),
               "ProcessGroup.abort": hasattr(dist.ProcessGroup, "abort"),
@@ -136,6 +142,8 @@ def main() -> None:
               and compat.timeout_changes_after_init("gloo") == probed["gloo honours a new timeout"]
               and (hangs == 0 or compat.destroy_path("gloo") != "at once"))
     print("compat agrees with the probes" if agrees else "compat DISAGREES with the probes: fix robust/compat.py")
+    recorder.save({"release": release, "probed": probed, "destroy_hung": hangs, "destroy_runs": 3,
+                   "destroy_failed": failed, "picks": picks, "compat_agrees": agrees})
     sys.exit(0 if agrees else 1)
 
 

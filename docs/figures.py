@@ -35,9 +35,13 @@ def machine_of(name: str) -> str:
     m = r["machine"]
     others = r["other_processes_cores"]
     busy = "an idle" if others < 0.2 else f"a busy (other processes used {others:.1f} cores meanwhile)"
-    kind = "VM" if m.get("virtual") else "machine"
-    gpu = m["gpu"] or "no GPU"
-    return f"{busy} {m['cores']}-core {m['cpu']} {kind} ({m['memory_gib']:.0f} GiB, {gpu}), torch {m['torch']}, {r['date']}"
+    return f"{busy} {hardware(m)}, torch {m['torch']}, {r['date']}"
+
+
+def hardware(m: dict) -> str:
+    """'2-core AMD EPYC VM (24 GiB, no GPU)' from a results file's machine."""
+    return (f"{m['cores']}-core {m['cpu']} {'VM' if m.get('virtual') else 'machine'} "
+            f"({m['memory_gib']:.0f} GiB, {m['gpu'] or 'no GPU'})")
 
 
 class _Figures(string.Formatter):
@@ -102,7 +106,6 @@ def releases(template: str) -> None:
     {machine} (the first release's)."""
     runs = sorted((bench(p.stem) for p in RESULTS.glob("torch_releases-*.json")),
                   key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["figures"]["release"])[:3]))
-    names = [f"torch_releases-{r['figures']['release']}" for r in runs]
     by_count: dict[str, list[str]] = {}
     for r in runs:
         f = r["figures"]
@@ -110,7 +113,11 @@ def releases(template: str) -> None:
     hung = "; ".join(f"{count} on {', '.join(found)}" for count, found in by_count.items())
     wrong = [r["figures"]["release"] for r in runs if not r["figures"]["compat_agrees"]]
     agrees = "it did on each" if not wrong else f"it did not on {', '.join(wrong)}"
-    machines = {machine_of(name).split(", torch")[0] for name in names}
+    machines = {hardware(r["machine"]) for r in runs}
+    busy = [f"{r['figures']['release']} ({r['other_processes_cores']:.1f})" for r in runs
+            if r["other_processes_cores"] >= 0.2]
+    machine = "a " + " / a ".join(sorted(machines)) + (f"; other processes used cores (in brackets) beside "
+                                                      f"{', '.join(busy)}" if busy else "")   # cores in brackets
     text = template.format(releases=", ".join(r["figures"]["release"] for r in runs), hung=hung, agrees=agrees,
-                           machine=" / ".join(sorted(machines)))
+                           machine=machine)
     _out(textwrap.fill(" ".join(text.split()), WIDTH, break_on_hyphens=False, break_long_words=False))
