@@ -47,7 +47,7 @@ from ddp_utils.data import build_loaders  # noqa: E402
 from ddp_utils.datasets import EpochLoader, ImageFolderDataset, load_preset, train_transform  # noqa: E402
 from ddp_utils.runlog import cpu_name  # noqa: E402
 from ddp_utils.settings import Settings  # noqa: E402
-from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
+from results import Recorder, add_out, busy_cpu_seconds  # noqa: E402  (benchmarks/results.py)
 
 LABELS = {   # what each path is, as the table says it
     "course": "course: Pillow decodes, RandomResizedCrop, ToTensor, Normalize per image (float32 batches)",
@@ -158,16 +158,6 @@ class DecodeOnly:
     def epoch(self, epoch: int):
         for path in self.paths:
             yield fastjpeg.decode_rgb(path), [path]
-
-
-def busy_cpu_seconds() -> float:
-    """CPU seconds all processes of the machine have used since boot (Linux /proc/stat; 0 elsewhere)."""
-    try:
-        with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    except (OSError, ValueError):
-        return 0.0
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def one_epoch(loader, epoch: int) -> tuple[int, float, float]:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(REPO))
+from ddp_utils.runlog import cpu_name  # noqa: E402
 
 
 def add_out(parser, name: str) -> None:
@@ -46,14 +48,6 @@ def own_cpu_seconds() -> float:
     """This process's CPU seconds and those of the children it has waited for (the runs it started)."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def gpu_name() -> str:
