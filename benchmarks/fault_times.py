@@ -75,6 +75,9 @@ def main() -> None:
         t = float(re.search(r"^CHECK interrupted_at=([\d.]+)", r0.output, re.M).group(1))
         rows.append(("Stop pressed in rank 0's notebook during epoch 2", "kernel kept", stopped_after(r1, t),
                      last_line(r1.output)))
+        if rows[-1][2] == "-":   # rank 1 ended without the kit's message: keep what it printed, to look at
+            print(f"rank 1 (exit {r1.returncode}) printed, at the end:\n" + "\n".join(r1.output.splitlines()[-60:]),
+                  file=sys.stderr)
         for name, timeout in (("default", "60 s"), ("patient", "600 s")):
             rows.append(frozen_or_killed(name, timeout, "SIGSTOP", Path(tmp) / f"frozen-{name}"))
             rows.append(frozen_or_killed(name, timeout, "SIGKILL", Path(tmp) / f"killed-{name}"))
