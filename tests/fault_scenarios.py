@@ -49,6 +49,9 @@ def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") 
     try:
         job = prepare(settings)
         if name == "interrupt" and rank == 0:
+            # Python ignores SIGINT in a process started in the background (`cmd &` in a script): what Stop does to
+            # a kernel must raise KeyboardInterrupt however this scenario was started
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             last = os.path.join(settings.run_dir, "last.pt")
 
             def stop_in_epoch_2():
