@@ -154,11 +154,11 @@ def main() -> None:
         comm = pm(row["comm"], ".0f") if row["comm"] else "-"
         label = "1 rank" if name == "1 rank" else "2 ranks"
         step = pm(row["compute_ms"], ".0f") + (f" / {pm(row['comm_ms'], '.0f')}" if row["comm_ms"] else "")
-        of_fast = pm([a / b for a, b in zip(row["ips"], fast)], ".2f") if fast and label == "2 ranks" else "-"
-        table.append(f"| {label} | {rate} | {chosen} | {pm(row['ips'], '.0f')} | {pm(row['ratio'], '.2f')} | "
-                     f"{pm(row['late'], '.2f')} | {of_fast} | {comm} | {step} | {pm(row['acc1'], '.2f')} |")
         if fast and label == "2 ranks":
             row["of_unshaped"] = [a / b for a, b in zip(row["ips"], fast)]
+        of_fast = pm(row["of_unshaped"], ".2f") if "of_unshaped" in row else "-"
+        table.append(f"| {label} | {rate} | {chosen} | {pm(row['ips'], '.0f')} | {pm(row['ratio'], '.2f')} | "
+                     f"{pm(row['late'], '.2f')} | {of_fast} | {comm} | {step} | {pm(row['acc1'], '.2f')} |")
     print("\n".join(table))
     # figures["1gbit/localsgd"]["acc1"] = {"mean": ..., "std": ..., "values": [one a seed]}
     recorder.save({f"{rate}/{name}" if rate != "-" else name: {

@@ -19,9 +19,10 @@ import string
 import textwrap
 from pathlib import Path
 
+from docs.quotes import WIDTH, _out   # the pages' line width, and cog's output
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-WIDTH = 115   # the pages' prose lines (docs/quotes.py's)
 
 
 def bench(name: str) -> dict:
@@ -68,16 +69,15 @@ def fill(name: str, template: str, **more) -> str:
                              where=where(name), args=r["args"], **more)
 
 
-def _out(text: str) -> None:
-    import cog  # only while cog runs
-    cog.outl(text)
-
-
 def say(name: str, template: str, hang: int = 0, **more) -> None:
     """Cog: a paragraph with the figures of benchmarks/results/NAME.json filled in, wrapped as the pages are
     (``hang``: the indent of the lines after the first, 2 in a list item)."""
-    text = " ".join(fill(name, template, **more).split())
-    _out(textwrap.fill(text, WIDTH, subsequent_indent=" " * hang, break_on_hyphens=False, break_long_words=False))
+    _paragraph(fill(name, template, **more), hang)
+
+
+def _paragraph(text: str, hang: int = 0) -> None:
+    _out(textwrap.fill(" ".join(text.split()), WIDTH, subsequent_indent=" " * hang, break_on_hyphens=False,
+                       break_long_words=False))
 
 
 def table(name: str, rows: list[str] | None = None) -> None:
@@ -102,8 +102,8 @@ def chose(name: str, key: str) -> str:
 
 def releases(template: str) -> None:
     """Cog: ``template`` with the probes of every benchmarks/results/torch_releases-*.json (one per torch release):
-    {releases} '2.6.0, 2.7.1, ...', {hung} 'hung in 3 of 3 runs on 2.6.0 and 2.7.1; in 0 of 3 on ...', {agrees},
-    {machine} (the first release's)."""
+    {releases} '2.6.0, 2.7.1, ...', {hung} '2 of 3 on 2.6.0, 2.7.1; 0 of 3 on ...', {agrees}, {machine} (the
+    hardware, and the releases probed beside other load)."""
     runs = sorted((bench(p.stem) for p in RESULTS.glob("torch_releases-*.json")),
                   key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["figures"]["release"])[:3]))
     by_count: dict[str, list[str]] = {}
@@ -117,7 +117,7 @@ def releases(template: str) -> None:
     busy = [f"{r['figures']['release']} ({r['other_processes_cores']:.1f})" for r in runs
             if r["other_processes_cores"] >= 0.2]
     machine = "a " + " / a ".join(sorted(machines)) + (f"; other processes used cores (in brackets) beside "
-                                                      f"{', '.join(busy)}" if busy else "")   # cores in brackets
+                                                      f"{', '.join(busy)}" if busy else "")
     text = template.format(releases=", ".join(r["figures"]["release"] for r in runs), hung=hung, agrees=agrees,
                            machine=machine)
-    _out(textwrap.fill(" ".join(text.split()), WIDTH, break_on_hyphens=False, break_long_words=False))
+    _paragraph(text)

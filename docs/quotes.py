@@ -400,17 +400,16 @@ def cell_output(proc: str) -> dict[int, list[str]]:
 class _Cells(string.Formatter):
     """``{m7_start-up}``: main.ipynb's cell 7, its first output line that starts with `start-up`, in backticks;
     ``{m7_epoch+1}`` the line after the first that starts with `epoch`; ``{w6_resume}`` worker.ipynb's (a line
-    named by its start stays right when the cell prints a line more before it; ``{m6_0}``, by index, would not);
-    ``{m7_0:cut}`` only up to the first `: ` (then `...`), ``{m7_0:cut2}`` up to the second."""
+    named by its start stays right when the cell prints a line more before it, where an index would not);
+    ``{m7_link:cut}`` only up to the first `: ` (then `...`), ``{m7_rank:cut2}`` up to the second."""
     def __init__(self):
         self.out = {"m": cell_output("notebook-main"), "w": cell_output("notebook-worker")}
 
     def get_value(self, key, args, kwargs):
-        nb, cell, line, after = re.fullmatch(r"([mw])(\d+)_([\w -]+?)(?:\+(\d+))?", key).groups()
+        nb, cell, start, after = re.fullmatch(r"([mw])(\d+)_([\w -]+?)(?:\+(\d+))?", key).groups()
         lines = [text.strip() for text in self.out[nb][int(cell)]]
-        if not line.isdigit():   # named by how it starts: KeyError-like failure if no line does
-            line = next(i for i, text in enumerate(lines) if text.startswith(line))
-        return lines[int(line) + int(after or 0)]
+        first = next(i for i, text in enumerate(lines) if text.startswith(start))   # StopIteration if none does
+        return lines[first + int(after or 0)]
 
     def format_field(self, value, spec):
         if spec.startswith("cut"):   # cut, cut2: keep up to the first (second) ": "
