@@ -84,9 +84,9 @@ def commit() -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "ddp_utils",
                                 "benchmarks/*.py", "tests", "notebooks", "requirements.txt"], cwd=REPO,
                                capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + ("+changes" if dirty else "") if sha else ""
+        return sha + ("+changes" if dirty else "") if sha else os.environ.get("KIT_COMMIT", "")
     except (OSError, subprocess.SubprocessError):
-        return ""
+        return os.environ.get("KIT_COMMIT", "")   # a copy without git (a GPU machine): the caller names it
 
 
 class Recorder:
