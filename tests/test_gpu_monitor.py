@@ -238,7 +238,7 @@ def test_real_nvml_measures_this_ranks_busy_gpu():
             for _ in range(10):
                 x = torch.tanh(x @ x)
             torch.cuda.synchronize()
-        nvml_bus = pynvml.nvmlDeviceGetPciInfo(gpu._handle).busId
+        nvml_bus = pynvml.nvmlDeviceGetPciInfo(gpu._handles[0]).busId
     s = gpu.summary()
     assert s["gpu_samples"] >= 5, s
     assert 0 < s["gpu_util_peak"] <= 100 and 0 <= s["gpu_util"] <= 100
