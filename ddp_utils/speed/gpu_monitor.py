@@ -66,8 +66,8 @@ class GpuMonitor:
             self.reason = f"NVML has no handle for {self.device}: {str(exc) or type(exc).__name__}"
             self._nvml.nvmlShutdown()
             return self
-        if torch.cuda.is_available():
-            for device in self.devices:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():   # before CUDA's init there is no peak
+            for device in self.devices:                                  # yet, and resetting one raises
                 torch.cuda.reset_peak_memory_stats(device)   # this run's peak, not an earlier cell's
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="ddp_utils-gpu-monitor", daemon=True)
