@@ -78,9 +78,9 @@ def measure(arch: str, batch: int, size: int, steps: int, device: torch.device) 
 def kit_run(batch: int, size: int, epochs: int, workers: int) -> dict:
     """The kit's own training on fake data: what the loader, the loop and the logging leave of the ceiling."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "ddp_utils", "train", "--dataset", "fake", "--arch", "resnet18",
-               "--image-size", str(size), "--batch-size", str(batch), "--epochs", str(epochs),
-               "--workers", str(workers), "--wandb", "disabled", "--progress", "off", "--run-dir", f"{tmp}/run"]
+        settings = Settings(dataset="fake", arch="resnet18", image_size=size, batch_size=batch, epochs=epochs,
+                            workers=workers, wandb="disabled", progress="off", run_dir=f"{tmp}/run")
+        cmd = [sys.executable, "-m", "ddp_utils", "train", *settings.to_argv()]
         done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
                               timeout=900)
         if done.returncode != 0:

@@ -304,8 +304,9 @@ def test_the_collective_timeout_a_user_sets_holds_on_every_torch():
     assert rank0.get("failed") is True and rank0["waited"] < 7, describe(results)
 
 
-def test_check_prints_the_paths_this_torch_takes(tmp_path):
+def test_check_prints_the_paths_this_torch_takes(tmp_path, monkeypatch):
     from ddp_utils.tools.check import run_check
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # gloo's paths, also on a machine with a GPU
     lines = []
     run_check(Settings(dataset="demo", data_dir=str(tmp_path / "absent"), workers=0), log=lines.append)
     text = "\n".join(lines)

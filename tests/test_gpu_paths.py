@@ -347,8 +347,9 @@ def test_each_dataparallel_replica_computes_in_the_runs_dtype():
         thread.start()
         thread.join()
     assert out == {"plain": torch.float16, "kit": torch.bfloat16}
-    assert unwrap(torch.nn.DataParallel(wrapped)) is inner   # checkpoints keep the plain model's keys
     assert wrapped(torch.randn(3, 4)).dtype == torch.float32   # outside autocast: left alone
+    # (last: on a machine with a GPU, DataParallel moves the module onto it)
+    assert unwrap(torch.nn.DataParallel(wrapped)) is inner   # checkpoints keep the plain model's keys
 
 
 @gpu_only

@@ -260,7 +260,8 @@ def test_the_failure_named_is_the_one_that_started_it_not_the_others_reaction():
         "Invalid settings: - lr=-1: must not be negative"
 
 
-def test_the_plan_gives_every_process_its_rank_and_refuses_impossible_layouts():
+def test_the_plan_gives_every_process_its_rank_and_refuses_impossible_layouts(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # a CPU node, also on a machine with a GPU
     base = Settings(master_addr="10.0.0.1", master_port=1234)
     plans = launch_module.plan(base, nproc_per_node=2, nnodes=3, node_rank=1)
     assert [(s.rank, s.local_rank, s.world_size) for s in plans] == [(2, 0, 6), (3, 1, 6)]
@@ -271,8 +272,7 @@ def test_the_plan_gives_every_process_its_rank_and_refuses_impossible_layouts():
         launch_module.plan(base, nproc_per_node=1, nnodes=2, node_rank=2)
     with pytest.raises(ValueError, match="loopback"):
         launch_module.plan(Settings(), nproc_per_node=1, nnodes=2)
-    if not torch.cuda.is_available():
-        assert len(launch_module.plan(Settings())) == 1   # no GPU: one process
+    assert len(launch_module.plan(Settings())) == 1   # no GPU: one process
 
 
 # -- two hosts, two processes each ----------------------------------------------------------------------------
