@@ -261,7 +261,7 @@ def test_the_failure_named_is_the_one_that_started_it_not_the_others_reaction():
 
 
 def test_the_plan_gives_every_process_its_rank_and_refuses_impossible_layouts(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # a CPU node, also on a machine with a GPU
+    monkeypatch.setattr(launch_module, "local_gpus", lambda: 0)   # a CPU node, also on a machine with a GPU
     base = Settings(master_addr="10.0.0.1", master_port=1234)
     plans = launch_module.plan(base, nproc_per_node=2, nnodes=3, node_rank=1)
     assert [(s.rank, s.local_rank, s.world_size) for s in plans] == [(2, 0, 6), (3, 1, 6)]
