@@ -131,7 +131,8 @@ def main() -> None:
                       f"{100 * kit['of_ceiling']:.0f} % of ResNet-18's ceiling above; time split "
                       + ", ".join(f"{k} {v:.1f}" for k, v in kit["time_split"].items())]
         print(lines[-1])
-    recorder.save(figures, lines)
+    recorder.save(figures, [line for line in lines if line.startswith("|")],
+                  notes=[line for line in lines if line and not line.startswith("|")])
 
 
 if __name__ == "__main__":

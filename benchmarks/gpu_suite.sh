@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite in one command: the tests marked `gpu` (nccl, AMP bf16/fp16 + scaler, channels_last, the
 # CUDA memory loader, DALI GPU decoding, NVML, DataParallel with 2+ GPUs), then the training throughput
-# against the GPU's peak. Writes everything into one folder.
+# against the GPU's peak. The test log and the GPU's name go into one folder, the figures to benchmarks/results/
 #
 #   bash benchmarks/gpu_suite.sh [OUT_DIR]        # default: gpu-figures/<YYYYmmdd-HHMMSS>
 set -uo pipefail
@@ -11,7 +11,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.csv" 2>&1
 python -m pytest -m gpu -v -rs 2>&1 | tee "$out/gpu-tests.txt"
 tests=${PIPESTATUS[0]}
-python benchmarks/gpu_peak.py --out "$out/gpu_peak.md"
+python benchmarks/gpu_peak.py   # writes benchmarks/results/gpu_peak.json, which docs/benchmarks.md quotes
 peak=$?
 echo "figures in $out (tests exit $tests, benchmark exit $peak)"
 [ "$tests" -eq 0 ] && [ "$peak" -eq 0 ]

@@ -77,6 +77,8 @@ def _virtual() -> bool:
 
 
 def commit() -> str:
+    if os.environ.get("KIT_COMMIT"):   # a copy whose .git is not the code's (the GPU machine's): the caller names it
+        return os.environ["KIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=10).stdout.strip()
@@ -84,9 +86,9 @@ def commit() -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "ddp_utils",
                                 "benchmarks/*.py", "tests", "notebooks", "requirements.txt"], cwd=REPO,
                                capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + ("+changes" if dirty else "") if sha else os.environ.get("KIT_COMMIT", "")
+        return sha + ("+changes" if dirty else "") if sha else ""
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("KIT_COMMIT", "")   # a copy without git (a GPU machine): the caller names it
+        return ""
 
 
 class Recorder:

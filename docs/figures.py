@@ -39,17 +39,24 @@ def machine_of(name: str) -> str:
     return f"{busy} {hardware(m)}, torch {m['torch']}, {r['date']}"
 
 
+def cpu(m: dict) -> str:
+    """'Intel Xeon Processor' for 'Intel(R) Xeon(R) Processor': the CPU's name without its marks."""
+    return re.sub(r"\((R|TM)\)", "", m["cpu"], flags=re.I)
+
+
 def hardware(m: dict) -> str:
     """'2-core AMD EPYC VM (24 GiB, no GPU)' from a results file's machine."""
-    return (f"{m['cores']}-core {m['cpu']} {'VM' if m.get('virtual') else 'machine'} "
+    return (f"{m['cores']}-core {cpu(m)} {'VM' if m.get('virtual') else 'machine'} "
             f"({m['memory_gib']:.0f} GiB, {m['gpu'] or 'no GPU'})")
 
 
 class _Figures(string.Formatter):
     """``{f[ratio][single_node]:.2f}``: a figure of the file; ``{command}``, ``{machine}``, ``{where}``,
-    ``{args[rounds]}``; ``{x:pm0}`` a {mean, std} pair as 'mean +- std' with 0 decimals."""
+    ``{args[rounds]}``; ``{x:pm0}`` a {mean, std} pair as 'mean +- std' with 0 decimals; ``{x:pc}`` a share as '8 %'."""
 
     def format_field(self, value, spec):
+        if spec == "pc":          # a share as the pages write it: '8 %'
+            return f"{100 * value:.0f} %"
         if spec.startswith("pm"):
             digits = int(spec[2:] or 0)
             return f"{value['mean']:.{digits}f} +- {value['std']:.{digits}f}"
@@ -59,7 +66,7 @@ class _Figures(string.Formatter):
 def where(name: str) -> str:
     """'a 2-core AMD EPYC VM': the machine in a few words (the README's), the whole of it being on the linked page."""
     m = bench(name)["machine"]
-    return f"a {m['cores']}-core {m['cpu']} {'VM' if m.get('virtual') else 'machine'}" + (f", {m['gpu']}" if m["gpu"]
+    return f"a {m['cores']}-core {cpu(m)} {'VM' if m.get('virtual') else 'machine'}" + (f", {m['gpu']}" if m["gpu"]
                                                                                            else "")
 
 
@@ -80,9 +87,11 @@ def _paragraph(text: str, hang: int = 0) -> None:
                        break_long_words=False))
 
 
-def table(name: str, rows: list[str] | None = None) -> None:
-    """Cog: the benchmark's own Markdown table, or ``rows`` (templates) filled with its figures."""
-    _out("\n".join(fill(name, row) for row in rows) if rows else "\n".join(bench(name)["table"]))
+def table(name: str, rows: list[str] | None = None, apart: bool = False) -> None:
+    """Cog: the benchmark's own Markdown table, or ``rows`` (templates) filled with its figures (``apart``: with a
+    blank line before and after, between two paragraphs)."""
+    text = "\n".join(fill(name, row) for row in rows) if rows else "\n".join(bench(name)["table"])
+    _out(f"\n{text}\n" if apart else text)
 
 
 # -- sentences whose words depend on the figures ------------------------------------------------------

@@ -418,12 +418,13 @@ def answer_sources() -> dict[int, list[str]]:
     from pathlib import Path
     text = (Path(__file__).resolve().parents[1] / "lab" / "README.md").read_text()
     section = text.split("## 9. Questions to answer")[1].split("## 10.")[0]
-    sources, question = {}, None
+    sources, question, answer = {}, None, False
     for line in section.splitlines():
         start = re.match(r"(\d+)\. \*\*", line)
         if start:
-            question = int(start.group(1))
-        elif "*Answer from:*" in line:
+            question, answer = int(start.group(1)), False
+        answer = (answer and line.strip() != "" and not line.lstrip().startswith("* ")) or "*Answer from:*" in line
+        if answer:
             sources.setdefault(question, []).extend(re.findall(r"`([^`]+)`", line))
     return sources
 
@@ -443,6 +444,13 @@ def test_every_homework_question_names_figures_that_the_demo_runs_produced(demo_
         for item in items:
             kind, _, names = item.partition(": ")
             where = f"question {question}: {item}"
+            if kind == "compare":                           # the table `python -m ddp_utils compare RUN...` prints
+                table = report.compare_table(runs)
+                assert "| single |" in table and "| DDP |" in table, where   # both runs, one row each
+                continue
+            if kind == "report":                            # the command that wrote `out`
+                assert (out / "results.md").is_file(), where
+                continue
             if not names:                                   # a file of the report
                 assert (out / kind).is_file(), where
                 continue
