@@ -182,12 +182,9 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
     """``init_process_group`` with a bounded wait, on the backend every rank agreed on (returned); a
     failure becomes one readable DistSetupError."""
     global _store, _waits, _watches, _group_sockets, _aborted
-    if settings.init_method == "env":  # torchrun: its agent hosts the store on MASTER_PORT
-        call = {"init_method": "env://"}
-        everyone = rendezvous.share_facts_under_torchrun(settings, facts)
-    else:  # our own store on master_port, so that re-running a notebook cell works (rendezvous.py)
-        call = {"store": rendezvous.open_store(settings, log)}
-        everyone = rendezvous.wait_for_all_ranks(call["store"], settings, log, facts)
+    # Keys of this setup's own on the store on master_port (rank 0's, or torchrun's agent's), so that re-running a
+    # notebook cell, or torchrun restarting the training processes, never reads an earlier attempt's (rendezvous.py)
+    keys, everyone = rendezvous.join(settings, log, facts)
     try:
         # Every rank's device, compared before any backend starts: the same backend, or the same error, everywhere
         backend, note = report["backend"], ""
@@ -197,8 +194,8 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
             if torch_releases_differ(everyone):
                 log(f"rank {settings.rank}: {torch_releases_differ(everyone)}")
     except DistSetupError as e:
-        if "store" in call and settings.rank == 0:
-            rendezvous.close_generation(call["store"])
+        if settings.rank == 0:
+            rendezvous.close_generation(keys)
         raise DistSetupError(f"rank {settings.rank}: {e}") from None
     report["backend"] = backend
     if note:
@@ -212,10 +209,10 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
         before = _tcp_connections()
         # DDP: the process group. With the kit's store this is what init_method="tcp://ADDR:PORT" does.
         dist.init_process_group(backend, rank=settings.rank, world_size=settings.world_size,
-                                timeout=timeout, **call)
+                                timeout=timeout, store=keys)
         # NCCL connects lazily: a first collective makes its network problems show up here.
         dist.barrier(device_ids=[settings.local_rank] if backend == "nccl" else None)
-        _store = call.get("store") or dist.PrefixStore("ddp_utils/env", dist.distributed_c10d._get_default_store())
+        _store = keys
         _waits = _watches = 0
         _aborted = None
         # gloo's connections to the other ranks are the ones init made (the store's use master_port)
@@ -237,8 +234,8 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
     except Exception as e:
         raise DistSetupError(_init_failure(settings, backend, report, e)) from e
     finally:
-        if "store" in call and settings.rank == 0:  # joined or failed: no more ranks may join it
-            rendezvous.close_generation(call["store"])
+        if settings.rank == 0:  # joined or failed: no more ranks may join it
+            rendezvous.close_generation(keys)
     return backend
 
 

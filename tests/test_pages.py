@@ -110,8 +110,7 @@ FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")   # --batch-size, --no-scale-lr
 EXTERNAL = {
     "docker": (r"\bdocker\b", {"--gpus", "--net", "--ipc", "--shm-size", "--rm", "--ulimit", "--build-arg"}),
     "tensorboard": (r"\btensorboard\b", {"--logdir", "--port", "--bind_all"}),
-    "torchrun": (r"torchrun|torch\.distributed\.run", {"--nproc-per-node", "--nnodes", "--node-rank",
-                                                         "--master-addr", "--master-port"}),
+    "torchrun": (r"torchrun|torch\.distributed\.run", None),   # its own parser's flags (torchrun_flags)
     "pytest": (r"\bpytest\b", {"--basetemp"}),
     "papermill": (r"\bpapermill\b", {"--cwd"}),
     "nvidia-smi": (r"nvidia-smi", {"--query-gpu", "--format"}),
@@ -119,6 +118,18 @@ EXTERNAL = {
                              "--cidr", "--source-group", "--strategy", "--image-id", "--instance-type", "--count",
                              "--key-name", "--security-group-ids", "--placement", "--block-device-mappings"}),
 }
+
+
+def external(name: str) -> set[str]:
+    """The flags of another program the pages name."""
+    flags = EXTERNAL[name][1]
+    return torchrun_flags() if flags is None else flags
+
+
+def torchrun_flags() -> set[str]:
+    """torchrun's flags, from torch's own parser."""
+    from torch.distributed.run import get_args_parser
+    return {flag for action in get_args_parser()._actions for flag in action.option_strings}
 
 
 def kit_flags() -> dict[str, set[str]]:
@@ -157,7 +168,7 @@ def test_the_flag_readers_find_the_flags():
 
 
 def test_every_flag_a_page_names_exists():
-    known = set().union(*kit_flags().values(), *scripts().values(), *(f for _, f in EXTERNAL.values()))
+    known = set().union(*kit_flags().values(), *scripts().values(), *(external(name) for name in EXTERNAL))
     unknown = sorted({f"{rel(page)}: {flag}" for page, text in pages().items() for flag in FLAG.findall(text)
                       if flag not in known})
     assert unknown == [], "flags that no ddp_utils command, script or named program has:\n" + "\n".join(unknown)
@@ -182,7 +193,8 @@ def test_kit_commands_on_every_page_use_only_their_own_flags():
             if not owners:
                 continue
             checked += 1
-            allowed = set().union(*owners, *(f for pattern, f in EXTERNAL.values() if re.search(pattern, command)))
+            allowed = set().union(*owners, *(external(name) for name, (pattern, _) in EXTERNAL.items()
+                                             if re.search(pattern, command)))
             wrong += [f"{rel(page)}: {flag} in: {command}" for flag in FLAG.findall(command) if flag not in allowed]
     assert checked >= 40   # the pages are full of commands; finding few means the parsing broke
     assert wrong == [], "\n".join(wrong)

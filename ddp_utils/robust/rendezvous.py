@@ -6,6 +6,11 @@ a DDP model) keeps it alive after teardown, so the port cannot be bound again, a
 re-runs setup first would join the old group. So: rank 0 reuses its live store (multi_tenant=True),
 each setup gets a fresh "generation" of keys in it, and a generation is closed once formed; workers
 only join an open one. Students need not read this to follow the DDP lesson.
+
+Under torchrun the store is its agent's, on MASTER_ADDR:MASTER_PORT, and outlives the attempts of a run with
+``--max-restarts``: every attempt is a new generation there too, so no attempt reads an earlier one's keys (its
+failures, its waits, gloo's addresses). A new generation closes the earlier ones, so a rank restarted into a
+generation whose rank 0 died before it formed moves on to the new one instead of waiting out init_timeout.
 """
 from __future__ import annotations
 
@@ -26,25 +31,50 @@ GENERATION = "ddp_utils/generation"
 NOTE_EVERY = 30.0   # seconds between "still waiting" lines
 
 
+def torchrun_store() -> bool:
+    """Whether torchrun's agent serves the store on MASTER_ADDR:MASTER_PORT for its workers (static and c10d
+    rendezvous, unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 leaves the port to rank 0)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+class Reopen(Exception):
+    """The generation this rank waits in was closed before it formed: join the current one."""
+
+
+def join(settings, log, facts: dict) -> tuple[dist.PrefixStore, list[dict]]:
+    """The keys of the generation every rank joined, and every rank's ``facts``, by rank."""
+    while True:
+        keys = open_store(settings, log)
+        try:
+            return keys, wait_for_all_ranks(keys, settings, log, facts)
+        except Reopen:
+            log(f"rank {settings.rank}: rank 0 started a new rendezvous; joining it")
+
+
 def open_store(settings, log) -> dist.PrefixStore:
     """The keys of a new (rank 0) or the currently open (ranks > 0) generation."""
     deadline, said = time.monotonic() + settings.init_timeout, None
+    agent = settings.init_method == "env" and torchrun_store()
     while True:
         left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
         try:
             if settings.rank == 0:
-                store = _master_store(settings, left, log)
+                store = _agent_store(settings, left) if agent else _master_store(settings, left, log)
                 generation = store.add(GENERATION, 1)  # counts up, also across reused stores
+                with contextlib.suppress(Exception):   # an earlier generation that never formed: its ranks move on
+                    store.set(f"ddp_utils/{generation - 1}/closed", "1")
                 # the line to compare with when another node cannot reach this one
-                log(f"rank 0: listening on {settings.master_addr}:{settings.master_port} (every node's "
+                log(f"rank 0: rendezvous {generation} in torchrun's store on {settings.master_addr}:"
+                    f"{settings.master_port}" if agent else
+                    f"rank 0: listening on {settings.master_addr}:{settings.master_port} (every node's "
                     f"master_addr and master_port must be these)")
                 return dist.PrefixStore(f"ddp_utils/{generation}", store)
-            store = dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size,
-                                  is_master=False, timeout=left, wait_for_workers=False)
+            store = _agent_store(settings, left)
             generation = int(store.get(GENERATION))  # waits for rank 0 to publish one
             if not store.check([f"ddp_utils/{generation}/closed"]):
                 return dist.PrefixStore(f"ddp_utils/{generation}", store)
-            why = "still runs an earlier process group (has rank 0 re-run setup?)"
+            why = ("has not opened this attempt's rendezvous yet" if agent else
+                   "still runs an earlier process group (has rank 0 re-run setup?)")
         except DistSetupError:   # rank 0's own paragraph (it subclasses RuntimeError): no retry
             raise
         except (RuntimeError, ValueError) as e:  # DistError subclasses RuntimeError
@@ -59,6 +89,12 @@ def open_store(settings, log) -> dist.PrefixStore:
             log(f"rank {settings.rank}: the master {why}; retrying until init_timeout")
             said = why
         time.sleep(0.5)
+
+
+def _agent_store(settings, timeout: timedelta) -> dist.TCPStore:
+    """A client of the store on master_addr:master_port (rank 0's, or torchrun's agent's)."""
+    return dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size, is_master=False,
+                         timeout=timeout, wait_for_workers=False)
 
 
 def _master_store(settings, timeout: timedelta, log) -> dist.TCPStore:
@@ -113,6 +149,8 @@ def wait_for_all_ranks(keys: dist.PrefixStore, settings, log=print, facts: dict 
                 return [json.loads(keys.get(key)) for key in everyone]
             if settings.rank != 0 and keys.check(["gave_up"]):
                 raise DistSetupError(f"rank {settings.rank}: {keys.get('gave_up').decode()}")
+            if settings.rank != 0 and keys.check(["closed"]):   # a new rank 0 opened the next generation
+                raise Reopen()
         except DistSetupError:
             raise
         except RuntimeError as e:   # the master's store went away: rank 0 stopped waiting
@@ -139,21 +177,6 @@ def wait_for_all_ranks(keys: dist.PrefixStore, settings, log=print, facts: dict 
                 f"({now - start:.0f} s of init_timeout={settings.init_timeout:g} s)")
             next_note += NOTE_EVERY
         time.sleep(0.2)
-
-
-def share_facts_under_torchrun(settings, facts: dict) -> list[dict] | None:
-    """``wait_for_all_ranks``'s exchange of facts for ``init_method="env"``: through torchrun's agent store
-    on MASTER_PORT (where torchrun keeps one; else None: nothing is compared)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
-        return None
-    store = dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size, is_master=False,
-                          timeout=timedelta(seconds=settings.init_timeout))
-    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    keys = dist.PrefixStore(f"ddp_utils/facts/{attempt}", store)
-    keys.set(str(settings.rank), json.dumps(facts))
-    everyone = [str(r) for r in range(settings.world_size)]
-    keys.wait(everyone)
-    return [json.loads(keys.get(key)) for key in everyone]
 
 
 def close_generation(keys: dist.PrefixStore) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import traceback
@@ -157,7 +158,17 @@ def main(argv=None) -> int:
         if not isinstance(exc, (ValueError, FileExistsError, FileNotFoundError)) and not _is_ours(exc):
             traceback.print_exc()
         print(f"\nerror: {exc}", file=sys.stderr)
+        _tell_torchrun(exc)
         return 2
+
+
+def _tell_torchrun(exc: BaseException) -> None:
+    """Under torchrun, the error file its summary reads ("Root Cause ... message"): the kit's paragraph, not
+    "Signal/exit code 2, error_file: <N/A>". What torch's ``@record`` writes, for an error the kit handled."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+        with contextlib.suppress(OSError):
+            get_error_handler().record_exception(exc)
 
 
 def _is_ours(exc: BaseException) -> bool:
