@@ -85,8 +85,9 @@ def test_scancel_stops_every_task_with_the_kits_message_and_a_second_sbatch_cont
     text = second.read_text(errors="replace")
     assert state == "COMPLETED", text
     results = json.loads((run / "results.json").read_text())
-    assert [h["epoch"] for h in results["history"]][0] == saved["epoch"] + 1, text   # continued, not restarted
-    assert results["history"][-1]["epoch"] == 3
+    done = saved["epoch"] + 1                                             # epochs in the checkpoint
+    assert results["resumed_from"] and results["epochs_run"] == 3 - done, text   # continued, not restarted
+    assert [h["epoch"] for h in results["history"]] == [1, 2, 3]
     for name in cluster.hosts.names:
         leftover = [p for p in netns.ip("netns", "pids", name).split()
                     if b"ddp_utils" in Path(f"/proc/{p}/cmdline").read_bytes()]
