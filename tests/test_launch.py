@@ -150,6 +150,7 @@ def start_long_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.floor   # torchrun's flags, logs and summary, as this torch has them
 def test_a_rank_killed_mid_run_stops_the_launcher_naming_it_and_nothing_is_left(tmp_path):
     """The out-of-memory killer takes rank 1: the launcher stops rank 0 and says which rank died of what."""
     marker = str(tmp_path)
@@ -212,6 +213,7 @@ def test_the_processes_stop_cleanly_when_the_launcher_itself_is_killed_hard(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.floor   # torchrun's flags, logs and summary, as this torch has them
 def test_with_max_restarts_a_killed_rank_is_restarted_and_the_run_continues_from_its_checkpoint(tmp_path):
     """torchrun's agent under launch: rank 1 killed after the first checkpoint, both processes restarted, the run
     continued from last.pt (--resume auto) to its end."""
