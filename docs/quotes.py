@@ -118,20 +118,25 @@ def _from(lines: list[str], start: str) -> list[str]:
 
 
 def _kill_rank1(launcher: subprocess.Popen, checkpoint: Path) -> None:
-    """SIGKILL the launcher's rank 1 (a child we started) once the first checkpoint exists."""
+    """SIGKILL the launcher's rank 1 (a process of the torchrun it started) once the first checkpoint exists."""
     deadline = time.monotonic() + 240
     while not checkpoint.exists():
         if time.monotonic() > deadline or launcher.poll() is not None:
             raise RuntimeError(f"no {checkpoint} in time")
         time.sleep(0.2)
+    parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == launcher.pid and "--rank 1 " in cmd:
-            os.kill(int(stat.parent.name), 9)
+    for pid, ppid in parents.items():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if parents.get(ppid) == launcher.pid and b"RANK=1" in environ:   # launcher -> torchrun -> rank 1
+            os.kill(pid, 9)
             return
     raise RuntimeError("the launcher's rank 1 was not found")
 

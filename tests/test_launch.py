@@ -64,17 +64,6 @@ def assert_same_training(run, single, world_size):
     assert ours["acc1"] == pytest.approx(theirs["acc1"]) and ours["acc5"] == pytest.approx(theirs["acc5"])
 
 
-def children(pid: int) -> list[int]:
-    """The processes ``pid`` started (Linux /proc)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
@@ -92,6 +81,19 @@ def ours_still_running(marker: str) -> list[int]:
                     found.append(int(entry.name))
             except (OSError, IndexError):
                 pass
+    return found
+
+
+def rank_process(marker: str, rank: int) -> list[int]:
+    """The training process of ``rank`` (torchrun gives it RANK in its environment), not torchrun itself."""
+    found = []
+    for pid in ours_still_running(marker):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and "torch.distributed.run" not in cmdline(pid):
+            found.append(pid)
     return found
 
 
@@ -148,14 +150,14 @@ def start_long_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.floor   # torchrun's flags, logs and summary, as this torch has them
 def test_a_rank_killed_mid_run_stops_the_launcher_naming_it_and_nothing_is_left(tmp_path):
     """The out-of-memory killer takes rank 1: the launcher stops rank 0 and says which rank died of what."""
     marker = str(tmp_path)
     proc = start_long_run(tmp_path)
     try:
         wait_for(tmp_path / "run" / "last.pt", 120)
-        kids = children(proc.pid)
-        [rank1] = [k for k in kids if "--rank 1 " in cmdline(k)]
+        [rank1] = rank_process(marker, 1)
         killed = time.monotonic()
         os.kill(rank1, signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)
@@ -206,6 +208,30 @@ def test_the_processes_stop_cleanly_when_the_launcher_itself_is_killed_hard(tmp_
         log = (tmp_path / "run" / "log.txt").read_text()
         errors = [line for line in log.splitlines() if line.startswith("error: ")]
         assert errors and "SIGTERM" in errors[-1], log
+    finally:
+        kill_all(proc, marker)
+
+
+@pytest.mark.slow
+@pytest.mark.floor   # torchrun's flags, logs and summary, as this torch has them
+def test_with_max_restarts_a_killed_rank_is_restarted_and_the_run_continues_from_its_checkpoint(tmp_path):
+    """torchrun's agent under launch: rank 1 killed after the first checkpoint, both processes restarted, the run
+    continued from last.pt (--resume auto) to its end."""
+    marker = str(tmp_path)
+    proc = start(launch_cmd("--nproc-per-node", 2, "--master-port", free_port(), "--max-restarts", 1, *tiny(),
+                            "--epochs", 3, "--max-steps-per-epoch", 20, "--batch-size", 8, "--resume", "auto",
+                            "--run-dir", tmp_path / "run", "--log-dir", tmp_path / "logs"))
+    try:
+        wait_for(tmp_path / "run" / "last.pt", 120)
+        [rank1] = rank_process(marker, 1)
+        os.kill(rank1, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out
+        got = results(tmp_path / "run")
+        assert [h["epoch"] for h in got["history"]] == [1, 2, 3], got["history"]
+        assert got["resumed_from"] and got["epochs_run"] < 3, got   # continued from last.pt, not started over
+        assert "=== attempt_1" in (tmp_path / "logs" / "rank1.log").read_text()
+        assert not ours_still_running(marker)
     finally:
         kill_all(proc, marker)
 

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--nnodes", type=int, default=1, help="nodes in the job, each running this command (default 1)")
     launch.add_argument("--node-rank", "--node_rank", type=int, default=0,
                         help="this node's index, 0..nnodes-1; 0 on the node whose IP is --master-addr (default 0)")
+    launch.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="N",
+                        help="torchrun restarts every process of the job up to N times after a failure; with "
+                             "--resume auto the run continues from its last checkpoint (default 0)")
     launch.add_argument("--log-dir", default=None, help="folder for every rank's output, rank<N>.log (default: a "
                                                         "new temporary folder, named when the run starts)")
     settings_module.add_arguments(launch)   # --master-addr, --master-port and every train flag

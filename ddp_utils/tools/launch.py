@@ -11,19 +11,18 @@ From a notebook (processes, not a fork of the kernel, which may have initialised
     from ddp_utils.tools.launch import launch
     results = launch(settings, nproc_per_node=2)   # rank 0's lines appear as they come; rank 0's results
 
-Every process is a plain ``python -m ddp_utils train`` with ``rank = node_rank x nproc + local_rank``,
-``world_size = nnodes x nproc``, its ``local_rank`` (its GPU) and the master: the kit's own tcp
-rendezvous, no torchrun agent. This node's first rank (rank 0 on node 0) is streamed; every process's
-output also goes to ``rank<N>.log`` in a log folder. When one process fails, the others learn why
-through the store (``distributed.report_failure``) and stop by themselves; the launcher gives them
-``GRACE_S`` seconds, then sends SIGTERM (the kit's clean stop, ``cli.Terminated``), then SIGKILL after
-``TERM_S``, and raises ``LaunchError`` naming the rank that failed and its reason, with its last lines.
-Ctrl-C (the notebook's Stop) sends SIGTERM to every process the same way.
+The processes are started, watched and restarted (``--max-restarts``) by torch's own elastic agent: the launcher
+runs ``torchrun`` (``python -m torch.distributed.run``, static rendezvous on master_addr:master_port) with
+``python -m ddp_utils train`` and the shared flags; each process takes its rank, world size and local rank from
+torchrun's environment. What the launcher adds: the layout checked before anything starts (``plan``), this node's
+first rank streamed as its lines come (torchrun's ``--tee`` with ``--local-ranks-filter 0``), every rank's output
+in ``rank<N>.log``, and a ``LaunchError`` naming the rank whose failure started it all, with its reason and last
+lines (torchrun's "Root Cause", followed through the kit's own "stopped because rank N stopped"). Ctrl-C (the
+notebook's Stop) or the launcher's death sends SIGTERM to torchrun, which stops every process the kit's clean way.
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import queue
 import re
@@ -34,21 +33,21 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import settings as settings_module
 
-GRACE_S = 5.0    # after a failure: how long the others may take to stop by themselves (they were told)
-TERM_S = 10.0    # after SIGTERM: how long before SIGKILL
+TERM_S = 40.0    # after SIGTERM to torchrun: how long before SIGKILL (torchrun gives its processes 30 s)
 TAIL_LINES = 15  # lines of a failed rank's output shown in the error
 PARENT_VAR = "DDP_UTILS_LAUNCHER_PID"
 # Variables that would tell a child another place in the job than the flags the launcher gives it.
 IDENTITY_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
 SET_BY_LAUNCH = ("rank", "world_size", "local_rank", "init_method")
-# A child starts like ``python -m ddp_utils train ...``, after asking to die with the launcher.
-BOOT = "import sys; from ddp_utils.tools.launch import as_child; as_child(); from ddp_utils.tools.cli import main; sys.exit(main())"
+# torchrun, started like ``torchrun ...`` after asking to be told (SIGTERM) when the launcher dies.
+BOOT = ("import sys; from ddp_utils.tools.launch import as_child; as_child(); "
+        "from torch.distributed.run import main; sys.exit(main())")
+STREAMED = re.compile(r"^\[default0\]:(.*)$")   # torchrun's prefix of local rank 0's lines (--tee)
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])   # the folder holding ddp_utils/
 
 
@@ -85,9 +84,9 @@ def plan(settings, nproc_per_node: int | None = None, nnodes: int = 1, node_rank
 
 
 def child_argv(settings, resume: str | None = None, evaluate: bool = False, seeds=None) -> list[str]:
-    """The command of one process: ``python -m ddp_utils train`` and its flags (through ``to_argv``)."""
-    argv = settings.to_argv(always=("rank", "world_size", "local_rank", "master_addr", "master_port",
-                                    "init_method"))
+    """What every process runs: ``train`` and the shared flags (through ``to_argv``); its rank, world size and
+    local rank come from torchrun's environment."""
+    argv = settings.to_argv(skip=("rank", "world_size", "local_rank", "init_method", "master_addr", "master_port"))
     if resume:
         argv += ["--resume", str(resume)]
     if evaluate:
@@ -95,6 +94,17 @@ def child_argv(settings, resume: str | None = None, evaluate: bool = False, seed
     if seeds:
         argv += ["--seeds", ",".join(str(s) for s in seeds)]
     return ["train", *argv]
+
+
+def torchrun_argv(plans: list, train: list[str], log_dir: Path, max_restarts: int = 0) -> list[str]:
+    """torchrun's flags for this node (static rendezvous on the master), then ``-m ddp_utils`` and ``train``."""
+    first = plans[0]
+    nproc = len(plans)
+    return ["--nnodes", str(first.world_size // nproc), "--nproc-per-node", str(nproc),
+            "--node-rank", str(first.rank // nproc), "--master-addr", first.master_addr,
+            "--master-port", str(first.master_port), "--max-restarts", str(max_restarts),
+            "--log-dir", str(log_dir / "torchrun"), "--redirects", "3", "--tee", "3", "--local-ranks-filter", "0",
+            "-m", "ddp_utils", *train]
 
 
 def child_env(environ=None) -> dict:
@@ -166,40 +176,33 @@ def root_cause(exits: list[tuple[int, int, list]]) -> tuple[int, str, bool]:
     return rank, reason_of(code, lines), False
 
 
-# -- the processes ---------------------------------------------------------------------------------------
-@dataclass
-class _Proc:
-    rank: int
-    argv: list
-    log_path: Path
-    streamed: bool
-    popen: subprocess.Popen | None = None
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
-    reader: threading.Thread | None = None
-    exited_at: float | None = None
-    signalled: bool = False           # stopped by the launcher: not a cause
-    run_dirs: list = field(default_factory=list)
+# -- torchrun and its processes ------------------------------------------------------------------------------
+_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
 class Launcher:
-    """The processes of this node for one run: start, stream, watch, stop. ``launch()`` drives it."""
+    """torchrun for this node's processes of one run: start, stream, stop. ``launch()`` drives it."""
 
-    def __init__(self, plans: list, resume=None, evaluate=False, seeds=None, log_dir=None, environ=None):
+    def __init__(self, plans: list, resume=None, evaluate=False, seeds=None, log_dir=None, environ=None,
+                 max_restarts: int = 0):
         self.plans = plans
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"ddp_utils-launch-{stamp}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = child_env(environ)
+        self.train = child_argv(plans[0], resume, evaluate, seeds)
+        self.argv = [sys.executable, "-c", BOOT, *torchrun_argv(plans, self.train, self.log_dir, max_restarts)]
         self.lines: queue.Queue = queue.Queue()
-        self.procs = [_Proc(s.rank, [sys.executable, "-c", BOOT, *child_argv(s, resume, evaluate, seeds)],
-                            self.log_dir / f"rank{s.rank}.log", streamed=i == 0) for i, s in enumerate(plans)]
-        self.failed_at: float | None = None   # when the first process failed
-        self.termed_at: float | None = None   # when the launcher sent SIGTERM
-        self.timed_out = False
+        self.torchrun_lines: list[str] = []   # torchrun's own (its summary names the failed ranks)
+        self.run_dirs: list[str] = []
+        self.popen: subprocess.Popen | None = None
+        self.reader: threading.Thread | None = None
+        self.termed_at: float | None = None
+        self.timed_out = self.interrupted = False
 
     def describe(self) -> list[str]:
         first = self.plans[0]
-        nproc, ranks = len(self.plans), f"{self.procs[0].rank}..{self.procs[-1].rank}"
+        nproc, ranks = len(self.plans), f"{self.plans[0].rank}..{self.plans[-1].rank}"
         return [f"launch: {first.world_size // nproc} node(s) x {nproc} process(es) = world size "
                 f"{first.world_size}; this node runs ranks {ranks} (local_rank 0..{nproc - 1}); master "
                 f"{first.master_addr}:{first.master_port}",
@@ -207,60 +210,49 @@ class Launcher:
 
     def start(self) -> None:
         with open(self.log_dir / "commands.txt", "w") as f:
-            for p in self.procs:
-                f.write(f"rank {p.rank}: python -m ddp_utils {shlex.join(p.argv[3:])}\n")
-        for p in self.procs:
-            p.popen = subprocess.Popen(p.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True, errors="replace", env=self.env,
-                                       start_new_session=True)   # Ctrl-C reaches the launcher, which stops them
-            p.reader = threading.Thread(target=self._read, args=(p,), daemon=True)
-            p.reader.start()
+            f.write(f"torchrun: python -m torch.distributed.run {shlex.join(self.argv[3:])}\n")
+            for s in self.plans:   # what torchrun's environment tells each process, as flags
+                f.write(f"rank {s.rank}: python -m ddp_utils {shlex.join(self.train)} (from torchrun: --rank "
+                        f"{s.rank} --world-size {s.world_size} --local-rank {s.local_rank})\n")
+        self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, errors="replace", env=self.env,
+                                      start_new_session=True)   # Ctrl-C reaches the launcher, which stops it
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
-    def _read(self, p: _Proc) -> None:
-        prefix = "" if p.rank == 0 else f"[rank {p.rank}] "
-        with open(p.log_path, "w", encoding="utf-8", buffering=1) as log:
-            for line in p.popen.stdout:
+    def _read(self) -> None:
+        prefix = "" if self.plans[0].rank == 0 else f"[rank {self.plans[0].rank}] "
+        with open(self.log_dir / "torchrun.log", "w", encoding="utf-8", buffering=1) as log:
+            for line in self.popen.stdout:
                 line = line.rstrip("\n")
-                log.write(line + "\n")
-                p.tail.append(line)
+                mine = STREAMED.match(line)
+                if not mine:
+                    log.write(line + "\n")
+                    self.torchrun_lines.append(line)
+                    continue
+                line = mine.group(1)
                 found = re.match(r"Run folder: (.+?)  \(TensorBoard", line)
                 if found:
-                    p.run_dirs.append(found.group(1))
-                if p.streamed:
-                    self.lines.put(prefix + line)
+                    self.run_dirs.append(found.group(1))
+                self.lines.put(prefix + line)
 
-    # -- watching --------------------------------------------------------------------------------------
     def lines_until_done(self, timeout: float | None = None):
-        """Yield the streamed lines as they come until every process has stopped; stops the others
-        after a failure, and all of them on an interrupt or at ``timeout`` seconds."""
+        """Yield the streamed lines as they come until torchrun has stopped (it stops every process after a
+        failure); at ``timeout`` seconds, stop it."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        next_look = 0.0
         try:
-            while True:
+            while self.popen.poll() is None or not self.lines.empty():
                 try:
                     yield self.lines.get(timeout=0.1)
                 except queue.Empty:
                     pass
                 now = time.monotonic()
-                if now < next_look:   # a busy stream must not delay noticing a failure, nor be slowed down
-                    continue
-                next_look = now + 0.2
-                for p in self.procs:
-                    if p.exited_at is None and p.popen.poll() is not None:
-                        p.exited_at = now
-                        if p.popen.returncode != 0 and self.failed_at is None:
-                            self.failed_at = now
-                if all(p.exited_at is not None for p in self.procs):
-                    break
                 if deadline is not None and now > deadline and self.termed_at is None:
                     self.timed_out = True
                     self.terminate()
-                elif self.failed_at is not None and now - self.failed_at > GRACE_S and self.termed_at is None:
-                    self.terminate()
                 if self.termed_at is not None and now - self.termed_at > TERM_S:
                     self.kill()
-            for p in self.procs:
-                p.reader.join(timeout=5)
+            self.reader.join(timeout=5)
             yield from self.drain()
         finally:
             self.stop()
@@ -273,76 +265,93 @@ class Launcher:
         return out
 
     def terminate(self) -> None:
-        """SIGTERM to every process still running: the kit stops cleanly and tells the others why."""
-        self.termed_at = time.monotonic()
-        for p in self.procs:
-            if p.popen is not None and p.popen.poll() is None:
-                p.signalled = True
-                _send(p.popen.pid, signal.SIGTERM, group=False)
+        """SIGTERM to torchrun: it sends SIGTERM to every process, which stops cleanly and tells the others."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.termed_at = time.monotonic()
+            _send(self.popen.pid, signal.SIGTERM, group=False)
 
     def kill(self) -> None:
-        for p in self.procs:
-            if p.popen is not None and p.popen.poll() is None:
-                p.signalled = True
-                _send(p.popen.pid, signal.SIGKILL, group=True)
+        if self.popen is not None and self.popen.poll() is None:
+            _send(self.popen.pid, signal.SIGKILL, group=True)
 
     def stop(self, patience: float = TERM_S) -> None:
-        """Leave nothing behind: SIGTERM, up to ``patience`` s, then SIGKILL (each process's whole group)."""
-        running = [p for p in self.procs if p.popen is not None and p.popen.poll() is None]
-        if running:
+        """Leave nothing behind: SIGTERM to torchrun, up to ``patience`` s, then SIGKILL; then the logs."""
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
             self.terminate()
-            end = time.monotonic() + patience
             try:
-                while time.monotonic() < end and any(p.popen.poll() is None for p in running):
-                    time.sleep(0.1)
-            finally:
+                self.popen.wait(timeout=patience)
+            except subprocess.TimeoutExpired:
                 self.kill()
-        for p in self.procs:
-            if p.popen is not None:
-                _send(p.popen.pid, signal.SIGKILL, group=True)   # e.g. loader workers of a killed process
-                try:
-                    p.popen.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
-                if p.reader is not None:
-                    p.reader.join(timeout=5)   # the pipe closes with the last process that held it
+        _send(self.popen.pid, signal.SIGKILL, group=True)   # anything torchrun left in its session
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        if self.reader is not None:
+            self.reader.join(timeout=5)
+        self.collect_logs()
+
+    def collect_logs(self) -> None:
+        """``rank<N>.log``: each process's output (torchrun keeps stdout and stderr per attempt and local rank)."""
+        attempts = sorted(self.log_dir.glob("torchrun/*/attempt_*"), key=lambda a: int(a.name.split("_")[1]))
+        for s in self.plans:
+            parts = []
+            for attempt in attempts:
+                for stream in ("stdout", "stderr"):
+                    path = attempt / str(s.local_rank) / f"{stream}.log"
+                    if path.is_file():
+                        text = path.read_text(errors="replace")
+                        parts.append(f"=== {attempt.name}, {stream} ===\n{text}" if len(attempts) > 1 else text)
+            (self.log_dir / f"rank{s.rank}.log").write_text("".join(parts))
 
     # -- the verdict -----------------------------------------------------------------------------------------
     def failure(self) -> str | None:
         """None when every process finished; else the paragraph naming the failed rank and its reason."""
-        own = sorted((p for p in self.procs if p.popen.returncode != 0 and not p.signalled),
-                     key=lambda p: p.exited_at or 0)
-        if not own and not any(p.popen.returncode != 0 for p in self.procs):
+        if self.popen.returncode == 0:
             return None
-        if not own:
+        if self.interrupted or self.timed_out or self.termed_at is not None:
             why = "the run took longer than the launcher's timeout" if self.timed_out else "the launcher was stopped"
             return f"launch: {why}; every process was stopped (their output: {self.log_dir})"
-        rank, reason, told = root_cause([(p.rank, p.popen.returncode, list(p.tail)) for p in own])
-        here = {p.rank: p for p in self.procs}
+        summary = "\n".join(self.torchrun_lines)
+        # torchrun's summary: the root cause first ("first observed failure"), then the others
+        root = summary.split("Root Cause", 1)
+        ordered = _FAILURE.findall(root[1]) + _FAILURE.findall(root[0]) if len(root) == 2 else _FAILURE.findall(summary)
+        exits, seen = [], set()
+        for rank, code in ordered:
+            if int(rank) not in seen:
+                seen.add(int(rank))
+                exits.append((int(rank), int(code), self._lines(int(rank))))
+        if not exits:
+            return (f"launch: torchrun ended with exit code {self.popen.returncode} (its output: "
+                    f"{self.log_dir / 'torchrun.log'}; every rank's: {self.log_dir})")
+        rank, reason, told = root_cause(exits)
+        here = {s.rank for s in self.plans}
         text = f"rank {rank} failed: {reason}"
         if rank in here:
-            p = here[rank]
-            lines = list(p.tail)
+            code = dict((r, c) for r, c, _ in exits)[rank]
+            lines = self._lines(rank)
             said = [i for i, line in enumerate(lines) if line.startswith("error: ")]
             before = [line for line in lines[:said[-1] if said else None] if line.strip()][-TAIL_LINES:]
             shown = "".join(f"\n    {line}" for line in before)   # the lines before its error paragraph
-            text += f"\nIts exit code: {p.popen.returncode}. Its last lines ({p.log_path}):{shown}"
+            text += f"\nIts exit code: {code}. Its last lines ({self.log_dir / f'rank{rank}.log'}):{shown}"
         elif told:
             text += f"\n(rank {rank} runs on another node: its own output is there.)"
-        stopped = [str(p.rank) for p in self.procs if p.signalled]
-        if stopped:
-            text += f"\nThe launcher stopped rank(s) {', '.join(stopped)}."
         return text + f"\nEvery rank's output on this node: {self.log_dir}"
+
+    def _lines(self, rank: int) -> list[str]:
+        path = self.log_dir / f"rank{rank}.log"
+        return path.read_text(errors="replace").splitlines()[-200:] if path.is_file() else []
 
     def results(self):
         """Rank 0's results.json (a list of them with seeds); None on a node without rank 0."""
         import json
-        p = self.procs[0]
-        if p.rank != 0 or not p.run_dirs:
+        if self.plans[0].rank != 0 or not self.run_dirs:
             return None
-        found = [json.loads(Path(d, "results.json").read_text()) for d in p.run_dirs
+        found = [json.loads(Path(d, "results.json").read_text()) for d in self.run_dirs
                  if Path(d, "results.json").is_file()]
-        return found if len(p.run_dirs) > 1 else (found[0] if found else None)
+        return found if len(self.run_dirs) > 1 else (found[0] if found else None)
 
 
 def _send(pid: int, sig: int, group: bool) -> None:
@@ -356,7 +365,7 @@ def _send(pid: int, sig: int, group: bool) -> None:
 def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0,
            master_addr: str | None = None, master_port: int | None = None, *, resume: str | None = None,
            evaluate: bool = False, seeds=None, log_dir: str | None = None, on_line=print,
-           timeout: float | None = None, environ=None):
+           timeout: float | None = None, environ=None, max_restarts: int = 0):
     """Run ``nproc_per_node`` training processes on this node and wait for them; rank 0's results.
 
     ``settings``: a Settings, or ``train`` flags as a list (``["--dataset", "demo", "--epochs", "2"]``).
@@ -364,7 +373,9 @@ def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, no
     replace the settings' (needed with ``nnodes > 1``: node 0's private IP, the same on every node).
     Each line of this node's first rank (rank 0 on node 0) goes to ``on_line`` as it comes (``print``
     shows it in a notebook cell). Returns rank 0's results.json as a dict (a list with ``seeds``; None
-    on the other nodes); raises LaunchError naming the rank that failed and why.
+    on the other nodes); raises LaunchError naming the rank that failed and why. ``max_restarts``: torchrun
+    restarts every process of the job this many times after a failure (with ``resume="auto"`` the run continues
+    from its last checkpoint).
     """
     if settings is None or isinstance(settings, (list, tuple)):
         settings, parsed = parse_train_argv(list(settings or []))
@@ -373,7 +384,7 @@ def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, no
     if changes:
         settings = settings.replace(**changes)
     launcher = Launcher(plan(settings, nproc_per_node, nnodes, node_rank), resume=resume, evaluate=evaluate,
-                        seeds=seeds, log_dir=log_dir, environ=environ)
+                        seeds=seeds, log_dir=log_dir, environ=environ, max_restarts=max_restarts)
     for line in launcher.describe():
         on_line(line)
     launcher.start()
@@ -381,6 +392,7 @@ def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, no
         for line in launcher.lines_until_done(timeout):
             on_line(line)
     except KeyboardInterrupt:
+        launcher.interrupted = True
         launcher.stop()   # SIGTERM: each process stops cleanly and says so
         for line in launcher.drain():
             on_line(line)
@@ -426,7 +438,7 @@ def main(args: argparse.Namespace) -> int:
     """``python -m ddp_utils launch ...`` (cli.py parses the flags)."""
     results = launch(settings_from_args(args), args.nproc_per_node, args.nnodes, args.node_rank,
                      resume=args.resume, evaluate=args.evaluate, seeds=args.seeds, log_dir=args.log_dir,
-                     on_line=lambda line: print(line, flush=True))
+                     on_line=lambda line: print(line, flush=True), max_restarts=args.max_restarts)
     done = "" if results is None else " (rank 0's results.json is in the run folder named above)"
     print(f"launch: every process of this node finished{done}", flush=True)
     return 0
