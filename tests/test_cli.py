@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.pages import kit_pages
+from tests.test_pages import torchrun_flags
 from tests.procs import REPO, base_env, describe, free_port, python, run_all, stop
 
 
@@ -136,11 +137,12 @@ def test_ci_runs_exactly_the_readme_install_and_test_commands_on_the_newest_torc
 def test_every_flag_the_readme_mentions_exists(tmp_path):
     readme = kit_pages()   # the README and its docs/ pages
     helps = "".join(subprocess.run(python("-m", "ddp_utils", cmd, "--help"), cwd=REPO, capture_output=True,
-                                   text=True, env=base_env()).stdout for cmd in ("train", "check", "demo", "report"))
+                                   text=True, env=base_env()).stdout for cmd in ("train", "launch", "check", "demo",
+                                                                                  "report"))
     helps += "".join(subprocess.run(python(str(script), "--help"), cwd=REPO, capture_output=True, text=True,
                                     env=base_env()).stdout for script in Path(REPO, "benchmarks").glob("*.py"))
-    torchrun_flags = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--build"}
-    for flag in sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", readme)) - torchrun_flags):
+    others = torchrun_flags() | {"--build"}   # torchrun's own parser's flags; docker/run.sh's
+    for flag in sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", readme)) - others):
         if flag in ("--net", "--ipc", "--gpus", "--shm-size", "--logdir", "--basetemp", "--cwd"):
             continue   # docker / tensorboard / pytest / papermill flags
         assert flag in helps, f"README mentions {flag}, which no ddp_utils command or benchmark accepts"
