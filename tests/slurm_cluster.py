@@ -40,8 +40,15 @@ def enter(hosts: netns.Hosts, host: int) -> list[str]:
 HOSTS = Path("/etc/hosts")
 
 
+MARK = "  # tests/slurm_cluster.py"
+
+
 def _add_hosts(lines: str) -> None:
-    HOSTS.write_text(HOSTS.read_text() + lines)
+    """Add ``lines``; drop those a killed test run left (their namespaces are gone)."""
+    alive = netns.ip("netns", "list")
+    kept = [line for line in HOSTS.read_text().splitlines(keepends=True)
+            if not line.rstrip().endswith(MARK.strip()) or f"-{line.split()[1][3:-2]}-h1" in alive]
+    HOSTS.write_text("".join(kept) + lines)
 
 
 def _remove_hosts(lines: str) -> None:
@@ -119,7 +126,7 @@ def slurm_cluster(folder: Path, subnet: str = "10.213.21"):
             nodes = [f"kit{tag}n1", f"kit{tag}n2"]
             for node in nodes:
                 (folder / "spool" / node).mkdir(parents=True, exist_ok=True)
-            names = "".join(f"{addr} {node}  # tests/slurm_cluster.py\n" for addr, node in zip(hosts.addrs, nodes))
+            names = "".join(f"{addr} {node}{MARK}\n" for addr, node in zip(hosts.addrs, nodes))
             _add_hosts(names)
             (folder / "slurm.conf").write_text(_conf(folder, hosts, nodes))
             env = {**base_env(), "SLURM_CONF": str(folder / "slurm.conf"),
