@@ -119,6 +119,24 @@ def test_a_cpu_device_says_no_gpu_and_starts_no_thread():
     assert describe(gpu.summary()) == "GPU use: no GPU (CPU run)"
 
 
+def test_a_monitor_started_before_cuda_is_initialised_resets_no_peak_and_samples(monkeypatch):
+    """On a GPU machine, a monitor started before CUDA's first use: resetting torch's memory peak then raises
+    ("Invalid device argument", seen on an H200), and there is no peak to reset yet. Emulated: the twin is the
+    gpu-marked real-NVML test below."""
+    resets = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: resets.append(device))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 0)
+    with GpuMonitor(CUDA0, interval=QUIET, nvml=StubNvml(util=[70])) as gpu:
+        assert gpu.sample_once()
+    assert resets == [] and gpu.summary()["gpu_util"] == 70
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)   # CUDA in use: this run's peak, from zero
+    with GpuMonitor(CUDA0, interval=QUIET, nvml=StubNvml()):
+        pass
+    assert resets == [CUDA0]
+
+
 def test_nvml_failing_at_init_says_no_gpu_and_why_without_raising():
     with GpuMonitor(CUDA0, nvml=StubNvml(fail_init=OSError("Driver Not Loaded"))) as gpu:
         assert gpu._thread is None

@@ -89,6 +89,12 @@ def test_scancel_stops_every_task_with_the_kits_message_and_a_second_sbatch_cont
     assert results["resumed_from"] and results["epochs_run"] == 3 - done, text   # continued, not restarted
     assert [h["epoch"] for h in results["history"]] == [1, 2, 3]
     for name in cluster.hosts.names:
-        leftover = [p for p in netns.ip("netns", "pids", name).split()
-                    if b"ddp_utils" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        leftover = [p for p in netns.ip("netns", "pids", name).split() if b"ddp_utils" in cmdline(p)]
         assert not leftover, f"training processes left in {name}"
+
+
+def cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:   # it ended meanwhile
+        return b""

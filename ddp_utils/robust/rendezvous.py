@@ -59,7 +59,7 @@ def open_store(settings, log) -> dist.PrefixStore:
         left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
         try:
             if settings.rank == 0:
-                store = _agent_store(settings, left) if agent else _master_store(settings, left, log)
+                store = _client_store(settings, left) if agent else _master_store(settings, left, log)
                 generation = store.add(GENERATION, 1)  # counts up, also across reused stores
                 with contextlib.suppress(Exception):   # an earlier generation that never formed: its ranks move on
                     store.set(f"ddp_utils/{generation - 1}/closed", "1")
@@ -69,7 +69,7 @@ def open_store(settings, log) -> dist.PrefixStore:
                     f"rank 0: listening on {settings.master_addr}:{settings.master_port} (every node's "
                     f"master_addr and master_port must be these)")
                 return dist.PrefixStore(f"ddp_utils/{generation}", store)
-            store = _agent_store(settings, left)
+            store = _client_store(settings, left)
             generation = int(store.get(GENERATION))  # waits for rank 0 to publish one
             if not store.check([f"ddp_utils/{generation}/closed"]):
                 return dist.PrefixStore(f"ddp_utils/{generation}", store)
@@ -91,7 +91,7 @@ def open_store(settings, log) -> dist.PrefixStore:
         time.sleep(0.5)
 
 
-def _agent_store(settings, timeout: timedelta) -> dist.TCPStore:
+def _client_store(settings, timeout: timedelta) -> dist.TCPStore:
     """A client of the store on master_addr:master_port (rank 0's, or torchrun's agent's)."""
     return dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size, is_master=False,
                          timeout=timeout, wait_for_workers=False)

@@ -86,7 +86,7 @@ def plan(settings, nproc_per_node: int | None = None, nnodes: int = 1, node_rank
 def child_argv(settings, resume: str | None = None, evaluate: bool = False, seeds=None) -> list[str]:
     """What every process runs: ``train`` and the shared flags (through ``to_argv``); its rank, world size and
     local rank come from torchrun's environment."""
-    argv = settings.to_argv(skip=("rank", "world_size", "local_rank", "init_method", "master_addr", "master_port"))
+    argv = settings.to_argv(skip=(*SET_BY_LAUNCH, "master_addr", "master_port"))
     if resume:
         argv += ["--resume", str(resume)]
     if evaluate:
@@ -198,7 +198,7 @@ class Launcher:
         self.popen: subprocess.Popen | None = None
         self.reader: threading.Thread | None = None
         self.termed_at: float | None = None
-        self.timed_out = self.interrupted = False
+        self.timed_out = False
 
     def describe(self) -> list[str]:
         first = self.plans[0]
@@ -311,7 +311,7 @@ class Launcher:
         """None when every process finished; else the paragraph naming the failed rank and its reason."""
         if self.popen.returncode == 0:
             return None
-        if self.interrupted or self.timed_out or self.termed_at is not None:
+        if self.termed_at is not None:   # the launcher stopped it (a timeout, Ctrl-C)
             why = "the run took longer than the launcher's timeout" if self.timed_out else "the launcher was stopped"
             return f"launch: {why}; every process was stopped (their output: {self.log_dir})"
         summary = "\n".join(self.torchrun_lines)
@@ -392,7 +392,6 @@ def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, no
         for line in launcher.lines_until_done(timeout):
             on_line(line)
     except KeyboardInterrupt:
-        launcher.interrupted = True
         launcher.stop()   # SIGTERM: each process stops cleanly and says so
         for line in launcher.drain():
             on_line(line)
