@@ -160,7 +160,9 @@ def setup(settings, log=print) -> DistContext:
             if isinstance(e, KeyboardInterrupt):
                 log(f"rank {settings.rank}: interrupted during setup; process group torn down")
             raise
-        log(f"rank {ctx.rank}: joined {settings.url} as rank {ctx.rank} of {ctx.world_size} "
+        # the address joined, also under torchrun (whose env:// names none): the store on master_addr:master_port
+        log(f"rank {ctx.rank}: joined tcp://{settings.master_addr}:{settings.master_port} as rank {ctx.rank} of "
+            f"{ctx.world_size} "
             f"({backend}, {ctx.device}) in {ctx.join_s:.1f} s")
     _active = (settings, ctx)
     return ctx
