@@ -218,6 +218,8 @@ def mend_best(state: dict, run_dir, ctx) -> bool:
     history = state.get("history") or []
     if not ctx.is_main or not run_dir or not history or history[-1]["val"]["acc1"] < state["best_acc1"]:
         return False   # the last epoch saved was not the best: best.pt was written before it
+    if any(h["val"]["acc1"] >= state["best_acc1"] for h in history[:-1]):
+        return False   # it only tied an earlier best epoch, whose best.pt stays (a best epoch must beat the best)
     last, best = checkpoint_paths(run_dir)
     if best.exists() and (not last.exists() or best.stat().st_mtime_ns >= last.stat().st_mtime_ns):
         return False   # written after last.pt, as a best epoch does

@@ -314,6 +314,11 @@ def test_mend_best_writes_best_pt_only_when_last_pt_holds_a_newer_best_epoch(tmp
     save_checkpoint(tmp_path / "last.pt", worse)
     assert not mend_best(worse, tmp_path, rank0)                 # epoch 3 was not the best: best.pt stays
     assert load_checkpoint(tmp_path / "best.pt")["epoch"] == 1
+    tie = {**state, "epoch": 2, "history": [*history, {"epoch": 3, "val": {"acc1": 55.0}}]}
+    time.sleep(0.01)
+    save_checkpoint(tmp_path / "last.pt", tie)
+    assert not mend_best(tie, tmp_path, rank0)                   # epoch 3 only tied epoch 2: best.pt is epoch 2's
+    assert load_checkpoint(tmp_path / "best.pt")["epoch"] == 1
     (tmp_path / "best.pt").unlink()
     assert not mend_best(state, tmp_path, DistContext(1, 2, 0, torch.device("cpu"), "gloo"))   # rank 0 writes
     assert not (tmp_path / "best.pt").exists()
