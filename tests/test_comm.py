@@ -57,6 +57,13 @@ def test_auto_keeps_the_choice_a_resumed_run_started_with_and_says_what_the_prob
     assert comm.choose(Settings(comm="fp16"), probe(1.0, 0.01), kept="localsgd")[0] == "fp16"   # asked for: taken
 
 
+def test_a_resume_with_static_graph_cannot_continue_the_local_sgd_auto_chose():
+    """settings refuse comm=localsgd with static_graph; a resumed comm=auto run that chose it is refused as well."""
+    with pytest.raises(ValueError, match="resume it without static_graph"):
+        comm.choose(Settings(comm="auto", static_graph=True), probe(1.0, 0.01), kept="localsgd")
+    assert comm.choose(Settings(comm="auto", static_graph=True), probe(1.0, 0.01), kept="fp16")[0] == "fp16"
+
+
 def test_an_explicit_choice_is_taken_as_it_is():
     assert comm.choose(Settings(comm="bf16"), probe(1.0, 100.0)) == ("bf16", "--comm bf16")
 

@@ -72,6 +72,10 @@ def choose(settings, probe: dict | None, kept: str | None = None) -> tuple[str, 
     """``(choice, why)``: the hook ``settings.comm`` asks for, ``auto`` resolved from the probe (or ``kept``)."""
     if settings.comm != "auto":
         return settings.comm, f"--comm {settings.comm}"
+    if kept == "localsgd" and settings.static_graph:   # the refusal settings.problems() makes for comm=localsgd
+        raise ValueError("this run trains with local SGD (comm=auto chose it when the run started; its checkpoint "
+                         "says so), which runs under DDP's no_sync(), and static_graph cannot (pytorch/pytorch"
+                         "#187732): resume it without static_graph (--static-graph), or start a new run")
     if kept in CHOICES:
         now, _ = choose(settings, probe)
         return kept, (f"comm=auto: {kept}, as this run chose when it started (its checkpoint says so), so that "
