@@ -23,8 +23,18 @@ def test_auto_keeps_the_exact_all_reduce_when_communication_is_a_small_share():
 
 
 def test_auto_halves_the_bytes_when_that_is_enough():
-    choice, why = comm.choose(Settings(comm="auto"), probe(1.0, 0.4))   # 29 %; in fp16 17 % < 20 %
+    choice, why = comm.choose(Settings(comm="auto"), probe(1.0, 0.4), precision="fp16")   # 29 %; halved 17 % < 20 %
     assert choice == "fp16" and "29 %" in why and "17 %" in why
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_auto_halves_the_bytes_in_bf16_where_no_loss_scale_keeps_the_gradients_in_fp16s_range(precision):
+    choice, why = comm.choose(Settings(comm="auto"), probe(1.0, 0.4), precision=precision)
+    assert choice == "bf16" and f"{precision} run: no loss scale" in why
+    # what that protects: a gradient of 1e-8 (a late, small update) is 0 in fp16 and kept in bf16
+    import torch
+    tiny = torch.tensor([1e-8])
+    assert tiny.half().item() == 0 and tiny.bfloat16().float().item() == pytest.approx(1e-8, rel=0.01)
 
 
 def test_auto_trains_with_local_sgd_on_a_slow_link_and_powersgd_on_a_much_slower_one():

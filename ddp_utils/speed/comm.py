@@ -15,7 +15,8 @@ all-reduce; PyTorch ships the ones used here:
 - ``localsgd``: no gradient all-reduce; each rank steps on its own gradients and the weights are averaged
   every ``average_every`` steps (``localsgd.py``);
 - ``auto``: decided from the link probe (``linkprobe.py``): when communication is predicted to
-  take more than ``comm_auto_share`` of a step, fp16 if that brings it under the share, else local
+  take more than ``comm_auto_share`` of a step, half precision if that brings it under the share (fp16
+  under fp16 AMP, bf16 otherwise: see ``choose``), else local
   SGD, or PowerSGD on a link so slow that even local SGD would mostly wait. The choice and the
   reason are printed and kept as ``comm`` in ``results.json``. Gradient accumulation is never chosen
   for you: it changes the recipe (a larger global batch, fewer optimizer steps).
@@ -31,6 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from . import linkprobe, powersgd
 from .commtime import CommTimer
 from ..model import ddp_of
+from ..optim import precision_name
 
 CHOICES = ("none", "fp16", "bf16", "powersgd", "localsgd")
 # comm=auto takes local SGD while its averages are predicted to take at most this share of the time; beyond,
@@ -57,7 +59,7 @@ def gradient_communication(model, settings, ctx, num_classes: int, image_size: i
     if not ctx.distributed:
         return Communication(reason="one process: nothing to send")
     probe = linkprobe.probe(model, settings, ctx, num_classes, image_size, log)
-    choice, why = choose(settings, probe, kept)
+    choice, why = choose(settings, probe, kept, precision_name(settings, ctx.device))
     hook, state = hook_for(choice, settings, ctx.backend)
     if isinstance(state, powersgd.Memory):
         state.attach(ddp_of(model))   # its memory is kept by parameter name
@@ -68,8 +70,12 @@ def gradient_communication(model, settings, ctx, num_classes: int, image_size: i
     return Communication(timer, probe, choice, why)
 
 
-def choose(settings, probe: dict | None, kept: str | None = None) -> tuple[str, str]:
-    """``(choice, why)``: the hook ``settings.comm`` asks for, ``auto`` resolved from the probe (or ``kept``)."""
+def choose(settings, probe: dict | None, kept: str | None = None, precision: str = "fp32") -> tuple[str, str]:
+    """``(choice, why)``: the hook ``settings.comm`` asks for, ``auto`` resolved from the probe (or ``kept``).
+
+    ``precision``: the run's (optim.precision_name). Halving the bytes takes fp16 only where fp16 AMP's loss
+    scale lifts the gradients into fp16's range; a bf16 or fp32 run has none, so its small gradients would
+    flush to zero in fp16: it gets bf16, which has fp32's range."""
     if settings.comm != "auto":
         return settings.comm, f"--comm {settings.comm}"
     if kept == "localsgd" and settings.static_graph:   # the refusal settings.problems() makes for comm=localsgd
@@ -77,7 +83,7 @@ def choose(settings, probe: dict | None, kept: str | None = None) -> tuple[str, 
                          "says so), which runs under DDP's no_sync(), and static_graph cannot (pytorch/pytorch"
                          "#187732): resume it without static_graph (--static-graph), or start a new run")
     if kept in CHOICES:
-        now, _ = choose(settings, probe)
+        now, _ = choose(settings, probe, precision=precision)
         return kept, (f"comm=auto: {kept}, as this run chose when it started (its checkpoint says so), so that "
                       f"the resume continues it" + ("" if now == kept else f";\n  the link probe would choose {now} now"))
     if probe is None:
@@ -89,8 +95,10 @@ def choose(settings, probe: dict | None, kept: str | None = None) -> tuple[str, 
                         f"{100 * limit:.0f} %: no compression")
     half = (allreduce / 2) / (compute + allreduce / 2)
     if half <= limit:
-        return "fp16", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step; fp16 halves "
-                        f"the bytes, to about {100 * half:.0f} %")
+        halved = "fp16" if precision == "fp16" else "bf16"
+        return halved, (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step; {halved} halves "
+                        f"the bytes, to about {100 * half:.0f} %" + ("" if halved == "fp16" else
+                        f" ({precision} run: no loss scale, so bf16, with fp32's range, not fp16)"))
     every = settings.average_every   # local SGD: one fp16 average of the weights every `every` steps
     local = (allreduce / 2 / every) / (compute + allreduce / 2 / every)
     if local <= LOCALSGD_LIMIT and not settings.static_graph:   # local SGD needs no_sync(): not with static_graph
