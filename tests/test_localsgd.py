@@ -34,6 +34,25 @@ def record_averages(monkeypatch) -> list:
     return averaged
 
 
+def test_an_average_keeps_tiny_updates_and_a_sum_over_many_ranks_finite(monkeypatch):
+    """A late update of 1e-9 (a cosine tail) must move the weights, and 16 ranks' summed changes must stay finite:
+    in fp16 the first is 0 and the second inf, and either overwrites every rank's weights at the average."""
+    class Done:
+        def wait(self):
+            pass
+
+    def sixteen_alike(tensor, group=None, async_op=False):   # the sum over 16 ranks holding the same change
+        tensor.mul_(16)
+        return Done()
+    monkeypatch.setattr(localsgd.dist, "all_reduce", sixteen_alike)
+    monkeypatch.setattr(localsgd.dist, "get_world_size", lambda group=None: 16)
+    anchor = torch.zeros(3)
+    weights = torch.tensor([1e-9, 5000.0, -1.0])   # each rank's change since the last average (5000 x 16 > 65504)
+    localsgd.Average([weights], [anchor]).wait()
+    assert weights.tolist() == pytest.approx([1e-9, 5000.0, -1.0], rel=1e-2)
+    assert torch.equal(anchor, weights)
+
+
 def test_the_settings_are_checked_and_shared_by_every_rank():
     with pytest.raises(ValueError, match=r"comm=localsgd with static_graph: .*pytorch/pytorch#187732"):
         Settings(dataset="fake", comm="localsgd", static_graph=True)

@@ -99,7 +99,7 @@ def choose(settings, probe: dict | None, kept: str | None = None, precision: str
         return halved, (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step; {halved} halves "
                         f"the bytes, to about {100 * half:.0f} %" + ("" if halved == "fp16" else
                         f" ({precision} run: no loss scale, so bf16, with fp32's range, not fp16)"))
-    every = settings.average_every   # local SGD: one fp16 average of the weights every `every` steps
+    every = settings.average_every   # local SGD: one bf16 average of the weights every `every` steps
     local = (allreduce / 2 / every) / (compute + allreduce / 2 / every)
     if local <= LOCALSGD_LIMIT and not settings.static_graph:   # local SGD needs no_sync(): not with static_graph
         return "localsgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still "

@@ -7,7 +7,7 @@ steps: 1/average_every of the traffic, while every rank still trains with the ru
 learning rate (Lin et al., 2020, "Don't use large mini-batches, use local SGD"; PyTorch calls the variant
 that starts with exact steps *post-local SGD*). The first ``localsgd_warmup_steps`` steps are plain DDP,
 so the ranks leave the noisy start together. The averages send each tensor's change since the last average, in
-fp16 (half the bytes).
+bf16 (half the bytes, and fp32's range).
 
 Between two averages the ranks' weights differ. At the end of every epoch the weights are averaged, so that every rank
 evaluates the same model, and the optimizer's state too (SGD's momentum, which each rank built from its own
@@ -100,20 +100,22 @@ class Average:
     """Replace each tensor by its mean over the ranks, in place, with one all-reduce (started here, applied by
     ``wait()``); the anchors become the means.
 
-    What travels is each tensor's difference from its anchor (its last mean, the same on every rank) in fp16:
-    half the bytes of fp32, and a difference accumulated over a few steps is small, so fp16 keeps its
-    significant digits where rounding the weights themselves to fp16 would not. Every rank adds the same
-    reduced differences to the same anchors, so every rank ends with the same tensors. (PyTorch's
+    What travels is each tensor's difference from its anchor (its last mean, the same on every rank) in bf16:
+    half the bytes of fp32, and a difference accumulated over a few steps is small, so bf16 keeps its
+    significant digits (3) where rounding the weights themselves would not. bf16, not fp16: it has fp32's range,
+    so a late update of 1e-9 (a cosine tail) is not 0 and a sum over many ranks does not overflow to inf (fp16:
+    below about 6e-8 is 0, above 65504 inf), either of which would overwrite every rank's weights. Every rank
+    adds the same reduced differences to the same anchors, so every rank ends with the same tensors. (PyTorch's
     ``model_averaging.utils.average_parameters`` sends fp32, waits, and rebinds ``.data`` to views of its
     flat buffer, which also turns channels_last weights into contiguous ones; copying back keeps each layout.)"""
 
     @torch.no_grad()
     def __init__(self, tensors: list, anchors: list, group=None):
         self.tensors, self.anchors, self.world = tensors, anchors, dist.get_world_size(group)
-        delta = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float16, device=tensors[0].device)
+        delta = torch.empty(sum(t.numel() for t in tensors), dtype=torch.bfloat16, device=tensors[0].device)
         self.pieces = [piece.view(t.shape) for piece, t in zip(delta.split([t.numel() for t in tensors]), tensors)]
         for t, a, d in zip(tensors, anchors, self.pieces):
-            torch.sub(t, a, out=d)   # written as fp16 straight into the message: no fp32 copy of it
+            torch.sub(t, a, out=d)   # written as bf16 straight into the message: no fp32 copy of it
         self.work = dist.all_reduce(delta, group=group, async_op=True)   # the sum of the ranks' differences
 
     @torch.no_grad()
