@@ -204,8 +204,20 @@ def load_state(path, ctx, timeout: float = 300.0) -> dict | None:
     state = load_checkpoint(path) if ctx.is_main and path else None
     distributed.wait_for_all("finish reading the checkpoint", ctx, timeout)
     if ctx.distributed:
+        own = _per_rank_parts(state)   # each rank gets its own later (PowerSGD's error feedback), not everyone's
         state = distributed.broadcast_object(state, ctx)   # DDP: worker nodes get rank 0's file
+        if ctx.is_main and own is not None:
+            state["comm"]["powersgd"]["errors"] = own
     return state
+
+
+def _per_rank_parts(state: dict | None):
+    """Rank 0: take every rank's PowerSGD error feedback out of ``state`` (leaving their number), and return them."""
+    saved = ((state or {}).get("comm") or {}).get("powersgd") or {}
+    if not isinstance(saved.get("errors"), list):
+        return None
+    own, saved["errors"] = saved["errors"], len(saved["errors"])
+    return own
 
 
 def mend_best(state: dict, run_dir, ctx) -> bool:

@@ -11,7 +11,9 @@ So ``Memory`` holds what the hook carries *per parameter* whenever the grouping 
 each bucket it checks which parameters the bucket holds, and when they differ from the bucket the
 memory was made for, it takes the memory apart by parameter and lays it out again for the new
 buckets. The checkpoint stores it by parameter name: P and Q once (they are the same on every rank
-after their all-reduce), the error once per rank (gathered to rank 0, like the RNG states).
+after their all-reduce), the error once per rank: rank 0 fetches the others' one at a time into one buffer and
+keeps them on the CPU (a gather would hold every rank's on rank 0's GPU at once: about 6.5 GB for ResNet-50 at 64
+ranks), and a resume sends each rank its own (``checkpoint.load_state`` leaves them out of what it broadcasts).
 
 It also draws the first Q of each parameter itself, from the run's seed, the step and the parameter's
 position, instead of letting the hook draw one per bucket: then the random start does not depend on
@@ -122,7 +124,7 @@ class Memory:
         return pieces
 
     def state_dict(self, ctx) -> dict:
-        """What the checkpoint keeps (a collective: every rank's error feedback is gathered to rank 0).
+        """What the checkpoint keeps (a collective: every rank's error feedback goes to rank 0, one rank at a time).
 
         ``{"iter", "rank", "names", "p", "q", "errors"}``: ``p`` / ``q`` by name, ``errors`` one flat tensor per
         rank (the parameters of ``names`` one after the other); empty before PowerSGD's first step."""
@@ -134,37 +136,44 @@ class Memory:
         if not names:
             return saved
         error = torch.cat([pieces[n]["error"].view(-1) for n in names])
-        errors = [torch.empty_like(error) for _ in range(ctx.world_size)] if ctx.is_main else None
-        if ctx.distributed:
-            dist.gather(error, errors, dst=0)   # DDP: collective; rank 0 writes the file
+        if not ctx.distributed:
+            saved["errors"] = [error.cpu()]
+        elif not ctx.is_main:
+            dist.send(error, dst=0)   # DDP: rank 0 writes the file
         else:
-            errors = [error]
-        saved["errors"] = [e.cpu() for e in errors] if ctx.is_main else []
+            saved["errors"], buffer = [error.to("cpu", copy=True)], torch.empty_like(error)
+            for rank in range(1, ctx.world_size):   # one rank's at a time: one buffer on the device
+                dist.recv(buffer, src=rank)
+                saved["errors"].append(buffer.to("cpu", copy=True))
         return saved
 
     def load_state_dict(self, saved: dict, ctx) -> str:
-        """Continue from ``saved`` (every rank holds the whole checkpoint). Returns what was restored, in words.
+        """Continue from ``saved`` (a collective where several ranks run). Returns what was restored, in words.
 
-        Resumed on another number of ranks, every rank takes the ranks' mean error: the averaged
+        ``saved["errors"]``: every rank's error feedback on rank 0 (or in one process); on the other ranks the
+        number of ranks that saved one (``checkpoint.load_state`` does not broadcast them): rank 0 sends each rank
+        its own. Resumed on another number of ranks, every rank takes the ranks' mean error: the averaged
         gradient then gets the same correction it would have got. With another ``--powersgd-rank`` the
         warm-start matrices do not fit: they start afresh."""
         self.forget()
         self.state.iter = saved["iter"]
         errors = saved["errors"]
-        if not saved["names"] or not errors:
+        count = errors if isinstance(errors, int) else len(errors)
+        if not saved["names"] or not count:
             return f"PowerSGD continues at step {saved['iter']} (no memory yet)"
         note = ""
         if saved["rank"] != self.state.matrix_approximation_rank:
             saved, note = {**saved, "p": {}, "q": {}}, f"; saved with rank {saved['rank']}: the warm start afresh"
-        same = len(errors) == ctx.world_size
-        error = errors[ctx.rank] if same else torch.stack(errors).mean(0)
-        start = 0
         sizes = {name: p.numel() for p, name in self.names.items()}
         for name in saved["names"]:
             if name not in sizes:
                 raise CheckpointError(f"The checkpoint's PowerSGD memory is for a parameter {name!r}, which this "
                                       f"model does not have: it was saved by another model. Resume with the "
                                       f"settings it was saved with, or start a new run.")
+        same = count == ctx.world_size
+        error = self._own_error(errors, same, sum(sizes[name] for name in saved["names"]), ctx)
+        start = 0
+        for name in saved["names"]:
             numel = sizes[name]
             piece = {"error": error[start:start + numel]}
             start += numel
@@ -172,8 +181,28 @@ class Memory:
                 piece["p"], piece["q"] = saved["p"][name], saved["q"][name]
             self.store[name] = piece
         if not same:
-            note += f"; the error feedback of {len(errors)} ranks, averaged, on each of {ctx.world_size}"
+            note += f"; the error feedback of {count} ranks, averaged, on each of {ctx.world_size}"
         return f"PowerSGD continues at step {saved['iter']} with its error feedback and warm start{note}"
+
+    def _own_error(self, errors, same: bool, numel: int, ctx) -> torch.Tensor:
+        """This rank's saved error feedback (``same``: as many ranks saved one), else the saved ones' mean; rank 0
+        holds them all and sends each rank its own, one rank at a time."""
+        if not ctx.distributed:
+            return errors[0] if same else torch.stack(errors).mean(0)
+        device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+        dtype = next(iter(self.names)).dtype   # the gradients', hence the error feedback's
+        if not same:   # one tensor for every rank
+            mean = torch.stack(errors).mean(0).to(device) if ctx.is_main else torch.empty(numel, dtype=dtype,
+                                                                                             device=device)
+            dist.broadcast(mean, src=0)
+            return mean.cpu()
+        if not ctx.is_main:
+            own = torch.empty(numel, dtype=dtype, device=device)
+            dist.recv(own, src=0)
+            return own.cpu()
+        for rank in range(1, ctx.world_size):
+            dist.send(errors[rank].to(device), dst=rank)
+        return errors[0]
 
 
 def _plan(bucket, names: list[str], state) -> list:
