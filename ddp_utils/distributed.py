@@ -475,6 +475,7 @@ def report_failure(ctx: DistContext, text: str) -> None:
     if ctx.distributed and _store is not None:
         with contextlib.suppress(Exception):
             _store.set(f"failed/{ctx.rank}", text)
+            _store.add("failures", 1)   # what the others poll: one request each, whatever the number of ranks
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -512,6 +513,9 @@ def peer_failure(ctx: DistContext) -> str | None:
 
 
 def _failure_in_store(ctx: DistContext) -> str | None:
+    """Another rank's reported failure, or None. One store request while none failed (the ranks poll it)."""
+    if not int(_store.add("failures", 0)):
+        return None
     for r in range(ctx.world_size):
         if r != ctx.rank and _store.check([f"failed/{r}"]):
             return _store.get(f"failed/{r}").decode()

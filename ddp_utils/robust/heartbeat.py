@@ -38,6 +38,7 @@ class Heartbeat:
         self.verdict: str | None = None   # why the judge aborted the process group; None while all is well
         self._store_ok = 0.0     # when the beat thread last finished a round with the store
         self._failure: str | None = None   # a failure another rank reported
+        self._all_beat = False   # every other rank's beat key exists: one multi_get reads them all
         self._finished = False
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._beat, name="ddp_utils-heartbeat", daemon=True),
@@ -86,18 +87,30 @@ class Heartbeat:
                     if self._finished:
                         self._keys.set(f"alive/{me}", "done")
                     return
-                self._keys.set(f"alive/{me}", str(time.time()))
-                for r in self.seen:
-                    if self._keys.check([f"alive/{r}"]):
-                        beat = self._keys.get(f"alive/{r}").decode()
-                        if beat != self.seen[r][0]:
-                            self.seen[r] = (beat, time.monotonic())
-                self._failure = self._failure or distributed._failure_in_store(self.ctx)
-                self._store_ok = time.monotonic()
+                self._round()
             except Exception:   # noqa: BLE001 - the store (rank 0) is gone or unreachable: the judge decides
                 if stopping:
                     return
             self._stop.wait(self.every)
+
+    def _round(self) -> None:
+        """One beat: this rank's, then every other rank's and any reported failure, in a few requests to the
+        store, whatever the number of ranks (a request per peer would put N x N requests on rank 0's store)."""
+        me = self.ctx.rank
+        self._keys.set(f"alive/{me}", str(time.time()))
+        keys = [f"alive/{r}" for r in self.seen]
+        # a key per rank, each written by its rank; multi_get would wait for a missing one, so read them
+        # one by one until every rank has beaten once (the first seconds)
+        self._all_beat = self._all_beat or self._keys.check(keys)
+        if self._all_beat:
+            beats = [b.decode() for b in self._keys.multi_get(keys)]
+        else:
+            beats = [self._keys.get(k).decode() if self._keys.check([k]) else "" for k in keys]
+        for r, beat in zip(list(self.seen), beats):
+            if beat and beat != self.seen[r][0]:
+                self.seen[r] = (beat, time.monotonic())
+        self._failure = self._failure or distributed._failure_in_store(self.ctx)
+        self._store_ok = time.monotonic()
 
     # -- the judge thread: decides from what the beat thread saw, never blocks -----------------------
     def _judge(self) -> None:
