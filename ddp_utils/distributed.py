@@ -106,6 +106,7 @@ _watches = 0  # training runs watched in this process group (heartbeat.py; their
 # the other ranks, as (fd, local address, remote address); and why it did, once it has.
 _group_sockets: set = set()
 _aborted: str | None = None
+_collective_s = 60.0   # how long a collective may wait now (the group's timeout, or set_collective_timeout's)
 
 
 # -- setup and teardown -----------------------------------------------------------------------
@@ -183,7 +184,7 @@ def _device(settings) -> torch.device:
 def _init_process_group(settings, report: dict, facts: dict, log) -> str:
     """``init_process_group`` with a bounded wait, on the backend every rank agreed on (returned); a
     failure becomes one readable DistSetupError."""
-    global _store, _waits, _watches, _group_sockets, _aborted
+    global _store, _waits, _watches, _group_sockets, _aborted, _collective_s
     # Keys of this setup's own on the store on master_port (rank 0's, or torchrun's agent's), so that re-running a
     # notebook cell, or torchrun restarting the training processes, never reads an earlier attempt's (rendezvous.py)
     keys, everyone = rendezvous.join(settings, log, facts)
@@ -223,6 +224,7 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
         # minute. Longer waits (the others reading their data, rank 0 starting W&B or writing a
         # checkpoint) are explicit store waits (wait_for_all), bounded by init_timeout. With --compile
         # the first step compiles for minutes on a cold cache: the short timeout starts after it (train.py).
+        _collective_s = timeout.total_seconds()
         if not set_collective_timeout(settings.init_timeout if settings.compile else settings.collective_timeout) \
                 and timeout.total_seconds() != settings.collective_timeout:   # gloo before torch 2.9 (compat.py)
             why = ("its first step may compile for minutes" if settings.compile else
@@ -256,7 +258,17 @@ def _set_nccl_env(log) -> None:
 def set_collective_timeout(seconds: float) -> bool:
     """How long a collective of the process group may wait from now on; False where this torch's backend
     keeps the timeout the group was made with (gloo before torch 2.9)."""
-    return compat.set_collective_timeout(seconds, dist.get_backend())
+    global _collective_s
+    done = compat.set_collective_timeout(seconds, dist.get_backend())
+    if done:
+        _collective_s = seconds
+    return done
+
+
+def stall_limit() -> float:
+    """Seconds a rank may wait for its next batch while the others wait for it in a collective, before the watch
+    names it (heartbeat.py): well inside the collective timeout in force, so that the kit's paragraph comes first."""
+    return max(_collective_s / 2, _collective_s - 20, 10.0)   # 10: a loader's slow moment is no stall
 
 
 def _init_failure(settings, backend, report: dict, error: BaseException) -> str:

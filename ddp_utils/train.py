@@ -90,9 +90,13 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
                         show=True, print_line=logger.info, rank=ctx.rank if ctx.distributed else None)
     t_epoch = t_end = time.perf_counter()
     batches, k = len(data.train), settings.accumulate   # k batches per optimizer step (the last group maybe fewer)
+    if heartbeat is not None:
+        heartbeat.fetching(True)   # the watch knows when this rank waits for its data (a stuck loader is named)
     try:
         for i, (images, labels) in enumerate(data.train.epoch(epoch)):   # DDP: set_epoch happens inside .epoch()
             t_data = time.perf_counter()
+            if heartbeat is not None:
+                heartbeat.fetching(False)
             data_s += t_data - t_end
             images, labels = to_device(images, labels, settings, ctx.device)
             lr = scheduler.get_last_lr()[0]   # the lr this step uses
@@ -142,6 +146,8 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
             step_s += time.perf_counter() - t_sync
     finally:
         progress.close()   # also when a step fails: no half-drawn bar left behind
+        if heartbeat is not None:
+            heartbeat.fetching(False)
     step_s += _finish_queued_work(ctx)   # so the epoch's wall time includes queued GPU work
     wall = time.perf_counter() - t_epoch
     comm_s, comm_total_s = comm.take() if comm is not None else (0.0, 0.0)
@@ -241,7 +247,7 @@ def fit(job) -> dict:
     percent), the same on every rank. When another rank stops answering, raises
     ``distributed.PeerLost`` with a paragraph that says what was saved and how to resume.
     """
-    heartbeat = Heartbeat(job.ctx, log=print)   # the watch over the other ranks (robust/heartbeat.py)
+    heartbeat = Heartbeat(job.ctx, log=print, stall_after=distributed.stall_limit)   # the watch (robust/heartbeat.py)
     # DDP: the other notebook's Train cell may start minutes later: wait for it (up to init_timeout) before the
     # watch starts, so that a rank that has not started yet is never counted as one that stopped answering
     _wait_for_the_others("training (the Train cell)", job)
@@ -258,6 +264,11 @@ def fit(job) -> dict:
                                                       "comm_reason": comm.reason,
                                                       "resumed_from": job.resume if job.state is not None else None},
                         started)
+    except KeyboardInterrupt:
+        if heartbeat.interrupted:   # this rank's own watch stopped its stalled data loader: say why
+            kept = kept_checkpoint(job.logger.run_dir, job.ctx)
+            raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, kept, what=heartbeat.verdict)) from None
+        raise
     except Exception as exc:
         if job.ctx.distributed and heartbeat.verdict:   # the watch ended the group: whatever broke next, this is why
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)

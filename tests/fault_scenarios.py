@@ -13,6 +13,8 @@ The rank prepares and trains on fake data (2 ranks, gloo, loopback). What the sc
   beats take: a student reading between cells. 2 epochs of 8 steps.
 - ``patient`` / ``default``: nothing, with a collective timeout of 600 s / the default 60 s: only the kit's own
   watch (heartbeat.py) can stop a rank whose peer went silent within seconds.
+- ``stuck_loader``: rank 1's data loader blocks for good at the 5th batch (a stuck worker, a hung file system)
+  while its beat thread goes on; collective timeout 24 s (the watch names it after 12 s).
 Prints ``CHECK name=value`` lines the tests read.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ddp_utils.train import fit
 
 def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") -> None:
     timeout = {"plain": 8, "patient": 600, "default": Settings.collective_timeout, "slow_compile": 3,
-               "paced": 3}.get(name, 4)
+               "paced": 3, "stuck_loader": 24}.get(name, 4)
     settings = Settings(dataset="fake", image_size=32, workers=0, wandb="disabled", backend="gloo", world_size=2,
                         rank=rank, master_addr=addr, master_port=port, init_timeout=60,
                         collective_timeout=timeout, epochs=30,
@@ -64,6 +66,10 @@ def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") 
         if name == "slow_start":
             settings = settings.replace(epochs=1)
             job.settings = settings
+        if name == "stuck_loader":
+            signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a kernel (see "interrupt")
+            if rank == 1:
+                stick_the_loader(job.data.train, at=5)
         with job:
             fit(job)
         print("CHECK finished=true", flush=True)
@@ -98,6 +104,19 @@ def paced(settings, pause: float = 6.0) -> None:
         results = fit(job)
     print(f"CHECK acc1={results['acc1']}", flush=True)
     print("CHECK finished=true", flush=True)
+
+
+def stick_the_loader(loader, at: int) -> None:
+    """The loader's ``at``-th batch of the first epoch never comes (the main thread waits, as for a stuck worker)."""
+    real = loader.epoch
+
+    def epoch(number):
+        for i, batch in enumerate(real(number)):
+            if i == at:
+                print(f"CHECK stuck_at={time.time()}", flush=True)
+                time.sleep(600)
+            yield batch
+    loader.epoch = epoch
 
 
 def slow_compile(rank: int) -> None:

@@ -113,6 +113,23 @@ def test_a_frozen_peer_stops_the_other_rank_within_30_s_naming_it(name, tmp_path
 
 
 @pytest.mark.slow
+def test_a_rank_stuck_in_its_data_loader_is_named_by_every_rank_before_the_collective_timeout(tmp_path):
+    """Rank 1 still beats, but its main thread waits for a batch that never comes: rank 0 waits for it in a
+    collective. Both stop after the watch's 12 s (not the collective timeout's 24 s, not its raw error), naming
+    rank 1's data loader; rank 1 says where its thread is."""
+    port = free_port()
+    results = run_all([scenario("stuck_loader", r, port, tmp_path) for r in range(2)], timeout=120, env=base_env())
+    assert [r.returncode for r in results] == [2, 2], describe(results)
+    stuck = float(checks(results[1])["stuck_at"])
+    for rank, result in enumerate(results):
+        assert float(checks(result)["stopped_at"]) - stuck < 24, describe(results)
+        assert re.search(rf"rank {rank}: training stopped because rank 1 has waited \d+ s for its next training batch "
+                         r"\(its data loader\)", result.output), describe(results)
+    assert re.search(r"rank 1: its training thread is at: .*fault_scenarios.py:\d+ epoch", results[1].output), \
+        describe(results)
+
+
+@pytest.mark.slow
 @pytest.mark.floor
 def test_a_killed_peer_stops_the_other_rank_within_seconds(tmp_path):
     """kill -9 of rank 1 with a collective timeout of 600 s: rank 0 says so at once, and its checkpoint is whole."""

@@ -15,13 +15,22 @@ rank use it:
   collective returns now, and ``train.fit`` raises ``PeerLost`` with this
   ``verdict``. A rank that finished writes ``done`` instead of a beat and is never judged silent.
 
-The training loop only bumps a counter per step (no store call, no sync). When this rank has made no
-step for ``note_after`` s (it waits for a slower rank), the judge says so and names the quiet ranks.
+The training loop only bumps a counter per step and marks when it starts waiting for its next batch (no store
+call, no sync); each beat carries both. When this rank has made no step for ``note_after`` s (it waits for a slower
+rank), the judge says so and names the quiet ranks. A rank that beats but makes no progress is found too: when one
+has waited for its next batch for ``stall_after()`` s (well inside the collective timeout) while this rank made no
+step either, the others wait for it in a collective: every rank aborts naming it, and that rank, whose main
+thread is stuck in its data loader, is interrupted there (SIGINT, as the notebook's Stop button) after saying
+where it is.
 """
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import threading
 import time
+import traceback
 
 from .. import distributed
 
@@ -30,10 +39,15 @@ SILENT_AFTER = 15.0   # seconds without a beat before a rank counts as gone (bea
 
 class Heartbeat:
     def __init__(self, ctx, log=print, every: float = 2.0, note_after: float = 30.0,
-                 silent_after: float = SILENT_AFTER):
+                 silent_after: float = SILENT_AFTER, stall_after=None):
         self.ctx, self.log, self.every, self.note_after = ctx, log, every, note_after
         self.silent_after = silent_after
+        self.stall_after = stall_after   # a function: seconds (None: progress is not judged)
         self.steps = 0
+        self.fetching_since: float | None = None   # when the training loop started waiting for its next batch
+        self.progress_at = time.monotonic()        # when this rank last finished a step (the judge tracks it)
+        self.interrupted = False   # this rank's stalled main thread was interrupted by its own watch
+        self._main = None          # the thread that trains (the judge interrupts it only if it is the main one)
         self.seen: dict[int, tuple[str, float]] = {}   # rank -> (its last beat, when we saw it change)
         self.verdict: str | None = None   # why the judge aborted the process group; None while all is well
         self._store_ok = 0.0     # when the beat thread last finished a round with the store
@@ -47,7 +61,8 @@ class Heartbeat:
     def __enter__(self) -> "Heartbeat":
         if self.ctx.distributed and distributed._store is not None:
             self._keys = distributed.watch_store()   # this fit's own keys: a re-run fit starts clean
-            start = self._store_ok = time.monotonic()
+            start = self._store_ok = self.progress_at = time.monotonic()
+            self._main = threading.current_thread()
             self.seen = {r: ("", start) for r in range(self.ctx.world_size) if r != self.ctx.rank}
             for thread in self._threads:
                 thread.start()
@@ -63,8 +78,13 @@ class Heartbeat:
             self._threads[0].join(timeout=2.0)   # the "done" is written before the others can miss a beat
 
     def step(self) -> None:
-        """Called by the training loop once per step (a counter: costs nothing)."""
+        """Called by the training loop once per step (a counter: costs nothing); it fetches the next batch now."""
         self.steps += 1
+        self.fetching_since = time.monotonic()
+
+    def fetching(self, waiting: bool) -> None:
+        """The training loop waits for its next batch (True) or has it, or left the loop (False)."""
+        self.fetching_since = time.monotonic() if waiting else None
 
     def silent(self, older_than: float = 0.0) -> list[tuple[int, float]]:
         """(rank, seconds since its last sign of life) for the peers silent longer than ``older_than``."""
@@ -97,7 +117,9 @@ class Heartbeat:
         """One beat: this rank's, then every other rank's and any reported failure, in a few requests to the
         store, whatever the number of ranks (a request per peer would put N x N requests on rank 0's store)."""
         me = self.ctx.rank
-        self._keys.set(f"alive/{me}", str(time.time()))
+        since = self.fetching_since
+        fetching = -1.0 if since is None else time.monotonic() - since
+        self._keys.set(f"alive/{me}", f"{time.time():.3f}|{self.steps}|{fetching:.1f}")   # time|steps|waiting for data
         keys = [f"alive/{r}" for r in self.seen]
         # a key per rank, each written by its rank; multi_get would wait for a missing one, so read them
         # one by one until every rank has beaten once (the first seconds)
@@ -116,19 +138,25 @@ class Heartbeat:
     def _judge(self) -> None:
         me = self.ctx.rank
         last_steps = -1
-        since = noted = time.monotonic()
+        noted = time.monotonic()
         while not self._stop.wait(min(1.0, self.every)):
+            now = time.monotonic()
+            if self.steps != last_steps:
+                last_steps, self.progress_at = self.steps, now
+            since = self.progress_at
             verdict = self.judgement()
             if verdict:
                 self.verdict = verdict
+                stalled_here = verdict.startswith(f"rank {me} has waited")
+                if stalled_here:   # the others read why in the store before their collective breaks
+                    distributed.report_failure(self.ctx, verdict)
                 self.log(f"rank {me}: the kit's watch stops this rank's collectives: {verdict}")
                 done = distributed.abort_group(verdict)
                 self.log(f"rank {me}: the kit's watch: {done}")
+                if stalled_here:
+                    self._interrupt_the_stalled_loop()
                 return
-            now = time.monotonic()
-            if self.steps != last_steps:
-                last_steps, since = self.steps, now
-            elif now - since >= self.note_after and now - noted >= self.note_after:
+            if now - since >= self.note_after and now - noted >= self.note_after:
                 quiet = self.describe() or "every rank still gives signs of life"
                 self.log(f"rank {me}: no training step for {now - since:.0f} s: waiting for the other ranks ({quiet})")
                 noted = now
@@ -145,7 +173,45 @@ class Heartbeat:
         if quiet:
             named = "; ".join(f"rank {r}'s last sign of life: {age:.0f} s ago" for r, age in quiet)
             return f"another rank stopped answering ({named})"
-        return None
+        return self.stall()
+
+    def stall(self) -> str | None:
+        """A rank stuck waiting for its next batch while this one waits too (for it, in a collective), or None."""
+        if self.stall_after is None:
+            return None
+        limit, now = self.stall_after(), time.monotonic()
+        if now - self.progress_at < limit:
+            return None   # this rank made a step lately: nobody holds it up
+        waits = {r: self._fetching(beat, seen, now) for r, (beat, seen) in self.seen.items()}
+        waits[self.ctx.rank] = None if self.fetching_since is None else now - self.fetching_since
+        stuck = sorted((r for r, w in waits.items() if w is not None and w >= limit), key=lambda r: -waits[r])
+        if not stuck:
+            return None
+        r = stuck[0]
+        return (f"rank {r} has waited {waits[r]:.0f} s for its next training batch (its data loader) while the "
+                f"other ranks wait for it in a collective: a stuck DataLoader worker, a stalled disk or network "
+                f"file system, or a deadlock in the dataset's code")
+
+    @staticmethod
+    def _fetching(beat: str, seen: float, now: float) -> float | None:
+        """How long a peer has waited for its next batch, from its last beat (``time|steps|waiting``), or None."""
+        try:
+            waiting = float(beat.split("|")[2])
+        except (IndexError, ValueError):   # "done", or no beat yet
+            return None
+        return None if waiting < 0 else waiting + (now - seen)
+
+    def _interrupt_the_stalled_loop(self) -> None:
+        """This rank is the stalled one: say where its training thread is, and interrupt it if it is the main
+        thread (a KeyboardInterrupt that ``train.fit`` turns into the verdict; a blocked wait returns for a signal)."""
+        frame = sys._current_frames().get(self._main.ident) if self._main is not None else None
+        if frame is not None:
+            where = "; ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                              for f in traceback.extract_stack(frame)[-3:])
+            self.log(f"rank {self.ctx.rank}: its training thread is at: {where}")
+        if self._main is threading.main_thread():
+            self.interrupted = True
+            os.kill(os.getpid(), signal.SIGINT)
 
     def _age(self, rank: int) -> float:
         return time.monotonic() - self.seen.get(rank, ("", self._store_ok))[1]
