@@ -72,7 +72,7 @@ def lost_a_peer(exc: BaseException) -> bool:
     return any(sign in text for sign in _PEER_SIGNS)
 
 
-def peer_lost_text(ctx, kept: str, exc: BaseException | None = None, silent: str = "", what: str | None = None) -> str:
+def peer_lost_text(ctx, kept: str, exc: BaseException | None = None, what: str | None = None) -> str:
     """The paragraph a surviving rank prints: what happened (``what``, the watch's verdict; else the other
     rank's own reason when it left one in the store; else the collective's error), what is saved (``kept``,
     only what exists), how to continue."""
@@ -80,7 +80,7 @@ def peer_lost_text(ctx, kept: str, exc: BaseException | None = None, silent: str
         what = peer_failure(ctx)
     if what is None:
         first_line = re.sub(r"^\[[^\]]*\.(cc|cpp|hpp):\d+\]\s*", "", (str(exc).strip().splitlines() or ["?"])[0])[:200]
-        what = f"another rank stopped answering ({first_line}{'; ' + silent if silent else ''})"
+        what = f"another rank stopped answering ({first_line})"
     if what.startswith("another rank stopped answering"):
         what += ". Its node may have crashed, been stopped or lost the network"
     kept = f" {kept[0].upper()}{kept[1:]}." if kept else ""
@@ -107,6 +107,12 @@ _watches = 0  # training runs watched in this process group (heartbeat.py; their
 _group_sockets: set = set()
 _aborted: str | None = None
 _collective_s = 60.0   # how long a collective may wait now (the group's timeout, or set_collective_timeout's)
+_where: dict[int, str] = {}   # rank -> "host, address" (from the rendezvous)
+
+
+def where(rank: int) -> str:
+    """``" (on node-b, 10.0.0.2)"``: where a rank runs, as it said when it joined ("" if unknown)."""
+    return f" (on {_where[rank]})" if rank in _where else ""
 
 
 # -- setup and teardown -----------------------------------------------------------------------
@@ -184,10 +190,12 @@ def _device(settings) -> torch.device:
 def _init_process_group(settings, report: dict, facts: dict, log) -> str:
     """``init_process_group`` with a bounded wait, on the backend every rank agreed on (returned); a
     failure becomes one readable DistSetupError."""
-    global _store, _waits, _watches, _group_sockets, _aborted, _collective_s
+    global _store, _waits, _watches, _group_sockets, _aborted, _collective_s, _where
     # Keys of this setup's own on the store on master_port (rank 0's, or torchrun's agent's), so that re-running a
     # notebook cell, or torchrun restarting the training processes, never reads an earlier attempt's (rendezvous.py)
-    keys, everyone = rendezvous.join(settings, log, facts)
+    keys, everyone = rendezvous.join(settings, log, {**facts, "addr": report.get("local_ip")})
+    # where each rank runs, for the paragraphs that name a lost rank (hosts in namespaces share one name)
+    _where = {f["rank"]: f"{f.get('host')}, {f.get('addr')}" for f in everyone or []}
     try:
         # Every rank's device, compared before any backend starts: the same backend, or the same error, everywhere
         backend, note = report["backend"], ""

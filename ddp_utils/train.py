@@ -259,11 +259,17 @@ def fit(job) -> dict:
                 job.communication = gradient_communication(job.model, job.settings, job.ctx, job.data.num_classes,
                                                            job.data.image_size, job.log, kept)
             comm = job.communication
-            return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,
-                        comm.timer, comm.probe, gpu, {"parallel": job.parallel, "comm": comm.choice,
-                                                      "comm_reason": comm.reason,
-                                                      "resumed_from": job.resume if job.state is not None else None},
-                        started)
+            try:
+                return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,
+                            comm.timer, comm.probe, gpu, {"parallel": job.parallel, "comm": comm.choice,
+                                                          "comm_reason": comm.reason,
+                                                          "resumed_from": job.resume if job.state is not None else None},
+                            started)
+            except RuntimeError as exc:   # a collective broke: a peer went, but which? (the watch goes on meanwhile)
+                if (job.ctx.distributed and not heartbeat.verdict and distributed.lost_a_peer(exc)
+                        and not distributed.peer_failure(job.ctx)):
+                    heartbeat.name_the_lost(heartbeat.silent_after + 2 * heartbeat.every)
+                raise
     except KeyboardInterrupt:
         if heartbeat.interrupted:   # this rank's own watch stopped its stalled data loader: say why
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)
@@ -281,7 +287,9 @@ def fit(job) -> dict:
         if (isinstance(exc, RuntimeError) and not isinstance(exc, distributed.PeerLost) and job.ctx.distributed
                 and (distributed.peer_failure(job.ctx) or distributed.lost_a_peer(exc))):
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)
-            raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, kept, exc, heartbeat.describe())) from None
+            quiet = None if distributed.peer_failure(job.ctx) else heartbeat.describe()
+            raise distributed.PeerLost(distributed.peer_lost_text(
+                job.ctx, kept, exc, what=f"another rank stopped answering ({quiet})" if quiet else None)) from None
         raise
 
 

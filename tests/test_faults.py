@@ -123,7 +123,8 @@ def test_a_rank_stuck_in_its_data_loader_is_named_by_every_rank_before_the_colle
     stuck = float(checks(results[1])["stuck_at"])
     for rank, result in enumerate(results):
         assert float(checks(result)["stopped_at"]) - stuck < 24, describe(results)
-        assert re.search(rf"rank {rank}: training stopped because rank 1 has waited \d+ s for its next training batch "
+        assert re.search(rf"rank {rank}: training stopped because rank 1 \(on [^,]+, 127.0.0.1\) has waited \d+ s for "
+                         r"its next training batch "
                          r"\(its data loader\)", result.output), describe(results)
     assert re.search(r"rank 1: its training thread is at: .*fault_scenarios.py:\d+ epoch", results[1].output), \
         describe(results)
@@ -137,6 +138,8 @@ def test_a_killed_peer_stops_the_other_rank_within_seconds(tmp_path):
     returncode, stopped, out = signal_rank_1_after_epoch_1("patient", signal.SIGKILL, tmp_path)
     assert returncode == 2 and stopped < 30, (stopped, out[-3000:])
     assert "rank 0: training stopped because another rank stopped answering" in out, out[-3000:]
+    # named by the watch (at 16 ranks a rank far from the dead one only sees its neighbour's connection break)
+    assert re.search(r"\(rank 1's last sign of life: \d+ s ago \(on [^,]+, 127.0.0.1\)\)", out), out[-3000:]
     assert checkpoint.load_checkpoint(tmp_path / "run0" / "last.pt")["epoch"] >= 0
 
 

@@ -93,9 +93,23 @@ class Heartbeat:
                 if beat != "done" and now - seen > older_than]
 
     def describe(self) -> str:
-        """"rank 1's last sign of life: 63 s ago", for the peers that went quiet (beats are every 2 s)."""
+        """"rank 1's last sign of life: 63 s ago (on node-b, 10.0.0.2)", for the peers that went quiet (beats are
+        every 2 s)."""
+        store_quiet = time.monotonic() - self._store_ok
+        if self.ctx.rank != 0 and store_quiet > 2.5 * self.every:   # then every beat looks old: rank 0 is the one
+            return f"rank 0's store gave no answer for {store_quiet:.0f} s{distributed.where(0)}"
         quiet = self.silent(older_than=2.5 * self.every)
-        return "; ".join(f"rank {r}'s last sign of life: {age:.0f} s ago" for r, age in quiet)
+        return "; ".join(f"rank {r}'s last sign of life: {age:.0f} s ago{distributed.where(r)}" for r, age in quiet)
+
+    def name_the_lost(self, timeout: float) -> str:
+        """After a collective broke because a peer went away: wait (up to ``timeout`` s; the watch goes on) until
+        the watch has a verdict, a peer's reported failure or a peer that stopped beating, and return the quiet
+        ones ("" if none). A rank far from the lost one (rank 1 of 16 when rank 7 died) gets only its neighbour's
+        broken connection from the collective: this names the rank that died, not the neighbour."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not (self.verdict or self._failure or self.describe()):
+            time.sleep(0.2)
+        return self.describe()
 
     # -- the beat thread: all the store calls (any of them may block while a link is down) --------
     def _beat(self) -> None:
@@ -147,7 +161,7 @@ class Heartbeat:
             verdict = self.judgement()
             if verdict:
                 self.verdict = verdict
-                stalled_here = verdict.startswith(f"rank {me} has waited")
+                stalled_here = verdict.startswith(f"rank {me}{distributed.where(me)} has waited")
                 if stalled_here:   # the others read why in the store before their collective breaks
                     distributed.report_failure(self.ctx, verdict)
                 self.log(f"rank {me}: the kit's watch stops this rank's collectives: {verdict}")
@@ -168,10 +182,10 @@ class Heartbeat:
         store_quiet = time.monotonic() - self._store_ok
         if store_quiet > self.silent_after:   # only a rank > 0 can lose the store: it lives in rank 0
             return (f"another rank stopped answering (rank 0's store gave no answer for {store_quiet:.0f} s; "
-                    f"rank 0's last sign of life: {self._age(0):.0f} s ago)")
+                    f"rank 0's last sign of life: {self._age(0):.0f} s ago{distributed.where(0)})")
         quiet = self.silent(older_than=self.silent_after)
         if quiet:
-            named = "; ".join(f"rank {r}'s last sign of life: {age:.0f} s ago" for r, age in quiet)
+            named = "; ".join(f"rank {r}'s last sign of life: {age:.0f} s ago{distributed.where(r)}" for r, age in quiet)
             return f"another rank stopped answering ({named})"
         return self.stall()
 
@@ -188,9 +202,9 @@ class Heartbeat:
         if not stuck:
             return None
         r = stuck[0]
-        return (f"rank {r} has waited {waits[r]:.0f} s for its next training batch (its data loader) while the "
-                f"other ranks wait for it in a collective: a stuck DataLoader worker, a stalled disk or network "
-                f"file system, or a deadlock in the dataset's code")
+        return (f"rank {r}{distributed.where(r)} has waited {waits[r]:.0f} s for its next training batch (its data "
+                f"loader) while the other ranks wait for it in a collective: a stuck DataLoader worker, a stalled "
+                f"disk or network file system, or a deadlock in the dataset's code")
 
     @staticmethod
     def _fetching(beat: str, seen: float, now: float) -> float | None:
