@@ -37,7 +37,7 @@ MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_r
               "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
               "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps",
-              "comm_auto_share", "average_every", "localsgd_warmup_steps")
+              "comm_auto_share", "average_every", "localsgd_warmup_steps", "auto_local_sgd")
 
 
 def _f(default, help: str, **kw):
@@ -133,6 +133,10 @@ class Settings:
                                        "ranks step on their own", type=int)
     comm_auto_share: float = _f(0.2, "comm=auto: compress when the probe predicts communication above this share "
                                      "of a step")
+    auto_local_sgd: bool = _f(False, "comm=auto may choose local SGD, another algorithm than DDP's (the ranks' "
+                                     "weights differ between averages; a few points of Acc@1 in the benchmarks); "
+                                     "without it auto keeps one model and averages the gradients at every step "
+                                     "(none, half precision or PowerSGD)")
     master_addr: str = _f("127.0.0.1", "IP of the rank-0 node: its private IP on a cloud network")
     master_port: int = _f(29500, "TCP port rank 0 listens on; open it (and the ports NCCL/Gloo add) "
                                  "between the nodes")

@@ -20,7 +20,7 @@ from .speed.gpu_monitor import describe as describe_gpu
 from .robust.heartbeat import Heartbeat
 from .metrics import Meter
 from .model import devices_used, unwrap
-from .speed.comm import forget_overflow, gradient_communication
+from .speed.comm import algorithm, forget_overflow, gradient_communication
 from .speed.localsgd import LocalSGD
 from .speed.powersgd import Memory as PowerSGDMemory
 from .optim import (ScaledStep, amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, optimizer_steps,
@@ -262,6 +262,7 @@ def fit(job) -> dict:
             try:
                 return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,
                             comm.timer, comm.probe, gpu, {"parallel": job.parallel, "comm": comm.choice,
+                                                          "algorithm": algorithm(comm.choice, job.ctx.world_size),
                                                           "comm_reason": comm.reason,
                                                           "resumed_from": job.resume if job.state is not None else None},
                             started)
@@ -364,7 +365,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
                                "powersgd": memory.state_dict(ctx) if memory is not None else None})   # a collective
         # DDP: rank 0 may write for a while; the others wait for it here, not in a collective that times out
         distributed.wait_for_all(f"finish saving epoch {epoch + 1}", ctx, settings.init_timeout, logger.info)
-        logger.info(epoch_line(settings, train, val, epoch))
+        logger.info(epoch_line(settings, train, val, epoch, (meta or {}).get("algorithm", "")))
         stop_reason = early_stop(history, settings.patience, ctx)
         if stop_reason and epoch + 1 < settings.epochs:
             stopped_early = epoch + 1
@@ -374,7 +375,8 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
     wall = time.perf_counter() - t0
     if val is None:                    # nothing left to train (resumed after the last epoch)
         val = evaluate(model, data.val, settings, ctx)
-    meta = {"parallel": "none", "comm": "none", "comm_reason": "", **(meta or {})}
+    meta = {"parallel": "none", "comm": "none", "comm_reason": "", "algorithm": algorithm("none", ctx.world_size),
+            **(meta or {})}
     gpu_use = _gpu_results(gpu, ctx, logger, step) if gpu is not None else {}
     gpu_ranks = gpu_use.pop("per_rank", [])
     gpus = torch.cuda.device_count() if meta["parallel"] == "dp" else int(ctx.device.type == "cuda")   # per process
@@ -460,8 +462,9 @@ def describe_cost(results: dict) -> str:
             f"node(s) x {results['price_per_hour']:g} per node-hour){per_epoch}{shared}")
 
 
-def epoch_line(settings, train: dict, val: dict, epoch: int) -> str:
-    """The console line at each epoch end, with where the epoch's time went."""
+def epoch_line(settings, train: dict, val: dict, epoch: int, algorithm: str = "") -> str:
+    """The console line at each epoch end, with where the epoch's time went (and, with several ranks, the
+    ``algorithm``: DDP, how its gradients travel, or local SGD)."""
     wall = train.get("wall_mean_s", train["wall_s"])   # the parts are the ranks' means: so is this wall time
     shares = " ".join(f"{name} {100 * train[key] / max(wall, 1e-9):.0f}%" for name, key in
                       (("data", "data_s"), ("compute", "compute_s"), ("comm", "comm_s"), ("idle", "idle_s")))
@@ -469,7 +472,7 @@ def epoch_line(settings, train: dict, val: dict, epoch: int) -> str:
     return (f"epoch {epoch + 1}/{settings.epochs}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | "
             f"val loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}\n"
             f"  {train['images_per_s']:.0f} img/s global, {train['images_per_s_rank']:.0f} per rank | "
-            f"time: {shares} | {train['wall_s']:.1f}s")
+            f"time: {shares} | {train['wall_s']:.1f}s" + (f" | {algorithm}" if settings.world_size > 1 else ""))
 
 
 def predicted_vs_measured(probe: dict, results: dict) -> str:

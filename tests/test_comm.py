@@ -37,14 +37,23 @@ def test_auto_halves_the_bytes_in_bf16_where_no_loss_scale_keeps_the_gradients_i
     assert tiny.half().item() == 0 and tiny.bfloat16().float().item() == pytest.approx(1e-8, rel=0.01)
 
 
-def test_auto_trains_with_local_sgd_on_a_slow_link_and_powersgd_on_a_much_slower_one():
+def test_auto_keeps_ddps_algorithm_on_a_slow_link_unless_local_sgd_is_allowed():
+    """Local SGD is another algorithm (the ranks' weights differ between averages): auto takes PowerSGD, which
+    keeps one model and averages (compressed) gradients at every step, unless --auto-local-sgd allows it."""
     choice, why = comm.choose(Settings(comm="auto"), probe(0.11, 0.44))   # the 1 Gbit benchmark's figures
+    assert choice == "powersgd" and "keeps DDP's algorithm" in why and "--auto-local-sgd" in why
+    assert comm.algorithm(choice, 2) == "DDP, PowerSGD gradients" and comm.algorithm("localsgd", 2) == "local SGD (not DDP)"
+
+
+def test_auto_trains_with_local_sgd_on_a_slow_link_and_powersgd_on_a_much_slower_one():
+    allowed = Settings(comm="auto", auto_local_sgd=True)
+    choice, why = comm.choose(allowed, probe(0.11, 0.44))   # the 1 Gbit benchmark's figures
     assert choice == "localsgd" and "every 8 steps" in why and "80 %" in why
     # averaging at every step would send as much as fp16 gradients: the period is part of the prediction
-    assert comm.choose(Settings(comm="auto", average_every=1), probe(0.11, 0.44))[0] == "powersgd"
+    assert comm.choose(allowed.replace(average_every=1), probe(0.11, 0.44))[0] == "powersgd"
     # local SGD trains under no_sync(), which DDP(static_graph=True) does not survive: auto leaves it out
-    assert comm.choose(Settings(comm="auto", static_graph=True), probe(0.11, 0.44))[0] == "powersgd"
-    choice, why = comm.choose(Settings(comm="auto"), probe(0.11, 20.0))   # about 20 Mbit/s
+    assert comm.choose(allowed.replace(static_graph=True), probe(0.11, 0.44))[0] == "powersgd"
+    choice, why = comm.choose(allowed, probe(0.11, 20.0))   # about 20 Mbit/s
     assert choice == "powersgd" and "PowerSGD" in why
 
 

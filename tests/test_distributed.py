@@ -354,57 +354,19 @@ def test_the_watch_aborts_the_group_with_the_reason_another_rank_reported(watche
     assert aborted == ["rank 1 stopped: KeyboardInterrupt"] and beat.verdict == aborted[0]
 
 
-class CountingStore(dist.Store):
-    """An in-memory store that counts the requests made to it (each would be a round trip to rank 0's store)."""
-
-    def __init__(self):
-        super().__init__()
-        self.store, self.requests = dist.HashStore(), 0
-
-    def _counted(self, name, *args):
-        self.requests += 1
-        return getattr(self.store, name)(*args)
-
-    def set(self, key, value):
-        return self._counted("set", key, value)
-
-    def get(self, key):
-        return self._counted("get", key)
-
-    def add(self, key, value):
-        return self._counted("add", key, value)
-
-    def check(self, keys):
-        return self._counted("check", keys)
-
-    def multi_get(self, keys):
-        return self._counted("multi_get", keys)
-
-
 @pytest.mark.parametrize("world_size", [4, 16])
 def test_the_watch_and_the_waits_ask_rank_0s_store_a_few_times_per_rank_whatever_the_world_size(
         monkeypatch, world_size):
     """Every rank polls the store (a beat every 2 s, a wait every 0.2 s): requests per rank that grow with the
     number of ranks would make rank 0's store serve N x N of them (768 per beat round at 16 ranks)."""
-    from ddp_utils.robust.heartbeat import Heartbeat
+    from tests.counting_store import CountingStore, context, requests_per_beat_round
     store = CountingStore()
     monkeypatch.setattr(distributed, "_store", store)
-    monkeypatch.setattr(distributed, "_watches", 0)
-    ctx = distributed.DistContext(rank=3, world_size=world_size, local_rank=0, device=torch.device("cpu"),
-                                  backend="gloo")
-    beat = Heartbeat(ctx, log=lambda *_: None)
-    beat._keys = distributed.watch_store()
-    beat.seen = {r: ("", 0.0) for r in range(world_size) if r != ctx.rank}
-    for r in beat.seen:   # every other rank has beaten
-        store.set(f"watch/1/alive/{r}", "1.0")
-    store.requests = 0
-    beat._round()
-    assert store.requests <= 4, store.requests   # its beat, the others' beats, any failure reported
-    assert all(seen[0] == "1.0" for seen in beat.seen.values())
+    assert max(requests_per_beat_round(world_size)) <= 4   # its beat, the others' beats, any failure reported
+    ctx = context(3, world_size)
     store.requests = 0
     assert distributed._failure_in_store(ctx) is None and store.requests == 1   # a wait's poll for failures
-    distributed.report_failure(distributed.DistContext(rank=world_size - 2, world_size=world_size, local_rank=0,
-                                                       device=torch.device("cpu"), backend="gloo"), "rank N: disk full")
+    distributed.report_failure(context(world_size - 2, world_size), "rank N: disk full")
     assert distributed._failure_in_store(ctx) == "rank N: disk full"
 
 

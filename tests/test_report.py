@@ -114,7 +114,7 @@ def table_rows(table: str) -> dict[str, list[str]]:
     return {cells[0].strip(): [c.strip() for c in cells] for cells in rows[2:]}  # after header and ---
 
 
-HEADER = ["run", "ranks", "global batch", "epochs", "wall time", "train img/s", "img/s per rank",
+HEADER = ["run", "ranks", "algorithm", "global batch", "epochs", "wall time", "train img/s", "img/s per rank",
           "Acc@1", "Acc@5", "speed-up", "efficiency"]
 
 
@@ -153,6 +153,7 @@ def test_two_ranks_in_half_the_train_time_is_a_2x_speedup_at_100_percent_efficie
     row = dict(zip(HEADER, table_rows(report.results_table(runs))["ddp2"]))
     assert row["speed-up"] == "2.00x" and row["efficiency"] == "100 %"
     assert row["ranks"] == "2" and row["global batch"] == "128" and row["epochs"] == "2"
+    assert row["algorithm"] == "DDP"   # what trained: the exact all-reduce (older runs: from their comm)
 
 
 def test_table_shows_wall_time_as_h_mm_ss_and_images_per_second_global_and_per_rank(runs):
@@ -169,15 +170,15 @@ def test_speedup_below_linear_shows_as_efficiency_below_100_percent(tmp_path):
 
 
 def test_baseline_is_the_first_one_rank_run_unless_one_is_chosen(runs):
-    assert table_rows(report.results_table(runs))["single"][9] == "1.00x"
+    assert table_rows(report.results_table(runs))["single"][10] == "1.00x"
     chosen = table_rows(report.results_table(runs, baseline=runs[0]))
-    assert chosen["ddp2"][9] == "1.00x" and chosen["single"][9] == "0.50x"
-    assert chosen["single"][10] == "100 %"   # half the speed with half the ranks: linear
+    assert chosen["ddp2"][10] == "1.00x" and chosen["single"][10] == "0.50x"
+    assert chosen["single"][11] == "100 %"   # half the speed with half the ranks: linear
 
 
 def test_speedup_compares_time_per_epoch_so_a_longer_run_is_not_penalised(tmp_path):
     dirs = [fake_run(tmp_path / "single", 1, 3600.0, epochs=2), fake_run(tmp_path / "ddp2", 2, 3600.0, epochs=4)]
-    assert table_rows(report.results_table(dirs))["ddp2"][9] == "2.00x"
+    assert table_rows(report.results_table(dirs))["ddp2"][10] == "2.00x"
 
 
 def test_table_notes_when_runs_trained_unequal_work(tmp_path):
@@ -228,7 +229,7 @@ def test_write_report_writes_valid_pngs_and_the_results_markdown(runs, tmp_path)
     for png in paths[:3]:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     md = paths[3].read_text()
-    assert "| ddp2 | 2 | 128 |" in md and "Hardware: Tesla T4" in md
+    assert "| ddp2 | 2 | DDP | 128 |" in md and "Hardware: Tesla T4" in md
     assert "python -m ddp_utils train --dataset cinic10" in md and "--world-size 2 --rank 0" in md
 
 
@@ -242,7 +243,7 @@ def test_write_report_on_a_non_run_folder_writes_nothing(runs, tmp_path):
 # -- command line --------------------------------------------------------------------------------
 def test_cli_report_writes_the_table_and_figures(runs, tmp_path, capsys):
     assert cli.main(["report", *map(str, runs), "--out", str(tmp_path / "out")]) == 0
-    assert "| ddp2 | 2 | 128 |" in capsys.readouterr().out
+    assert "| ddp2 | 2 | DDP | 128 |" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "curves.png", "results.md", "throughput.png", "time.png"]   # nothing else
 
@@ -315,7 +316,7 @@ def test_an_empty_or_new_out_folder_takes_the_report(runs, tmp_path, capsys):
     empty.mkdir()
     for out in (empty, tmp_path / "new" / "folder"):
         assert cli.main(["report", *map(str, runs), "--out", str(out)]) == 0
-        assert "| ddp2 | 2 | 128 | 2 | 0:30:10 | 1000 | 500 | 50.00 | 90.00 | 2.00x |" in (out / "results.md").read_text()
+        assert "| ddp2 | 2 | DDP | 128 | 2 | 0:30:10 | 1000 | 500 | 50.00 | 90.00 | 2.00x |" in (out / "results.md").read_text()
         assert sorted(p.name for p in out.iterdir()) == REPORT_FILES
     assert capsys.readouterr().err == ""
 
@@ -356,7 +357,7 @@ def test_kit_images_flag_replaces_the_kits_pictures_where_plain_out_may_not(runs
     assert cli.main(["report", *map(str, runs), "--kit-images"]) == 0
     assert (kit / "curves.png").read_bytes()[:8] == PNG and (kit / "throughput.png").read_bytes()[:8] == PNG
     md = (kit / "results.md").read_text()
-    assert "| ddp2 | 2 | 128 |" in md and md.count("--kit-images`") == 1   # how to make it again
+    assert "| ddp2 | 2 | DDP | 128 |" in md and md.count("--kit-images`") == 1   # how to make it again
     assert (kit / "README.md").read_text() == "how they were made"
     assert f"wrote {kit / 'curves.png'}" in capsys.readouterr().out
 
@@ -552,7 +553,7 @@ def test_bottleneck_sentence_names_communication_for_a_comm_heavy_run_with_link_
     ddp2, text = sentence(tmp_path, "ddp2", single, world_size=2, train_time_s=3000.0, link_gbit_s=0.9,
                           predicted_speedup=1.25, gpu_util=48.4,
                           shares=dict(data=0.05, compute=0.3, comm=0.61, idle=0.04))
-    measured = table_rows(report.results_table([tmp_path / "single", tmp_path / "ddp2"]))["ddp2"][9]   # "1.20x"
+    measured = table_rows(report.results_table([tmp_path / "single", tmp_path / "ddp2"]))["ddp2"][10]   # "1.20x"
     assert text.startswith("ddp2: communication 61 % of the step (the link measured 0.9 Gbit/s; "
                            f"predicted speed-up 1.25x, measured {measured}")
     assert text.endswith("; GPU use 48 % mean.")

@@ -16,10 +16,13 @@ all-reduce; PyTorch ships the ones used here:
   every ``average_every`` steps (``localsgd.py``);
 - ``auto``: decided from the link probe (``linkprobe.py``): when communication is predicted to
   take more than ``comm_auto_share`` of a step, half precision if that brings it under the share (fp16
-  under fp16 AMP, bf16 otherwise: see ``choose``), else local
-  SGD, or PowerSGD on a link so slow that even local SGD would mostly wait. The choice and the
-  reason are printed and kept as ``comm`` in ``results.json``. Gradient accumulation is never chosen
-  for you: it changes the recipe (a larger global batch, fewer optimizer steps).
+  under fp16 AMP, bf16 otherwise: see ``choose``), else PowerSGD. All of these keep DDP's algorithm: one
+  model, the gradients averaged at every step (rounded, or compressed with error feedback). Local SGD is
+  another algorithm (the ranks' weights differ between averages): auto takes it only with
+  ``auto_local_sgd`` (``--auto-local-sgd``), before PowerSGD unless the link is so slow that even local SGD
+  would mostly wait. The choice and the reason are printed, the algorithm is on every epoch line
+  (``algorithm``) and both are kept in ``results.json``. Gradient accumulation is never chosen for you: it
+  changes the recipe (a larger global batch, fewer optimizer steps).
 
 Every rank takes the same decision: the probe's figures are the same on every rank.
 """
@@ -101,13 +104,29 @@ def choose(settings, probe: dict | None, kept: str | None = None, precision: str
                         f" ({precision} run: no loss scale, so bf16, with fp32's range, not fp16)"))
     every = settings.average_every   # local SGD: one bf16 average of the weights every `every` steps
     local = (allreduce / 2 / every) / (compute + allreduce / 2 / every)
-    if local <= LOCALSGD_LIMIT and not settings.static_graph:   # local SGD needs no_sync(): not with static_graph
+    if settings.auto_local_sgd and local <= LOCALSGD_LIMIT and not settings.static_graph:   # needs no_sync()
         return "localsgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still "
-                            f"{100 * half:.0f} % in fp16;\n  local SGD averages the weights every {every} steps "
-                            f"instead: about {100 * local:.0f} % (same batch and lr; the ranks differ in between)")
+                            f"{100 * half:.0f} % in half precision;\n  local SGD (--auto-local-sgd) averages the "
+                            f"weights every {every} steps instead: about {100 * local:.0f} % (same batch and lr; "
+                            f"another algorithm: the ranks differ in between)")
+    if settings.auto_local_sgd:
+        return "powersgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still "
+                            f"{100 * local:.0f} % with local SGD averaging every {every} steps;\n  PowerSGD (rank "
+                            f"{settings.powersgd_rank}) sends far fewer bytes per step")
     return "powersgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still "
-                        f"{100 * local:.0f} % with local SGD averaging every {every} steps;\n  PowerSGD (rank "
-                        f"{settings.powersgd_rank}) sends far fewer bytes per step")
+                        f"{100 * half:.0f} % in half precision;\n  PowerSGD (rank {settings.powersgd_rank}) sends "
+                        f"far fewer bytes per step, and keeps DDP's algorithm (--auto-local-sgd would allow local "
+                        f"SGD, about {100 * local:.0f} %)")
+
+
+ALGORITHMS = {"none": "DDP", "fp16": "DDP, fp16 gradients", "bf16": "DDP, bf16 gradients",
+              "powersgd": "DDP, PowerSGD gradients", "localsgd": "local SGD (not DDP)"}
+
+
+def algorithm(choice: str, world_size: int) -> str:
+    """What trains, in words, for the epoch line, results.json and the report: DDP's algorithm (one model, the
+    gradients averaged at every step; how they travel) or local SGD, which is another one."""
+    return "one process" if world_size == 1 else ALGORITHMS.get(choice, choice)
 
 
 def hook_for(choice: str, settings, backend: str | None = None):

@@ -78,14 +78,16 @@ def results_table(run_dirs, baseline=None) -> str:
     runs = _load_all(run_dirs)
     rows = scaling_rows(runs, baseline)
     priced = any(run.get("cost") is not None for run in runs)   # a cost column only when a price was given
-    header = ("| run | ranks | global batch | epochs | wall time | train img/s | img/s per rank "
+    header = ("| run | ranks | algorithm | global batch | epochs | wall time | train img/s | img/s per rank "
               "| Acc@1 | Acc@5 | speed-up | efficiency |" + (" cost (per epoch) |" if priced else ""))
     lines = [header,
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if priced else "")]
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+             + (" ---: |" if priced else "")]
     for r, run in zip(rows, runs):
         speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "n/a"
         efficiency = f"{100 * r.efficiency:.0f} %" if r.efficiency is not None else "n/a"
-        lines.append(f"| {r.name} | {r.ranks} | {r.global_batch} | {r.epochs} | {format_duration(r.wall_time_s)} "
+        lines.append(f"| {r.name} | {r.ranks} | {run_algorithm(run)} | {r.global_batch} | {r.epochs} "
+                     f"| {format_duration(r.wall_time_s)} "
                      f"| {r.images_per_s:.0f} | {r.images_per_s_rank:.0f} | {r.acc1:.2f} | {r.acc5:.2f} "
                      f"| {speedup} | {efficiency} |" + (f" {format_cost(run)} |" if priced else ""))
     notes = _table_notes(runs, baseline)
@@ -93,6 +95,12 @@ def results_table(run_dirs, baseline=None) -> str:
         notes.append("Cost: wall time x nodes x the price per node-hour given (--price-per-hour), for all nodes "
                      "together; n/a where no price was given.")
     return "\n".join(lines + [""] + [f"- {note}" for note in notes])
+
+
+def run_algorithm(run: dict) -> str:
+    """What trained: results.json's ``algorithm`` (runs of older kits: from ``comm``)."""
+    from ...speed.comm import algorithm
+    return run.get("algorithm") or algorithm(run.get("comm") or "none", run["world_size"])
 
 
 def format_cost(run: dict) -> str:
