@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from tests.pages import kit_pages
-from tests.test_pages import torchrun_flags
 from tests.procs import REPO, base_env, describe, free_port, python, run_all, stop
 
 
@@ -131,21 +130,6 @@ def test_ci_runs_exactly_the_readme_install_and_test_commands_on_the_newest_torc
     ci_lines = [line.strip() for line in ci.splitlines() if not line.lstrip().startswith("#")]
     assert test_line in ci_lines and floor_line in ci_lines
     assert ci_lines.index(floor_line) > ci_lines.index(test_line)   # the floor after the whole suite, with set -e
-
-
-@pytest.mark.slow
-def test_every_flag_the_readme_mentions_exists(tmp_path):
-    readme = kit_pages()   # the README and its docs/ pages
-    helps = "".join(subprocess.run(python("-m", "ddp_utils", cmd, "--help"), cwd=REPO, capture_output=True,
-                                   text=True, env=base_env()).stdout for cmd in ("train", "launch", "check", "demo",
-                                                                                  "report"))
-    helps += "".join(subprocess.run(python(str(script), "--help"), cwd=REPO, capture_output=True, text=True,
-                                    env=base_env()).stdout for script in Path(REPO, "benchmarks").glob("*.py"))
-    others = torchrun_flags() | {"--build"}   # torchrun's own parser's flags; docker/run.sh's
-    for flag in sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", readme)) - others):
-        if flag in ("--net", "--ipc", "--gpus", "--shm-size", "--logdir", "--basetemp", "--cwd"):
-            continue   # docker / tensorboard / pytest / papermill flags
-        assert flag in helps, f"README mentions {flag}, which no ddp_utils command or benchmark accepts"
 
 
 @pytest.mark.slow

@@ -473,7 +473,8 @@ def test_every_homework_question_names_figures_that_the_demo_runs_produced(demo_
 # -- resuming on another world size (a node lost or added) -----------------------------------------
 def _train_then_resume(tmp_path, before: int, after: int):
     """Epoch 1 of 3 on ``before`` ranks, then the rest on ``after`` ranks from its last.pt."""
-    steps = ("--epochs", "3", "--max-steps-per-epoch", "0", "--batch-size", "256")   # fake data: 10 steps on 1 rank
+    # fake data: 10 steps on 1 rank, 5 on 2 (16 px: the schedule is the point, not the pictures)
+    steps = ("--epochs", "3", "--max-steps-per-epoch", "0", "--batch-size", "256", "--image-size", "16")
     run_ranks(tmp_path, "run", before, *steps[:1], "1", *steps[2:])   # a 1-epoch run: its last.pt is epoch 1
     state = checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")
     assert state["settings"]["world_size"] == before and state["epoch"] == 0
@@ -494,7 +495,7 @@ def test_a_run_resumes_on_another_world_size_and_its_schedule_continues_where_a_
     assert f"(world size {before}); this run takes" in out
     # The lr of the resumed epochs is what a run on `after` ranks from the start has at those epochs.
     straight = run_ranks(tmp_path, "straight", after, "--epochs", "3", "--max-steps-per-epoch", "0",
-                         "--batch-size", "256")
+                         "--batch-size", "256", "--image-size", "16")
     assert straight[0].returncode == 0
     same = json.loads((tmp_path / "straight" / "results.json").read_text())["history"]
     assert [h["train"]["lr"] for h in results["history"][1:]] == pytest.approx([h["train"]["lr"] for h in same[1:]])
