@@ -19,26 +19,3 @@ def clean_env(monkeypatch):
     yield
     distributed.teardown()
 
-
-# -- pytest -n (pytest-xdist, pytest.ini): the suite in several processes ---------------------------------------
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Tests that share a module- or session-scoped fixture of the suite (a training run several tests read) go to
-    one worker (``xdist_group``, with ``--dist loadgroup``), so that the run is made once; the others are spread."""
-    owner: dict[str, str] = {}   # union-find over the shared fixtures' names
-
-    def find(name: str) -> str:
-        while owner.setdefault(name, name) != name:
-            name = owner[name]
-        return name
-    uses = {}
-    for item in items:
-        shared = [f"{defs[-1].func.__module__}.{name}" for name, defs in item._fixtureinfo.name2fixturedefs.items()
-                  if defs and defs[-1].scope in ("module", "session")
-                  and getattr(defs[-1].func, "__module__", "").startswith("tests.")]
-        uses[item] = shared
-        for other in shared[1:]:
-            owner[find(other)] = find(shared[0])
-    for item, shared in uses.items():
-        if shared and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(find(shared[0])))

@@ -6,8 +6,6 @@
         net.names          # ["ddptest-<pid>-<tag>-h1", "ddptest-<pid>-<tag>-h2"]
         net.exec_prefix(0) # ["ip", "netns", "exec", "ddptest-<tag>-h1"]: run a command on host 1
 
-    with many_hosts(8) as net:                 # 8 hosts on one switch (a bridge in a namespace of its own)
-
 Each namespace has only ``lo`` and its veth end, so traffic can reach nothing but the other
 namespace. Names are unique per call; the namespaces (and with them the veth pair) are always
 deleted on exit, also after a failure, together with any process of ours still inside them.
@@ -67,44 +65,6 @@ def two_hosts(subnet: str = "10.213.1"):
             ip("-n", name, "addr", "add", f"{addr}/24", "dev", veth)
             ip("-n", name, "link", "set", veth, "up")
             ip("-n", name, "link", "set", "lo", "up")  # kernels and stores talk over loopback too
-        yield Hosts(names, veths, addrs)
-    finally:
-        for name in made:
-            _kill_inside(name)
-            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True, timeout=20)
-
-
-@contextlib.contextmanager
-def many_hosts(count: int, subnet: str = "10.213.9"):
-    """``count`` hosts on one switch: a namespace with a bridge, and a namespace per host joined to it by a veth
-    pair; host ``i`` has ``subnet``.``i + 1``/24. Yields :class:`Hosts` (``veths``: each host's own end, which a
-    test can take down to cut that host off). Everything is deleted on exit, also after a failure."""
-    tag = uuid.uuid4().hex[:6]
-    switch = f"ddptest-{os.getpid()}-{tag}-sw"
-    names = [f"ddptest-{os.getpid()}-{tag}-h{i + 1}" for i in range(count)]
-    veths = [f"v{tag}{i:02d}" for i in range(count)]           # the host's end (at most 15 characters)
-    ports = [f"p{tag}{i:02d}" for i in range(count)]           # the switch's end
-    addrs = [f"{subnet}.{i + 1}" for i in range(count)]
-    try:
-        ip("netns", "add", switch)
-    except (subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired) as e:
-        detail = getattr(e, "stderr", None) or e
-        raise NetnsUnavailable(f"cannot create a network namespace (needs root and iproute2): "
-                               f"{str(detail).strip()}") from None
-    made = [switch]
-    _delete_leftovers()
-    try:
-        ip("-n", switch, "link", "add", "br0", "type", "bridge")
-        ip("-n", switch, "link", "set", "br0", "up")
-        for name, veth, port, addr in zip(names, veths, ports, addrs):
-            ip("netns", "add", name)
-            made.append(name)
-            ip("link", "add", veth, "netns", name, "type", "veth", "peer", "name", port, "netns", switch)
-            ip("-n", switch, "link", "set", port, "master", "br0")
-            ip("-n", switch, "link", "set", port, "up")
-            ip("-n", name, "addr", "add", f"{addr}/24", "dev", veth)
-            ip("-n", name, "link", "set", veth, "up")
-            ip("-n", name, "link", "set", "lo", "up")
         yield Hosts(names, veths, addrs)
     finally:
         for name in made:
