@@ -3,7 +3,15 @@ bound), netns.py (two hosts on one machine), notebook_cells.py, gpu_emulation.py
 programs that the multi-process tests start."""
 from __future__ import annotations
 
+import signal
+
 import pytest
+
+# A pytest started in the background by a script (`python -m pytest &`) inherits SIGINT ignored, and so would every
+# rank a test starts: the Ctrl-C / Stop tests would send SIGINT to processes that ignore it. A Python handler is not
+# inherited (the children start with the default), so this gives them the SIGINT a terminal would.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
