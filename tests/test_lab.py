@@ -338,9 +338,9 @@ def finished(executed, name: str) -> str:
 @pytest.mark.timeout(TIME_BOUND + 60)
 def test_lab1_compares_fp32_amp_and_a_bigger_batch(executed):
     text = finished(executed, "lab1_amp.ipynb")
-    assert "| run | ranks | global batch |" in text
+    assert "| run | ranks | algorithm | global batch |" in text
     for run in ("fp32", "amp-auto", "amp-auto-batch64"):
-        assert f"| {run} | 1 |" in text, run
+        assert f"| {run} | 1 | one process |" in text, run
         assert (executed[0] / "lab1" / run / "results.json").is_file(), run
     assert "global batch 64 = 64 per rank x 1 rank(s); lr 0.8 x 64/256 = 0.2" in text   # the recipe's lr, scaled
     import torch
