@@ -46,6 +46,7 @@ class Heartbeat:
         self.steps = 0
         self.fetching_since: float | None = None   # when the training loop started waiting for its next batch
         self.progress_at = time.monotonic()        # when this rank last finished a step (the judge tracks it)
+        self.stalled: int | None = None   # the rank the judge found stuck waiting for its next batch
         self.interrupted = False   # this rank's stalled main thread was interrupted by its own watch
         self._main = None          # the thread that trains (the judge interrupts it only if it is the main one)
         self.seen: dict[int, tuple[str, float]] = {}   # rank -> (its last beat, when we saw it change)
@@ -161,7 +162,7 @@ class Heartbeat:
             verdict = self.judgement()
             if verdict:
                 self.verdict = verdict
-                stalled_here = verdict.startswith(f"rank {me}{distributed.where(me)} has waited")
+                stalled_here = self.stalled == me
                 if stalled_here:   # the others read why in the store before their collective breaks
                     distributed.report_failure(self.ctx, verdict)
                 self.log(f"rank {me}: the kit's watch stops this rank's collectives: {verdict}")
@@ -201,7 +202,7 @@ class Heartbeat:
         stuck = sorted((r for r, w in waits.items() if w is not None and w >= limit), key=lambda r: -waits[r])
         if not stuck:
             return None
-        r = stuck[0]
+        r = self.stalled = stuck[0]
         return (f"rank {r}{distributed.where(r)} has waited {waits[r]:.0f} s for its next training batch (its data "
                 f"loader) while the other ranks wait for it in a collective: a stuck DataLoader worker, a stalled "
                 f"disk or network file system, or a deadlock in the dataset's code")

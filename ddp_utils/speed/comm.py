@@ -109,14 +109,12 @@ def choose(settings, probe: dict | None, kept: str | None = None, precision: str
                             f"{100 * half:.0f} % in half precision;\n  local SGD (--auto-local-sgd) averages the "
                             f"weights every {every} steps instead: about {100 * local:.0f} % (same batch and lr; "
                             f"another algorithm: the ranks differ in between)")
-    if settings.auto_local_sgd:
-        return "powersgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still "
-                            f"{100 * local:.0f} % with local SGD averaging every {every} steps;\n  PowerSGD (rank "
-                            f"{settings.powersgd_rank}) sends far fewer bytes per step")
-    return "powersgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still "
-                        f"{100 * half:.0f} % in half precision;\n  PowerSGD (rank {settings.powersgd_rank}) sends "
-                        f"far fewer bytes per step, and keeps DDP's algorithm (--auto-local-sgd would allow local "
-                        f"SGD, about {100 * local:.0f} %)")
+    still = (f"{100 * local:.0f} % with local SGD averaging every {every} steps" if settings.auto_local_sgd else
+             f"{100 * half:.0f} % in half precision")
+    keeps = ("" if settings.auto_local_sgd else
+             f", and keeps DDP's algorithm (--auto-local-sgd would allow local SGD, about {100 * local:.0f} %)")
+    return "powersgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still {still};"
+                        f"\n  PowerSGD (rank {settings.powersgd_rank}) sends far fewer bytes per step{keeps}")
 
 
 ALGORITHMS = {"none": "DDP", "fp16": "DDP, fp16 gradients", "bf16": "DDP, bf16 gradients",
