@@ -394,3 +394,19 @@ def test_a_rank_that_lost_rank_0s_store_names_rank_0(watched, monkeypatch):
     with Heartbeat(ctx, log=lambda *_: None, every=0.1, silent_after=1.0) as beat:
         __import__("time").sleep(2.0)
     assert aborted and beat.verdict.startswith("another rank stopped answering (rank 0's store gave no answer for")
+
+
+def test_a_peer_whose_beats_stopped_is_silent_not_stuck_in_its_loader(watched):
+    """A cut link stops rank 0's beats while its last one said it was fetching a batch: the watch must not add the
+    silence to that wait and blame rank 0's data loader (CI saw that verdict for a downed link)."""
+    import time as _time
+
+    from ddp_utils.robust.heartbeat import Heartbeat
+    ctx, _ = watched
+    beat = Heartbeat(ctx, log=lambda *_: None, every=1.0, stall_after=lambda: 5.0)   # not entered: no threads
+    now = _time.monotonic()
+    beat.progress_at = now - 100   # this rank has waited long in a collective
+    beat.seen = {1: ("0|5|3.0", now - 4.0), 2: ("0|5|-1.0", now)}   # rank 1's last beat: 4 s old, fetching 3 s then
+    assert beat.stall() is None
+    beat.seen[1] = ("0|5|6.0", now)   # a fresh beat saying it has waited 6 s for its batch: that is a stall
+    assert beat.stall().startswith("rank 1") and beat.stalled == 1

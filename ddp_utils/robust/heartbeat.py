@@ -197,7 +197,10 @@ class Heartbeat:
         limit, now = self.stall_after(), time.monotonic()
         if now - self.progress_at < limit:
             return None   # this rank made a step lately: nobody holds it up
-        waits = {r: self._fetching(beat, seen, now) for r, (beat, seen) in self.seen.items()}
+        # only a fresh beat tells how long a peer has waited: an old one is silence (a cut link, a frozen host),
+        # which judgement() names as such, not as a stuck loader
+        fresh = 2.5 * self.every
+        waits = {r: self._fetching(beat, seen, now) for r, (beat, seen) in self.seen.items() if now - seen <= fresh}
         waits[self.ctx.rank] = None if self.fetching_since is None else now - self.fetching_since
         stuck = sorted((r for r, w in waits.items() if w is not None and w >= limit), key=lambda r: -waits[r])
         if not stuck:
