@@ -161,15 +161,16 @@ def rerun(settings) -> None:
 
 
 # -- the launcher's side: the tests and benchmarks/fault_times.py start and stop the ranks with these --------
-def start_ranks(name, port, folder, prefixes=((), ()), addr="127.0.0.1"):
-    """Both ranks of a fault scenario as processes of their own (killed by ``stop_all``)."""
+def start_ranks(name, port, folder, prefixes=((), ()), addr="127.0.0.1", real=False):
+    """Both ranks of a fault scenario as processes of their own (killed by ``stop_all``); ``real``: not from the
+    suite's fork server (a test that sends SIGSTOP must stop the rank itself, not a client of the server)."""
     import subprocess
 
-    from tests.procs import base_env, python
-    return [subprocess.Popen([*prefixes[r], *python("-m", "tests.fault_scenarios", name, str(r), str(port), str(folder),
-                                                    addr)],
-                             env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
+    from tests.procs import base_env, popen, python
+    start = subprocess.Popen if real or any(prefixes) else popen
+    return [start([*prefixes[r], *python("-m", "tests.fault_scenarios", name, str(r), str(port), str(folder), addr)],
+                  env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                  **({"start_new_session": True} if start is subprocess.Popen else {}))
             for r in range(2)]
 
 
@@ -191,7 +192,7 @@ def signal_rank_1_after_epoch_1(name, sig, folder) -> tuple:
     """Both ranks of scenario ``name``; once epoch 1 is saved rank 1 gets ``sig`` (SIGSTOP: frozen, SIGKILL:
     gone). Rank 0's (return code, seconds from the signal to its exit, output)."""
     from tests.procs import free_port
-    procs = start_ranks(name, free_port(), folder)
+    procs = start_ranks(name, free_port(), folder, real=sig == signal.SIGSTOP)
     try:
         wait_for_epoch_1(folder, procs)
         os.kill(procs[1].pid, sig)

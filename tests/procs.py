@@ -9,6 +9,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from tests import zygote
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -55,7 +57,8 @@ def run_all(argvs: list[list[str]], timeout: float, env: dict | None = None, cwd
         for i, argv in enumerate(argvs):
             if i and stagger:
                 time.sleep(stagger)
-            full = (prefix[i] if prefix else []) + argv
+            # a plain `python -m ...` / `python script.py` starts from the fork server (zygote.py: no 8-s import)
+            full = prefix[i] + argv if prefix else zygote.wrap(argv, env)
             procs.append(subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           env=env, cwd=cwd or REPO, text=True, start_new_session=True))
         deadline = time.monotonic() + timeout
@@ -82,6 +85,7 @@ def stop(procs) -> None:
 
 def _kill(p: subprocess.Popen) -> None:
     if p.poll() is None:
+        zygote.kill(p.pid)   # a fork server's client: its command first
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -90,6 +94,13 @@ def _kill(p: subprocess.Popen) -> None:
         p.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+
+
+def popen(argv: list, env: dict, **kwargs) -> subprocess.Popen:
+    """Popen in a session of its own, through the fork server when it can run ``argv`` (see zygote.py: a
+    client forwards SIGINT/SIGTERM and dies with its command; SIGSTOP would stop the client only, so a test
+    that freezes a process starts it with subprocess.Popen)."""
+    return subprocess.Popen(zygote.wrap(argv, env), env=env, start_new_session=True, **kwargs)
 
 
 def python(*args: str) -> list[str]:

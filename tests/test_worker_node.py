@@ -15,7 +15,7 @@ from ddp_utils.robust import autoresume
 from ddp_utils.tools import report
 from ddp_utils.settings import Settings
 from ddp_utils.train import money
-from tests.procs import REPO, base_env, describe, free_port, stop
+from tests.procs import REPO, base_env, describe, free_port, popen, stop
 from tests.test_training import run_ranks, train_cmd, weights
 
 
@@ -54,9 +54,8 @@ STEPS = ["--epochs", "2", "--max-steps-per-epoch", "12", "--batch-size", "8", "-
 
 def start_and_kill_after_first_checkpoint(run_dir, port, *extra) -> None:
     """Both ranks started, then killed (SIGKILL, no goodbye) as soon as rank 0 saved epoch 1."""
-    procs = [subprocess.Popen(train_cmd(run_dir, r, 2, port, *STEPS, *extra), cwd=REPO, env=base_env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-             for r in range(2)]
+    procs = [popen(train_cmd(run_dir, r, 2, port, *STEPS, *extra), cwd=REPO, env=base_env(),
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(2)]
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "last.pt").exists():

@@ -1,0 +1,367 @@
+"""A fork server for the suite's rank processes: torch, torchvision and the kit imported once, forked per command.
+
+Why: on the 2-core CI machine a rank process spends ~8 CPU-s importing torch, torchvision (which pulls in
+torch._dynamo) and the kit before it trains for one; the suite starts hundreds of them. ``procs.run_all`` starts
+``python -m ddp_utils ...`` and ``python tests/<script>.py ...`` through this server when it can:
+
+    argv = zygote.wrap([sys.executable, "-m", "ddp_utils", "train", ...], env)   # -> a tiny client process
+
+The client (this file run with ``python -S``, no torch) hands the server its stdin/stdout/stderr, working folder,
+environment and argv; the server forks a child that becomes that command (its own session, the fds, the folder,
+the environment, ``sys.argv``, ``__main__``) and reports its pid and exit status. The client forwards the signals
+it gets (SIGINT, SIGTERM, ...) to the child and exits as the child did (the same code, or killed by the same
+signal); if the client is killed (SIGKILL at a test's time bound), the server kills the child's process group.
+
+What a forked child cannot take from its environment, because the interpreter and the native libraries read it at
+start-up (PYTHON*, LD_*, OMP_*/MKL_*/KMP_* threads, CUDA_VISIBLE_DEVICES, TORCH_*): a command whose environment
+differs from the server's in any of these runs as a real process (the client execs Python). So do commands with
+interpreter options (``-c``, ``-X``), and every command when ``DDP_KIT_ZYGOTE=0``. The fault, torchrun, launch,
+SLURM and notebook tests start real processes (signals such as SIGSTOP, namespaces, agents); so does every test
+that does not go through ``run_all``. One difference stays: forked ranks share the server's string-hash seed.
+"""
+from __future__ import annotations
+
+import array
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+READ_AT_START = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA_", "TORCH_", "NVIDIA_")
+PRELOAD = ("torch", "torch.distributed", "torchvision", "numpy", "PIL.Image", "torch.utils.tensorboard",
+           "ddp_utils.tools.cli", "ddp_utils.job", "ddp_utils.train", "ddp_utils.data", "ddp_utils.summary",
+           "ddp_utils.speed.memdata")
+
+_server = None   # (Popen, socket path, the environment it started with) in the pytest process
+
+
+# -- the pytest side -----------------------------------------------------------------------------------------
+def enabled() -> bool:
+    return os.environ.get("DDP_KIT_ZYGOTE", "1") != "0"
+
+
+def wrap(argv: list, env: dict) -> list:
+    """``argv`` as a client of the fork server if the server can run it, else ``argv`` unchanged."""
+    argv = [str(a) for a in argv]
+    if not enabled() or not argv or argv[0] != sys.executable or len(argv) < 2:
+        return argv
+    if not (argv[1] == "-m" or argv[1].endswith(".py")):
+        return argv
+    server = _start()
+    if server is None or _startup_env(env) != _startup_env(server[2]):
+        return argv
+    return [sys.executable, "-S", os.path.abspath(__file__), "client", server[1], *argv[1:]]
+
+
+def _startup_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(READ_AT_START)}
+
+
+def _start():
+    """Start the server once per pytest process (it imports for ~10 s; every command waits for it once)."""
+    global _server
+    if _server is not None:
+        return _server if _server[0].poll() is None else None
+    import atexit
+    import subprocess
+    import tempfile
+    import time
+    from tests.procs import REPO, base_env
+    env = base_env()
+    path = os.path.join(tempfile.mkdtemp(prefix="ddp-kit-zygote-"), "sock")
+    with open(path + ".log", "wb") as log:   # not pytest's capture of whichever test starts it
+        proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", "serve", path], env=env, cwd=REPO,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    _server = (proc, path, env)
+    atexit.register(stop_server)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not os.path.exists(path):   # it failed to start: every command runs as a real process
+        stop_server()
+        _server = (proc, path, env)
+        return None
+    return _server
+
+
+def kill(client_pid: int) -> None:
+    """SIGKILL the command a client runs (and what it started), and wait until it is gone: stop() must leave
+    nothing that still writes to a run folder (the client alone would end first, its command ~0.05 s later)."""
+    import time
+    if _server is None:
+        return
+    try:
+        with open(f"{_server[1]}.{client_pid}.child") as f:
+            child = int(f.read())
+    except (OSError, ValueError):
+        return
+    try:
+        os.killpg(child, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:   # gone once the server reaped it
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+
+
+def stop_server() -> None:
+    if _server is not None and _server[0].poll() is None:
+        _server[0].kill()
+        _server[0].wait(timeout=10)
+
+
+# -- the server ------------------------------------------------------------------------------------------------
+def serve(path: str) -> None:
+    import importlib
+    import selectors
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:   # an optional one (tensorboard): the command imports it if it needs it
+            pass
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.rename(path + ".tmp", path)   # the pytest side waits for this name: ready
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    children: dict[int, socket.socket] = {}   # pid -> its client's connection
+    while os.getppid() == parent:   # pytest gone: stop
+        for key, _ in sel.select(timeout=0.05):
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                pid = _fork_child(conn, listener, children)
+                if pid:
+                    children[pid] = conn
+                    sel.register(conn, selectors.EVENT_READ, pid)
+                    _note(path, conn, pid)
+                else:
+                    conn.close()
+                continue
+            pid, conn = key.data, key.fileobj   # the client forwards a signal, or it is gone (killed)
+            try:
+                data = conn.recv(64)
+            except OSError:
+                data = b""
+            for sig in data.split():
+                _signal(pid, int(sig), group=False)
+            if not data:   # the client was killed: so is its command, with whatever it started
+                _signal(pid, signal.SIGKILL, group=True)
+                sel.unregister(conn)
+        for pid, status in _reap(children):
+            conn = children.pop(pid)
+            _note(path, conn, None)
+            try:
+                conn.sendall(f"exit {status}\n".encode())
+            except OSError:
+                pass
+            if pid in [k.data for k in sel.get_map().values()]:
+                sel.unregister(conn)
+            conn.close()
+    for pid in children:
+        _signal(pid, signal.SIGKILL, group=True)
+
+
+def _note(path: str, conn: socket.socket, child: int | None) -> None:
+    """Write (or remove) ``<client pid>.child``: the test's stop() kills a client's command with it, at once."""
+    try:
+        cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        note = f"{path}.{struct.unpack('3i', cred)[0]}.child"
+        if child is None:
+            os.unlink(note)
+        else:
+            with open(note + ".tmp", "w") as f:
+                f.write(str(child))
+            os.rename(note + ".tmp", note)
+    except OSError:
+        pass
+
+
+def _reap(children: dict) -> list:
+    ended = []
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if not pid:
+            break
+        if pid in children:
+            ended.append((pid, status))
+    return ended
+
+
+def _signal(pid: int, sig: int, group: bool) -> None:
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _fork_child(conn: socket.socket, listener: socket.socket, children: dict) -> int:
+    """Read one request and fork its child; return the child's pid (0 if the request was unreadable)."""
+    fds = array.array("i")
+    head, ancillary, _, _ = conn.recvmsg(8, socket.CMSG_SPACE(3 * fds.itemsize))
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    if len(head) < 8 or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        return 0
+    size = struct.unpack("!Q", head)[0]
+    body = b""
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            return 0
+        body += chunk
+    request = json.loads(body)
+    pid = os.fork()
+    if pid:
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(f"pid {pid}\n".encode())
+        return pid
+    # the child: become the command (and never return to the server's loop)
+    code = 1
+    try:
+        listener.close()
+        for other in children.values():
+            other.close()
+        conn.close()
+        code = _become(request, list(fds))
+    except SystemExit as stop:
+        code = stop.code
+    except KeyboardInterrupt:   # as python does: the traceback, then die of SIGINT
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:   # noqa: BLE001 - print it as Python would, then exit 1
+        import traceback
+        traceback.print_exc()
+        code = 1
+    _exit(code)
+
+
+def _become(request: dict, fds: list) -> int:
+    import io
+    import random
+    import runpy
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    for sig in range(1, signal.NSIG):
+        try:
+            if sig == signal.SIGINT:
+                signal.signal(sig, signal.default_int_handler)
+            elif signal.getsignal(sig) not in (None, signal.SIG_DFL) and sig not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(sig, signal.SIG_IGN if sig == signal.SIGPIPE else signal.SIG_DFL)
+        except (OSError, ValueError, RuntimeError):
+            pass
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = io.TextIOWrapper(io.open(0, "rb", closefd=False)) if _open(0) else None
+    sys.stdout = _text(1, unbuffered, line=False)
+    sys.stderr = _text(2, True, line=True, errors="backslashreplace")
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()   # a fresh process seeds numpy's global generator from the OS
+    args = request["argv"]
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(args[0])
+        sys.argv = [args[0], *args[1:]]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _text(fd: int, unbuffered: bool, line: bool, errors: str = "strict"):
+    import io
+    raw = io.FileIO(fd, "w", closefd=False)
+    binary = raw if unbuffered else io.BufferedWriter(raw)
+    return io.TextIOWrapper(binary, encoding="utf-8", errors=errors, line_buffering=line or raw.isatty(),
+                            write_through=unbuffered)
+
+
+def _exit(code) -> None:
+    """Exit as ``python`` would after the command: atexit handlers, threads, flushed streams."""
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    try:
+        import threading
+        threading._shutdown()   # non-daemon threads first, as at interpreter exit
+    except Exception:   # noqa: BLE001
+        pass
+    import atexit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:   # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+# -- the client (python -S: no site, no torch; starts in milliseconds) ------------------------------------------
+def client(path: str, args: list) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError:   # no server: be the command itself
+        os.execv(sys.executable, [sys.executable, *args])
+    body = json.dumps({"argv": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+    sock.sendmsg([struct.pack("!Q", len(body))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    sock.sendall(body)
+    reader = sock.makefile("rb")
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, _frame: sock.sendall(f"{signum} ".encode()))
+    status = None
+    while status is None:
+        line = reader.readline()
+        if not line:   # the server died: nothing to report but a failure
+            sys.exit(1)
+        word, value = line.decode().split()
+        if word == "exit":
+            status = int(value)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    sys.exit(os.waitstatus_to_exitcode(status) if not os.WIFSIGNALED(status) else 1)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        serve(sys.argv[2])
+    else:
+        client(sys.argv[2], sys.argv[3:])
