@@ -410,3 +410,23 @@ def test_a_peer_whose_beats_stopped_is_silent_not_stuck_in_its_loader(watched):
     assert beat.stall() is None
     beat.seen[1] = ("0|5|6.0", now)   # a fresh beat saying it has waited 6 s for its batch: that is a stall
     assert beat.stall().startswith("rank 1") and beat.stalled == 1
+
+
+def test_a_rank_that_lost_the_store_names_the_store_even_when_rank_0s_last_beat_is_older_than_its_last_answer(
+        watched):
+    """Rank 1 reads the beats every 2 s; rank 0's value may not have changed at the last read, so its beat looks up
+    to a beat older than the store's last answer: the silence crosses 15 s first, but the cause is the lost store
+    (CI saw rank 1 name rank 0's silence instead)."""
+    import time as _time
+
+    from ddp_utils.robust.heartbeat import Heartbeat
+    _, aborted = watched
+    ctx = distributed.DistContext(rank=1, world_size=3, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    beat = Heartbeat(ctx, log=lambda *_: None, every=2.0, silent_after=15.0)   # not entered: no threads
+    now = _time.monotonic()
+    beat.seen = {0: ("0|9|-1.0", now - 16.0), 2: ("0|9|-1.0", now - 14.5)}
+    beat._store_ok = now - 14.0   # the last round that reached the store: 14 s ago, under silent_after
+    assert beat.judgement().startswith("another rank stopped answering (rank 0's store gave no answer for"), \
+        beat.judgement()
+    beat._store_ok = now - 1.0    # the store answers: rank 0's own silence is the cause
+    assert beat.judgement().startswith("another rank stopped answering (rank 0's last sign of life: 16 s ago")

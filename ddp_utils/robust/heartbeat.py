@@ -181,10 +181,12 @@ class Heartbeat:
         if self._failure:
             return self._failure
         store_quiet = time.monotonic() - self._store_ok
-        if store_quiet > self.silent_after:   # only a rank > 0 can lose the store: it lives in rank 0
+        quiet = self.silent(older_than=self.silent_after)
+        # only a rank > 0 can lose the store (it lives in rank 0); then every peer looks silent, and a peer's beat
+        # can be up to a beat older than the last answer: the store is the cause to name
+        if store_quiet > self.silent_after or (0 in dict(quiet) and store_quiet > 2.5 * self.every):
             return (f"another rank stopped answering (rank 0's store gave no answer for {store_quiet:.0f} s; "
                     f"rank 0's last sign of life: {self._age(0):.0f} s ago{distributed.where(0)})")
-        quiet = self.silent(older_than=self.silent_after)
         if quiet:
             named = "; ".join(f"rank {r}'s last sign of life: {age:.0f} s ago{distributed.where(r)}" for r, age in quiet)
             return f"another rank stopped answering ({named})"
