@@ -14,6 +14,16 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """How many commands the fork server ran (tests/zygote.py), and how many started as real processes."""
+    from tests import zygote
+    if sum(zygote.stats.values()):
+        terminalreporter.write_line(f"fork server (tests/zygote.py): {zygote.stats['forked']} command(s) forked, "
+                                    f"{zygote.stats['real']} run as real processes, "
+                                    f"{sum(1 for s in zygote._servers.values() if s)} server(s)")
+    zygote.stop_servers()
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     """No network-interface variables from outside and none remembered as set by the pre-flight; no

@@ -13,9 +13,9 @@ it gets (SIGINT, SIGTERM, ...) to the child and exits as the child did (the same
 signal); if the client is killed (SIGKILL at a test's time bound), the server kills the child's process group.
 
 What a forked child cannot take from its environment, because the interpreter and the native libraries read it at
-start-up (PYTHON*, LD_*, OMP_*/MKL_*/KMP_* threads, CUDA_VISIBLE_DEVICES, TORCH_*): a command whose environment
-differs from the server's in any of these runs as a real process (the client execs Python). So do commands with
-interpreter options (``-c``, ``-X``), and every command when ``DDP_KIT_ZYGOTE=0``. The fault, torchrun, launch,
+start-up (PYTHON*, LD_*, OMP_*/MKL_*/KMP_* threads, CUDA_VISIBLE_DEVICES, TORCH_*): each distinct set of these gets
+a server of its own (up to MAX_SERVERS; beyond, the command runs as a real process). Commands with interpreter
+options (``-c``, ``-X``) run as real processes, and every command does when ``DDP_KIT_ZYGOTE=0``. The fault, torchrun, launch,
 SLURM and notebook tests start real processes (signals such as SIGSTOP, namespaces, agents); so does every test
 that does not go through ``run_all``. One difference stays: forked ranks share the server's string-hash seed.
 """
@@ -35,7 +35,9 @@ PRELOAD = ("torch", "torch.distributed", "torchvision", "numpy", "PIL.Image", "t
            "ddp_utils.tools.cli", "ddp_utils.job", "ddp_utils.train", "ddp_utils.data", "ddp_utils.summary",
            "ddp_utils.speed.memdata")
 
-_server = None   # (Popen, socket path, the environment it started with) in the pytest process
+_servers: dict = {}   # the startup variables -> (Popen, socket path) or None (failed), in the pytest process
+MAX_SERVERS = 4       # environments beyond these (a leaked variable each) run as real processes
+stats = {"forked": 0, "real": 0}   # for the session's summary line (conftest.py)
 
 
 # -- the pytest side -----------------------------------------------------------------------------------------
@@ -46,57 +48,60 @@ def enabled() -> bool:
 def wrap(argv: list, env: dict) -> list:
     """``argv`` as a client of the fork server if the server can run it, else ``argv`` unchanged."""
     argv = [str(a) for a in argv]
-    if not enabled() or not argv or argv[0] != sys.executable or len(argv) < 2:
+    server = None
+    if enabled() and len(argv) >= 2 and argv[0] == sys.executable and (argv[1] == "-m" or argv[1].endswith(".py")):
+        server = _server_for(env)
+    if server is None:
+        stats["real"] += 1
         return argv
-    if not (argv[1] == "-m" or argv[1].endswith(".py")):
-        return argv
-    server = _start()
-    if server is None or _startup_env(env) != _startup_env(server[2]):
-        return argv
+    stats["forked"] += 1
     return [sys.executable, "-S", os.path.abspath(__file__), "client", server[1], *argv[1:]]
 
 
-def _startup_env(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(READ_AT_START)}
+def _server_for(env: dict):
+    """The server started with these startup variables (one per distinct set: a test or an in-process call may
+    leave, say, OMP_NUM_THREADS set in pytest's environment, which every later command inherits)."""
+    key = frozenset((k, v) for k, v in env.items() if k.startswith(READ_AT_START))
+    if key not in _servers:
+        _servers[key] = _start(env) if len(_servers) < MAX_SERVERS else None
+    server = _servers[key]
+    return server if server is not None and server[0].poll() is None else None
 
 
-def _start():
-    """Start the server once per pytest process (it imports for ~10 s; every command waits for it once)."""
-    global _server
-    if _server is not None:
-        return _server if _server[0].poll() is None else None
+def _start(env: dict):
+    """Start a server (it imports for ~10 s; the command that asked waits for it once)."""
     import atexit
     import subprocess
     import tempfile
     import time
-    from tests.procs import REPO, base_env
-    env = base_env()
+    from tests.procs import REPO
+    if not _servers:
+        atexit.register(stop_servers)
     path = os.path.join(tempfile.mkdtemp(prefix="ddp-kit-zygote-"), "sock")
     with open(path + ".log", "wb") as log:   # not pytest's capture of whichever test starts it
         proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", "serve", path], env=env, cwd=REPO,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-    _server = (proc, path, env)
-    atexit.register(stop_server)
     deadline = time.monotonic() + 120
     while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    if not os.path.exists(path):   # it failed to start: every command runs as a real process
-        stop_server()
-        _server = (proc, path, env)
+    if not os.path.exists(path):   # it failed to start: these commands run as real processes
+        _end(proc)
         return None
-    return _server
+    return proc, path
 
 
 def kill(client_pid: int) -> None:
     """SIGKILL the command a client runs (and what it started), and wait until it is gone: stop() must leave
     nothing that still writes to a run folder (the client alone would end first, its command ~0.05 s later)."""
     import time
-    if _server is None:
-        return
-    try:
-        with open(f"{_server[1]}.{client_pid}.child") as f:
-            child = int(f.read())
-    except (OSError, ValueError):
+    for server in filter(None, _servers.values()):
+        try:
+            with open(f"{server[1]}.{client_pid}.child") as f:
+                child = int(f.read())
+            break
+        except (OSError, ValueError):
+            continue
+    else:
         return
     try:
         os.killpg(child, signal.SIGKILL)
@@ -111,10 +116,18 @@ def kill(client_pid: int) -> None:
         time.sleep(0.01)
 
 
-def stop_server() -> None:
-    if _server is not None and _server[0].poll() is None:
-        _server[0].kill()
-        _server[0].wait(timeout=10)
+def stop_servers() -> None:
+    import shutil
+    for server in filter(None, _servers.values()):
+        _end(server[0])
+        shutil.rmtree(os.path.dirname(server[1]), ignore_errors=True)
+    _servers.clear()
+
+
+def _end(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 # -- the server ------------------------------------------------------------------------------------------------
