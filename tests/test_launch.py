@@ -282,6 +282,12 @@ def test_the_failure_named_is_the_one_that_started_it_not_the_others_reaction():
     assert launch_module.root_cause([(0, 2, peer)]) == (
         3, "stopped while preparing the run: DataError: /x: no train/", True)
     assert "SIGKILL" in launch_module.reason_of(-9, [])
+    # rank 1 learnt rank 0's failure and ended first; torchrun's agent then SIGTERMed rank 0 before it said its own
+    termed = ["rank 0: joined ...", "terminated (SIGTERM): the process group was torn down ..."]
+    told = ["error: rank 1: stopped because rank 0 stopped while preparing the run: FileNotFoundError: No checkpoint"]
+    assert launch_module.root_cause([(1, 2, told), (0, 143, termed)]) == (
+        0, "stopped while preparing the run: FileNotFoundError: No checkpoint", True)
+    assert launch_module.root_cause([(0, 143, termed)])[1] == "terminated (SIGTERM) (a signal from outside the launcher)"
     assert launch_module.reason_of(2, ["", "error: Invalid settings:", "  - lr=-1: must not be negative"]) == \
         "Invalid settings: - lr=-1: must not be negative"
 

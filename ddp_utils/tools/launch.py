@@ -162,16 +162,23 @@ def root_cause(exits: list[tuple[int, int, list]]) -> tuple[int, str, bool]:
     ``exits``: ``(rank, returncode, last lines)`` of the processes that failed on their own, in the order
     they stopped. A process that only says another rank stopped (the store's failure channel) points at
     that rank, which may run on another node."""
-    told = []
+    told, stopped = [], []
     for rank, code, lines in exits:
         reason = reason_of(code, lines)
         consequence = _CONSEQUENCE.search(reason)
-        if not consequence:
+        if consequence:
+            if consequence.group(1) is not None:
+                told.append((int(consequence.group(1)), consequence.group(2).strip()))
+        elif reason.startswith("terminated (SIGTERM)") or code == -signal.SIGTERM:
+            # torchrun's agent SIGTERMs the rest once one process ended: a rank that learnt another's failure
+            # may end first, and this one never got to say its own; what the others were told comes first
+            stopped.append((rank, reason))
+        else:
             return rank, reason, False
-        if consequence.group(1) is not None:
-            told.append((int(consequence.group(1)), consequence.group(2).strip()))
     if told:
         return told[0][0], told[0][1], True
+    if stopped:
+        return stopped[0][0], stopped[0][1], False
     rank, code, lines = exits[0]
     return rank, reason_of(code, lines), False
 
