@@ -285,10 +285,10 @@ def fit(job) -> dict:
         if isinstance(exc, Diverged):    # the same paragraph on every rank, naming what rank 0 kept
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)
             raise Diverged(exc.what, exc.step, exc.lr, exc.explain(job.ctx.rank, kept)) from None
-        failure = (distributed.peer_failure(job.ctx) if isinstance(exc, RuntimeError) and job.ctx.distributed
-                   and not isinstance(exc, distributed.PeerLost) else None)   # a store call: asked once
-        if failure or (job.ctx.distributed and isinstance(exc, RuntimeError)
-                       and not isinstance(exc, distributed.PeerLost) and distributed.lost_a_peer(exc)):
+        broken = (job.ctx.distributed and isinstance(exc, RuntimeError)
+                  and not isinstance(exc, distributed.PeerLost))   # a collective that broke, maybe for a peer
+        failure = distributed.peer_failure(job.ctx) if broken else None   # a store call: asked once
+        if broken and (failure or distributed.lost_a_peer(exc)):
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)
             quiet = None if failure else heartbeat.describe()
             what = failure or (f"another rank stopped answering ({quiet})" if quiet else None)

@@ -167,10 +167,8 @@ def start_ranks(name, port, folder, prefixes=((), ()), addr="127.0.0.1", real=Fa
     import subprocess
 
     from tests.procs import base_env, popen, python
-    start = subprocess.Popen if real or any(prefixes) else popen
-    return [start([*prefixes[r], *python("-m", "tests.fault_scenarios", name, str(r), str(port), str(folder), addr)],
-                  env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                  **({"start_new_session": True} if start is subprocess.Popen else {}))
+    return [popen([*prefixes[r], *python("-m", "tests.fault_scenarios", name, str(r), str(port), str(folder), addr)],
+                  base_env(), real=real, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for r in range(2)]
 
 

@@ -57,10 +57,8 @@ def run_all(argvs: list[list[str]], timeout: float, env: dict | None = None, cwd
         for i, argv in enumerate(argvs):
             if i and stagger:
                 time.sleep(stagger)
-            # a plain `python -m ...` / `python script.py` starts from the fork server (zygote.py: no 8-s import)
-            full = prefix[i] + argv if prefix else zygote.wrap(argv, env)
-            procs.append(subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          env=env, cwd=cwd or REPO, text=True, start_new_session=True))
+            procs.append(popen((prefix[i] if prefix else []) + argv, env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, cwd=cwd or REPO, text=True))
         deadline = time.monotonic() + timeout
         outputs = []
         for p in procs:
@@ -96,11 +94,11 @@ def _kill(p: subprocess.Popen) -> None:
         pass
 
 
-def popen(argv: list, env: dict, **kwargs) -> subprocess.Popen:
-    """Popen in a session of its own, through the fork server when it can run ``argv`` (see zygote.py: a
-    client forwards SIGINT/SIGTERM and dies with its command; SIGSTOP would stop the client only, so a test
-    that freezes a process starts it with subprocess.Popen)."""
-    return subprocess.Popen(zygote.wrap(argv, env), env=env, start_new_session=True, **kwargs)
+def popen(argv: list, env: dict, real: bool = False, **kwargs) -> subprocess.Popen:
+    """Popen in a session of its own; a plain ``python -m ...`` / ``python script.py`` starts from the fork server
+    (zygote.py: no 8-s import). Its client forwards SIGINT/SIGTERM and dies with its command, but SIGSTOP would
+    stop the client only: a test that freezes a process asks for a ``real`` one."""
+    return subprocess.Popen(argv if real else zygote.wrap(argv, env), env=env, start_new_session=True, **kwargs)
 
 
 def python(*args: str) -> list[str]:

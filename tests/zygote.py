@@ -15,13 +15,15 @@ signal); if the client is killed (SIGKILL at a test's time bound), the server ki
 What a forked child cannot take from its environment, because the interpreter and the native libraries read it at
 start-up (PYTHON*, LD_*, OMP_*/MKL_*/KMP_* threads, CUDA_VISIBLE_DEVICES, TORCH_*): each distinct set of these gets
 a server of its own (up to MAX_SERVERS; beyond, the command runs as a real process). Commands with interpreter
-options (``-c``, ``-X``) run as real processes, and every command does when ``DDP_KIT_ZYGOTE=0``. The fault, torchrun, launch,
-SLURM and notebook tests start real processes (signals such as SIGSTOP, namespaces, agents); so does every test
-that does not go through ``run_all``. One difference stays: forked ranks share the server's string-hash seed.
+options (``-c``, ``-X``) or a prefix (``ip netns exec``) run as real processes, and every command does when
+``DDP_KIT_ZYGOTE=0``. So do the frozen-peer (SIGSTOP), torchrun, launch, SLURM and notebook tests, and every test
+that starts its processes without ``procs.run_all`` / ``procs.popen``. One difference stays: forked ranks share
+the server's string-hash seed (fresh processes each draw one).
 """
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import os
 import signal
@@ -176,7 +178,7 @@ def serve(path: str) -> None:
                 conn.sendall(f"exit {status}\n".encode())
             except OSError:
                 pass
-            if pid in [k.data for k in sel.get_map().values()]:
+            with contextlib.suppress(KeyError):   # not registered any more if its client was killed
                 sel.unregister(conn)
             conn.close()
     for pid in children:
