@@ -2,6 +2,7 @@
 weights of a run never stopped, although the resumed run's new DDP groups its buckets differently."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from types import SimpleNamespace
@@ -191,10 +192,23 @@ def test_three_ranks_resume_each_with_its_own_error_feedback_sent_to_it_alone(tm
     assert len(saved) == 3 and not torch.equal(saved[0], saved[1])   # each rank's own, all in the file
 
 
+@contextlib.contextmanager
+def deterministic_cudnn():
+    """cuDNN's deterministic kernels, as a bit-exact GPU resume needs: with ``cudnn.benchmark``, which a GPU run of
+    the kit sets (``optim.py``), cuDNN may pick kernels that add with atomics, and then two runs of the same steps
+    differ in their last bits whatever PowerSGD keeps (seen in the GPU suite on an H100 after a kit run)."""
+    kept = torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = kept
+
+
 @gpu_only
 def test_a_resume_continues_powersgd_exactly_on_a_gpu_over_nccl():
     device = torch.device("cuda", 0)
-    with one_rank_group("nccl", device):
+    with one_rank_group("nccl", device), deterministic_cudnn():
         straight, resumed, _, _ = straight_and_resumed(device, "nccl", stops=(3, 7))
     for stop, weights in resumed.items():
         for name, value in straight.weights().items():
