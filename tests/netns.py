@@ -7,7 +7,8 @@
         net.exec_prefix(0) # ["ip", "netns", "exec", "ddptest-<tag>-h1"]: run a command on host 1
 
 Each namespace has only ``lo`` and its veth end, so traffic can reach nothing but the other
-namespace. Names are unique per call; the namespaces (and with them the veth pair) are always
+namespace. ``many_hosts(8)``: eight hosts on one switch (a bridge in a namespace of its own). Names are unique
+per call; the namespaces (and with them the veth pair) are always
 deleted on exit, also after a failure, together with any process of ours still inside them.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Hosts:
     addrs: list[str]
 
     def exec_prefix(self, host: int) -> list[str]:
-        """The argv prefix that runs a command inside host ``host`` (0 or 1)."""
+        """The argv prefix that runs a command inside host ``host`` (0 or 1; any of ``many_hosts``)."""
         return ["ip", "netns", "exec", self.names[host]]
 
 
@@ -66,6 +67,41 @@ def two_hosts(subnet: str = "10.213.1"):
             ip("-n", name, "link", "set", veth, "up")
             ip("-n", name, "link", "set", "lo", "up")  # kernels and stores talk over loopback too
         yield Hosts(names, veths, addrs)
+    finally:
+        for name in made:
+            _kill_inside(name)
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True, timeout=20)
+
+
+@contextlib.contextmanager
+def many_hosts(count: int, subnet: str = "10.214.0"):
+    """Yield :class:`Hosts` for ``count`` hosts on one switch: a namespace holding a bridge, and a veth from each
+    host to it; host ``i`` has ``subnet``.(i + 1)/24. ``veths[i]`` is host ``i``'s end (down: that host is cut off)."""
+    tag = uuid.uuid4().hex[:6]
+    switch = f"ddptest-{os.getpid()}-{tag}-sw"
+    names = [f"ddptest-{os.getpid()}-{tag}-h{i + 1}" for i in range(count)]
+    veths = [f"v{tag}h{i}" for i in range(count)]   # at most 15 characters
+    made = []
+    try:
+        ip("netns", "add", switch)
+    except (subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired) as e:
+        detail = getattr(e, "stderr", None) or e
+        raise NetnsUnavailable(f"cannot create a network namespace (needs root and iproute2): "
+                               f"{str(detail).strip()}") from None
+    made.append(switch)
+    _delete_leftovers()
+    try:
+        ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", switch, "link", "set", "br0", "up")
+        for i, (name, veth) in enumerate(zip(names, veths)):
+            ip("netns", "add", name)
+            made.append(name)
+            ip("link", "add", veth, "netns", name, "type", "veth", "peer", "name", f"v{tag}s{i}", "netns", switch)
+            ip("-n", switch, "link", "set", f"v{tag}s{i}", "master", "br0", "up")
+            ip("-n", name, "addr", "add", f"{subnet}.{i + 1}/24", "dev", veth)
+            ip("-n", name, "link", "set", veth, "up")
+            ip("-n", name, "link", "set", "lo", "up")
+        yield Hosts(names, veths, [f"{subnet}.{i + 1}" for i in range(count)])
     finally:
         for name in made:
             _kill_inside(name)

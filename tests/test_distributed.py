@@ -430,3 +430,35 @@ def test_a_rank_that_lost_the_store_names_the_store_even_when_rank_0s_last_beat_
         beat.judgement()
     beat._store_ok = now - 1.0    # the store answers: rank 0's own silence is the cause
     assert beat.judgement().startswith("another rank stopped answering (rank 0's last sign of life: 16 s ago")
+
+
+def test_a_rank_that_lost_the_store_names_the_store_when_another_peers_beat_looks_oldest(watched):
+    """At 16 ranks behind a cut link: rank 2's beat had last changed a beat before the store's last answer, so its
+    silence crossed the limit while rank 0's had not; the cause is still the lost store, not rank 2."""
+    import time as _time
+
+    from ddp_utils.robust.heartbeat import Heartbeat
+    ctx = distributed.DistContext(rank=1, world_size=3, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    beat = Heartbeat(ctx, log=lambda *_: None, every=2.0, silent_after=15.0)   # not entered: no threads
+    now = _time.monotonic()
+    beat.seen = {0: ("0|9|-1.0", now - 14.0), 2: ("0|9|-1.0", now - 16.0)}
+    beat._store_ok = now - 14.0
+    assert beat.judgement().startswith("another rank stopped answering (rank 0's store gave no answer for"), \
+        beat.judgement()
+    beat._store_ok = now - 1.0    # the store answers: rank 2 is the one gone
+    assert beat.judgement().startswith("another rank stopped answering (rank 2's last sign of life: 16 s ago")
+
+
+def test_after_a_broken_collective_only_the_quietest_peers_are_named(watched):
+    """A killed rank's beat ages without end; on a loaded machine a live peer's can be a beat or two late: the
+    rank that died is named, not the late ones (at 16 ranks on 2 cores, rank 9 named ranks 5 and 6 beside 7)."""
+    import time as _time
+
+    from ddp_utils.robust.heartbeat import Heartbeat
+    ctx = distributed.DistContext(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    beat = Heartbeat(ctx, log=lambda *_: None, every=2.0, silent_after=15.0)   # not entered: no threads
+    beat._store_ok = now = _time.monotonic()
+    beat.seen = {1: ("0|9|-1.0", now - 6.0), 2: ("0|9|-1.0", now - 10.0), 3: ("0|9|-1.0", now - 1.0)}
+    assert beat.describe() == "rank 2's last sign of life: 10 s ago"
+    beat.seen[1] = ("0|9|-1.0", now - 9.0)   # two lost together (a host with two ranks): both named
+    assert beat.describe() == "rank 1's last sign of life: 9 s ago; rank 2's last sign of life: 10 s ago"

@@ -15,9 +15,10 @@ signal); if the client is killed (SIGKILL at a test's time bound), the server ki
 What a forked child cannot take from its environment, because the interpreter and the native libraries read it at
 start-up (PYTHON*, LD_*, OMP_*/MKL_*/KMP_* threads, CUDA_VISIBLE_DEVICES, TORCH_*): each distinct set of these gets
 a server of its own (up to MAX_SERVERS; beyond, the command runs as a real process). Commands with interpreter
-options (``-c``, ``-X``) or a prefix (``ip netns exec``) run as real processes, and every command does when
-``DDP_KIT_ZYGOTE=0``. So do the frozen-peer (SIGSTOP), torchrun, launch, SLURM and notebook tests, and every test
-that starts its processes without ``procs.run_all`` / ``procs.popen``. One difference stays: forked ranks share
+options (``-c``, ``-X``) run as real processes, and every command does when ``DDP_KIT_ZYGOTE=0``. A command on a
+namespace host (``ip netns exec NAME python ...``) is forked into that host's network namespace (setns). The
+frozen-peer (SIGSTOP), torchrun, launch, SLURM and notebook tests keep real processes, as does every test that
+starts its processes without ``procs.run_all`` / ``procs.popen``. One difference stays: forked ranks share
 the server's string-hash seed (fresh processes each draw one).
 """
 from __future__ import annotations
@@ -48,16 +49,21 @@ def enabled() -> bool:
 
 
 def wrap(argv: list, env: dict) -> list:
-    """``argv`` as a client of the fork server if the server can run it, else ``argv`` unchanged."""
+    """``argv`` as a client of the fork server if the server can run it, else ``argv`` unchanged. A command on a
+    namespace host (``ip netns exec NAME python ...``) is forked too: the child enters that network namespace."""
     argv = [str(a) for a in argv]
+    prefix = argv[:4] if argv[:3] == ["ip", "netns", "exec"] else []
+    command = argv[len(prefix):]
     server = None
-    if enabled() and len(argv) >= 2 and argv[0] == sys.executable and (argv[1] == "-m" or argv[1].endswith(".py")):
+    if enabled() and len(command) >= 2 and command[0] == sys.executable and (command[1] == "-m"
+                                                                              or command[1].endswith(".py")):
         server = _server_for(env)
     if server is None:
         stats["real"] += 1
         return argv
     stats["forked"] += 1
-    return [sys.executable, "-S", os.path.abspath(__file__), "client", server[1], *argv[1:]]
+    netns = ["--netns", prefix[3]] if prefix else []
+    return [sys.executable, "-S", os.path.abspath(__file__), "client", server[1], *netns, *command[1:]]
 
 
 def _server_for(env: dict):
@@ -274,6 +280,8 @@ def _become(request: dict, fds: list) -> int:
     import random
     import runpy
     os.setsid()
+    if request.get("netns"):
+        _enter_netns(request["netns"])
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -307,6 +315,20 @@ def _become(request: dict, fds: list) -> int:
         sys.path[0] = os.path.dirname(script)
         runpy.run_path(script, run_name="__main__")
     return 0
+
+
+def _enter_netns(name: str) -> None:
+    """Join the network namespace ``ip netns exec NAME`` would run the command in (setns(2); os.setns is 3.12+).
+    What ``ip`` does besides (a /sys of that namespace, /etc/netns/NAME files) the kit does not read."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:   # CLONE_NEWNET
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def _open(fd: int) -> bool:
@@ -349,12 +371,18 @@ def _exit(code) -> None:
 
 # -- the client (python -S: no site, no torch; starts in milliseconds) ------------------------------------------
 def client(path: str, args: list) -> None:
+    netns = None
+    if args[:1] == ["--netns"]:
+        netns, args = args[1], args[2:]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
     except OSError:   # no server: be the command itself
-        os.execv(sys.executable, [sys.executable, *args])
-    body = json.dumps({"argv": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+        command = [sys.executable, *args]
+        if netns:
+            command = ["ip", "netns", "exec", netns, *command]
+        os.execvp(command[0], command)
+    body = json.dumps({"argv": args, "cwd": os.getcwd(), "env": dict(os.environ), "netns": netns}).encode()
     sock.sendmsg([struct.pack("!Q", len(body))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
     sock.sendall(body)
     reader = sock.makefile("rb")
