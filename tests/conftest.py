@@ -14,13 +14,32 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+_workers: list[dict] = []   # with pytest -n (xdist): each worker's fork-server counts, summed in the summary
+
+
+def _counts() -> dict:
+    from tests import zygote
+    return {**zygote.stats, "servers": sum(1 for s in zygote._servers.values() if s)}
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):   # an xdist worker: its controller prints the counts
+        session.config.workeroutput["zygote"] = _counts()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _workers.append(getattr(node, "workeroutput", {}).get("zygote", {}))
+
+
 def pytest_terminal_summary(terminalreporter):
     """How many commands the fork server ran (tests/zygote.py), and how many started as real processes."""
     from tests import zygote
-    if sum(zygote.stats.values()):
-        terminalreporter.write_line(f"fork server (tests/zygote.py): {zygote.stats['forked']} command(s) forked, "
-                                    f"{zygote.stats['real']} run as real processes, "
-                                    f"{sum(1 for s in zygote._servers.values() if s)} server(s)")
+    counts = [_counts(), *_workers]
+    total = {key: sum(c.get(key, 0) for c in counts) for key in ("forked", "real", "servers")}
+    if total["forked"] + total["real"]:
+        terminalreporter.write_line(f"fork server (tests/zygote.py): {total['forked']} command(s) forked, "
+                                    f"{total['real']} run as real processes, {total['servers']} server(s)")
     zygote.stop_servers()
 
 

@@ -29,4 +29,4 @@ fi
 echo "floor.sh: torch $have in $venv" >&2
 # The kit is not installed into this venv: it is imported from this checkout, as the container does (PYTHONPATH).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$venv/bin/python" -m pytest -m "floor or not slow" "$@"
+exec "$venv/bin/python" -m pytest -n 2 -m "floor or not slow" "$@"   # -n 2: both cores (pytest-xdist)

@@ -522,6 +522,7 @@ def test_loader_workers_do_not_keep_rank_0s_listening_port(demo_dir):
         del store
 
 
+@pytest.mark.slow
 def test_check_verify_images_finds_every_unreadable_file_that_the_quick_check_skips(imagenet, monkeypatch):
     """Big splits get one image per class checked; --verify-images decodes all of them, on every core."""
     from ddp_utils.tools.check import run_check

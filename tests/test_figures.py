@@ -33,6 +33,7 @@ GENERATED = re.compile(r"<!-- \[\[\[cog\n.*?<!-- \[\[\[end\]\]\] -->|<!-- \[\[\[
                        re.S)
 
 
+@pytest.mark.slow
 def test_every_benchmark_starts(tmp_path):
     """`--help` of every script in one process: a renamed module breaks a benchmark nobody runs in CI."""
     script = ("import os, runpy, sys\n"

@@ -4,6 +4,7 @@ that checks the same on a real GPU (skipped, with the reason, where there is non
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -22,7 +23,12 @@ def gpu_only(test):
 
 @contextlib.contextmanager
 def one_rank_group(backend="gloo", device=None):
-    """A process group of this test process alone (SyncBatchNorm and the probe's collectives need one)."""
+    """A process group of this test process alone (SyncBatchNorm and the probe's collectives need one).
+
+    Garbage is collected here, on the main thread, before and after: an earlier test's group left in a reference
+    cycle was otherwise freed whenever the collector next ran, once inside a PowerSGD callback on a gloo thread,
+    where freeing a group joins threads and aborted the process ("Resource deadlock avoided", seen under xdist)."""
+    gc.collect()
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
     dist.init_process_group(backend, store=store, rank=0, world_size=1, **({"device_id": device} if device else {}))
     try:
@@ -30,6 +36,7 @@ def one_rank_group(backend="gloo", device=None):
     finally:
         with contextlib.suppress(Exception):   # an aborted group may refuse to be destroyed cleanly
             dist.destroy_process_group()
+        gc.collect()
 
 
 # -- the link probe with --sync-bn ------------------------------------------------------------------

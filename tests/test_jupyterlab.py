@@ -146,11 +146,22 @@ def open_notebook(browser, lab, name: str):
 
 
 def run_all(page) -> None:
-    """Run > Run All Cells, then wait until the cells are queued."""
-    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Run$")).click()
-    page.locator(".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel",
-                 has_text=re.compile("^Run All Cells$")).click()
-    page.wait_for_function("() => {" + PROMPTS + "return prompts.some(p => p.includes('*')); }", timeout=30_000)
+    """Run > Run All Cells, then wait until the cells are queued. On a loaded machine (the suite runs on both cores)
+    a click can land before the menu is ready and nothing starts: then the menu is used again, but never once a cell
+    is queued or has run (that would run the notebook twice)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    for attempt in range(3):
+        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Run$")).click()
+        page.locator(".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel",
+                     has_text=re.compile("^Run All Cells$")).click()
+        try:
+            page.wait_for_function("() => {" + PROMPTS + "return prompts.some(p => /[*0-9]/.test(p)); }",
+                                   timeout=30_000)
+            return
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise
+            page.keyboard.press("Escape")   # a menu left open
 
 
 PROMPTS = "const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(e => e.textContent);"

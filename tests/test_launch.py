@@ -236,6 +236,7 @@ def test_with_max_restarts_a_killed_rank_is_restarted_and_the_run_continues_from
         kill_all(proc, marker)
 
 
+@pytest.mark.slow
 def test_launch_refuses_the_flags_it_sets_itself():
     [res] = run_all([launch_cmd("--nproc-per-node", 2, "--rank", 1)], timeout=60, env=base_env())
     assert res.returncode == 2 and "launch sets --rank of each process itself" in res.output, res.output

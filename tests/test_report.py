@@ -119,6 +119,7 @@ HEADER = ["run", "ranks", "algorithm", "global batch", "epochs", "wall time", "t
 
 
 # -- load_run ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_load_run_returns_results_settings_and_the_folder_name_of_a_real_run(real_run):
     run = report.load_run(real_run)
     assert run["name"] == "run" and run["world_size"] == 1 and run["dataset"] == "fake"
@@ -203,6 +204,7 @@ def test_curves_have_train_and_val_lines_per_run_and_name_the_hardware(runs):
     assert list(acc_ax.lines[1].get_ydata()) == [35.0, 45.0]   # val acc1 per epoch from the history
 
 
+@pytest.mark.slow
 def test_curves_fall_back_to_tensorboard_when_results_have_no_history(real_run, tmp_path):
     run = report.load_run(real_run)
     from_history = report.epoch_curves(run)
@@ -731,6 +733,7 @@ def test_curves_without_tensorboard_place_each_epoch_at_the_images_trained_so_fa
     assert "no learning rate recorded" in [t.get_text() for t in fig.axes[2].texts][0]   # older kits: no lr
 
 
+@pytest.mark.slow
 def test_curves_of_a_real_run_use_its_tensorboard_steps_and_lr(real_run):
     run = report.load_run(real_run)
     curves = report.image_curves(run)

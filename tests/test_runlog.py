@@ -234,6 +234,7 @@ def test_resume_with_the_same_settings_keeps_one_settings_file(tmp_path):
 
 
 # -- W&B -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_offline_wandb_run_lives_in_the_run_dir_and_the_key_is_in_no_file(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)  # set up, but the run is offline
     run = tmp_path / "run"

@@ -338,6 +338,7 @@ def test_threads_are_the_setting_else_omp_num_threads_else_a_share_of_the_cores(
     assert choose_threads(0, cores=1, ranks_here=4, environ={})[0] == 1
 
 
+@pytest.mark.slow
 def test_resume_through_prepare_drops_the_tensorboard_points_logged_after_the_checkpoint(tmp_path):
     """What the notebooks do on RESUME: the interrupted epoch's points must not show twice."""
     from torch.utils.tensorboard import SummaryWriter
