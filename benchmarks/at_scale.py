@@ -83,7 +83,7 @@ def names_the_loss(rank: int, line: str, lost: list, hosts) -> bool:
     """Whether ``line`` names the ranks this rank lost, each with its host's address, and no other: the lost ones
     for a survivor (one of them is enough); rank 0 (and its store) for a rank behind the cut link."""
     expected = [0] if rank in lost else lost
-    named = re.findall(r"rank (\d+)'s (?:last sign of life: \d+ s ago(?: \(on [^,]+, ([\d.]+)\))?|store)", line)
+    named = re.findall(r"rank (\d+)'s (?:last sign of life: \d+ s ago|store)(?: \(on [^,]+, ([\d.]+)\))?", line)
     ranks = {int(r) for r, _ in named}
     placed = {int(r) for r, addr in named if addr and addr == hosts.addrs[host_of(int(r))]}
     return bool(ranks) and ranks <= set(expected) and ranks == placed

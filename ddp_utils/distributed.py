@@ -474,8 +474,8 @@ def _ask_store(ctx: DistContext, what: str, call, *args):
     thread.join(STORE_PATIENCE)
     if not box:
         raise PeerLost(f"rank {ctx.rank}: training stopped because another rank stopped answering (rank 0's "
-                       f"store gave no answer for {STORE_PATIENCE:g} s while this rank waited for {what}). Its "
-                       f"node may have crashed, been stopped or lost the network. Restart every rank with "
+                       f"store{where(0)} gave no answer for {STORE_PATIENCE:g} s while this rank waited for "
+                       f"{what}). Its node may have crashed, been stopped or lost the network. Restart every rank with "
                        f"--resume pointing at rank 0's last.pt, if there is one.")
     ok, value = box[0]
     if not ok:

@@ -462,3 +462,18 @@ def test_after_a_broken_collective_only_the_quietest_peers_are_named(watched):
     assert beat.describe() == "rank 2's last sign of life: 10 s ago"
     beat.seen[1] = ("0|9|-1.0", now - 9.0)   # two lost together (a host with two ranks): both named
     assert beat.describe() == "rank 1's last sign of life: 9 s ago; rank 2's last sign of life: 10 s ago"
+
+
+def test_a_store_wait_that_gets_no_answer_names_rank_0s_host(monkeypatch):
+    """A rank behind a cut link, waiting for rank 0 to finish its checkpoint: its paragraph says where rank 0 runs
+    (at 16 ranks it named only "rank 0's store", the one survivor's line without the lost host's address)."""
+    import threading
+    monkeypatch.setattr(distributed, "STORE_PATIENCE", 0.2)
+    monkeypatch.setattr(distributed, "_where", {0: "node-a, 10.0.0.1"})
+    ctx = distributed.DistContext(rank=1, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    never = threading.Event()
+    with pytest.raises(distributed.PeerLost) as lost:
+        distributed._ask_store(ctx, "finish saving epoch 1", never.wait)
+    never.set()   # the store call's thread ends
+    assert "(rank 0's store (on node-a, 10.0.0.1) gave no answer for 0.2 s while this rank waited for finish " \
+           "saving epoch 1)" in str(lost.value)
