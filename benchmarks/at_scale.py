@@ -38,6 +38,11 @@ def host_of(rank: int) -> int:
     return rank // PER_HOST
 
 
+def cut_off() -> list[int]:
+    """The ranks on LOST's host: the ones a cut link takes away."""
+    return [r for r in range(HOSTS * PER_HOST) if host_of(r) == host_of(LOST)]
+
+
 def start(hosts, folder: Path, real: int | None = None) -> list:
     """The 16 ranks (rank ``real`` as a process of its own, for a signal that must reach it, not a fork client)."""
     port, procs = free_port(), []
@@ -74,7 +79,7 @@ def ends(procs: list, since: float, bound: float) -> list:
 
 
 def error_line(output: str) -> str:
-    """The rank's paragraph of why it stopped (its first line), else its last line."""
+    """The first line of the rank's last ``error:`` paragraph (why it stopped), else its last line."""
     lines = [line for line in output.splitlines() if line.startswith("error:")]
     return lines[-1] if lines else (output.strip().splitlines() or ["(nothing)"])[-1]
 
@@ -90,7 +95,8 @@ def names_the_loss(rank: int, line: str, lost: list, hosts) -> bool:
 
 
 def fault_case(name: str, hosts, folder: Path) -> dict:
-    lost = [LOST] if name != "cut" else [r for r in range(HOSTS * PER_HOST) if host_of(r) == host_of(LOST)]
+    lost = cut_off() if name == "cut" else [LOST]
+    ranks = [r for r in range(HOSTS * PER_HOST) if name == "cut" or r != LOST]   # the ones watched to their end
     procs = start(hosts, folder, real=LOST if name in ("killed", "frozen") else None)
     try:
         wait_for_checkpoint(folder, procs)
@@ -100,13 +106,11 @@ def fault_case(name: str, hosts, folder: Path) -> dict:
                             "down"], check=True)
         else:
             procs[LOST].send_signal(signal.SIGKILL if name == "killed" else signal.SIGSTOP)
-        watched = [p for r, p in enumerate(procs) if name == "cut" or r != LOST]
-        results = ends(watched, since, BOUND + 30)
+        results = ends([procs[r] for r in ranks], since, BOUND + 30)
     finally:
         if name == "frozen":
             procs[LOST].send_signal(signal.SIGKILL)
         stop(procs)
-    ranks = [r for r in range(HOSTS * PER_HOST) if name == "cut" or r != LOST]
     rows = {r: {"stopped_after_s": s, "exit": code, "says": error_line(out)[:400],
                 "names_the_loss": names_the_loss(r, error_line(out), lost, hosts)}
             for r, (s, code, out) in zip(ranks, results)}
@@ -123,7 +127,7 @@ def clean_run(hosts, folder: Path) -> dict:
         else {}
     return {"exits": [code for _, code, _ in results], "world_size": saved.get("world_size"),
             "seconds": max(s or 0 for s, _, _ in results),
-            "passed": all(code == 0 for _, code, _ in results) and saved.get("world_size") == 16}
+            "passed": all(code == 0 for _, code, _ in results) and saved.get("world_size") == HOSTS * PER_HOST}
 
 
 def store_requests() -> dict:
@@ -156,7 +160,7 @@ def main() -> None:
     table = ["| fault (world size 16, 8 hosts x 2) | every rank stopped within (s) | ranks naming the lost rank "
              "and its host |", "| --- | ---: | ---: |"]
     what = {"killed": f"rank {LOST} killed (SIGKILL)", "frozen": f"rank {LOST} frozen (SIGSTOP)",
-            "cut": f"host {host_of(LOST) + 1}'s link cut (ranks 6, 7)"}
+            "cut": f"host {host_of(LOST) + 1}'s link cut (ranks {', '.join(map(str, cut_off()))})"}
     for case in ("killed", "frozen", "cut"):
         if case in figures:
             rows = figures[case]["ranks"].values()

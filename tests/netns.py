@@ -7,9 +7,9 @@
         net.exec_prefix(0) # ["ip", "netns", "exec", "ddptest-<tag>-h1"]: run a command on host 1
 
 Each namespace has only ``lo`` and its veth end, so traffic can reach nothing but the other
-namespace. ``many_hosts(8)``: eight hosts on one switch (a bridge in a namespace of its own). Names are unique
-per call; the namespaces (and with them the veth pair) are always
-deleted on exit, also after a failure, together with any process of ours still inside them.
+namespace. ``many_hosts(8)``: eight hosts on one switch (a bridge in a namespace of its own). Names are
+unique per call; the namespaces (and with them the veths) are always deleted on exit, also after a failure,
+together with any process of ours still inside them.
 """
 from __future__ import annotations
 
@@ -43,23 +43,42 @@ class Hosts:
 
 
 @contextlib.contextmanager
+def _namespaces():
+    """Yield ``add(name)``, which makes a network namespace; every one made is deleted on exit (also after a
+    failure), with any process of ours still inside. The first ``add`` raises NetnsUnavailable where none can be
+    made, and clears what a run killed hard left behind."""
+    made: list[str] = []
+
+    def add(name: str) -> None:
+        try:
+            ip("netns", "add", name)
+        except (subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired) as e:
+            if made:
+                raise
+            detail = getattr(e, "stderr", None) or e
+            raise NetnsUnavailable(f"cannot create a network namespace (needs root and iproute2): "
+                                   f"{str(detail).strip()}") from None
+        if not made:
+            _delete_leftovers()
+        made.append(name)
+    try:
+        yield add
+    finally:
+        for name in made:
+            _kill_inside(name)
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True, timeout=20)
+
+
+@contextlib.contextmanager
 def two_hosts(subnet: str = "10.213.1"):
     """Yield :class:`Hosts`: ``subnet``.1/24 in the first namespace, ``subnet``.2/24 in the second."""
     tag = uuid.uuid4().hex[:6]
     names = [f"ddptest-{os.getpid()}-{tag}-h1", f"ddptest-{os.getpid()}-{tag}-h2"]
     veths = [f"veth{tag}a", f"veth{tag}b"]  # at most 15 characters
     addrs = [f"{subnet}.1", f"{subnet}.2"]
-    try:
-        ip("netns", "add", names[0])
-    except (subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired) as e:
-        detail = getattr(e, "stderr", None) or e
-        raise NetnsUnavailable(f"cannot create a network namespace (needs root and iproute2): "
-                               f"{str(detail).strip()}") from None
-    made = [names[0]]
-    _delete_leftovers()
-    try:
-        ip("netns", "add", names[1])
-        made.append(names[1])
+    with _namespaces() as add:
+        for name in names:
+            add(name)
         ip("link", "add", veths[0], "netns", names[0], "type", "veth", "peer", "name", veths[1],
            "netns", names[1])
         for name, veth, addr in zip(names, veths, addrs):
@@ -67,10 +86,6 @@ def two_hosts(subnet: str = "10.213.1"):
             ip("-n", name, "link", "set", veth, "up")
             ip("-n", name, "link", "set", "lo", "up")  # kernels and stores talk over loopback too
         yield Hosts(names, veths, addrs)
-    finally:
-        for name in made:
-            _kill_inside(name)
-            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True, timeout=20)
 
 
 @contextlib.contextmanager
@@ -81,31 +96,18 @@ def many_hosts(count: int, subnet: str = "10.214.0"):
     switch = f"ddptest-{os.getpid()}-{tag}-sw"
     names = [f"ddptest-{os.getpid()}-{tag}-h{i + 1}" for i in range(count)]
     veths = [f"v{tag}h{i}" for i in range(count)]   # at most 15 characters
-    made = []
-    try:
-        ip("netns", "add", switch)
-    except (subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired) as e:
-        detail = getattr(e, "stderr", None) or e
-        raise NetnsUnavailable(f"cannot create a network namespace (needs root and iproute2): "
-                               f"{str(detail).strip()}") from None
-    made.append(switch)
-    _delete_leftovers()
-    try:
+    with _namespaces() as add:
+        add(switch)
         ip("-n", switch, "link", "add", "br0", "type", "bridge")
         ip("-n", switch, "link", "set", "br0", "up")
         for i, (name, veth) in enumerate(zip(names, veths)):
-            ip("netns", "add", name)
-            made.append(name)
+            add(name)
             ip("link", "add", veth, "netns", name, "type", "veth", "peer", "name", f"v{tag}s{i}", "netns", switch)
             ip("-n", switch, "link", "set", f"v{tag}s{i}", "master", "br0", "up")
             ip("-n", name, "addr", "add", f"{subnet}.{i + 1}/24", "dev", veth)
             ip("-n", name, "link", "set", veth, "up")
             ip("-n", name, "link", "set", "lo", "up")
         yield Hosts(names, veths, [f"{subnet}.{i + 1}" for i in range(count)])
-    finally:
-        for name in made:
-            _kill_inside(name)
-            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True, timeout=20)
 
 
 def _delete_leftovers() -> None:
