@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from . import distributed
 from .datasets import (Data, EpochLoader, EvalShardSampler, ImageFolderDataset, check_batch_fits, check_data,
                        close_inherited_listeners, eval_transform, fake_dataset, load_preset, train_sampler,
-                       train_transform)
+                       train_transform, worker_context)
 from .speed import fastjpeg
 from .speed.dali import build_dali_data, check_dali_dataset
 from .robust.threads import set_threads
@@ -114,7 +114,8 @@ def build_loaders(settings, rank: int, world_size: int, device: torch.device | s
     cuda = device is not None and torch.device(device).type == "cuda"
     loader_args = dict(batch_size=settings.batch_size, num_workers=settings.workers,
                        pin_memory=cuda,                             # faster host-to-GPU copies
-                       worker_init_fn=close_inherited_listeners)    # workers must not keep master_port
+                       worker_init_fn=close_inherited_listeners,    # workers must not keep master_port
+                       multiprocessing_context=worker_context(settings.workers))   # nor free the parent's garbage
     sampler = train_sampler(len(train_set), rank, world_size, settings.seed)   # DDP: a DistributedSampler
     # The generator seeds the workers' augmentation; EpochLoader reseeds it every epoch with
     # datasets.augmentation_seed(seed, rank, epoch). Train workers are not persistent, so they

@@ -18,8 +18,10 @@ Rank and world size are plain arguments: nothing here touches ``torch.distribute
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import itertools
+import multiprocessing.context
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -389,6 +391,35 @@ def close_inherited_listeners(worker_id: int = 0) -> None:
                 os.close(conn.fd)
             except OSError:
                 pass
+
+
+class _ForkWithParentsObjectsFrozen(multiprocessing.context.ForkProcess):
+    def start(self):
+        gc.freeze()   # what exists now (also the parent's garbage) sits in a generation the child never collects
+        try:
+            super().start()
+        finally:
+            gc.unfreeze()   # the parent collects its garbage as before
+
+
+class WorkerForkContext(multiprocessing.context.ForkContext):
+    """DataLoader ``multiprocessing_context``: fork, without letting the worker collect the parent's garbage.
+
+    A forked worker inherits every object of the process, also garbage the parent has not collected yet, such as
+    an old process group in a reference cycle (a notebook cell re-run, a torn-down run). When the worker's
+    collector frees that group, its destructor waits for gloo threads that exist only in the parent: the worker
+    hangs for ever, and so does the rank reading from it (seen). ``gc.freeze()`` around the fork is the recipe of
+    Python's ``gc`` documentation for processes that fork.
+    """
+    Process = _ForkWithParentsObjectsFrozen
+
+
+def worker_context(workers: int):
+    """The DataLoader ``multiprocessing_context`` for ``workers`` processes (None without workers, which
+    DataLoader requires, or where this system cannot fork)."""
+    if workers <= 0 or "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    return WorkerForkContext()
 
 
 def train_sampler(size: int, rank: int, world_size: int, seed: int) -> DistributedSampler:

@@ -560,3 +560,37 @@ def test_every_training_loader_shares_one_written_protocol():
                      if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "set_epoch")
     assert len(calling) == 1 and calling[0].startswith("datasets.py:"), calling
     assert "set_epoch(" in inspect.getsource(TrainLoader._shuffle)
+
+
+# A forked worker inherits the parent's garbage too; collecting it there must not free the parent's process group.
+GARBAGE_GROUP_THEN_WORKERS = """
+import gc, sys
+import torch.distributed as dist
+import ddp_utils.data as data_module
+from ddp_utils.settings import Settings
+
+def init_and_collect(worker_id, kit_init=data_module.close_inherited_listeners):
+    gc.collect()                  # the worker's collector runs (any allocation may start it)
+    kit_init(worker_id)
+
+data_module.close_inherited_listeners = init_and_collect
+data = data_module.build_loaders(Settings(dataset="fake", workers=1, batch_size=4, image_size=16,
+                                          max_steps_per_epoch=2), 0, 1)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+cycle = {"group": dist.new_group([0])}   # e.g. a torn-down run's group, still in a reference cycle
+cycle["self"] = cycle
+dist.destroy_process_group()
+del cycle
+gc.disable()                             # it is still garbage when the workers are forked
+print("train", [tuple(x.shape) for x, _ in data.train.epoch(0)], flush=True)
+print("val", sum(len(y) for _, y in data.val), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_never_frees_the_parents_garbage_process_group():
+    """Seen: a DataLoader worker's collector freed an old gloo group inherited from its parent; the group's
+    destructor waited for threads that exist only in the parent, and worker and rank hung for ever."""
+    result, = procs.run_all([procs.python("-c", GARBAGE_GROUP_THEN_WORKERS)], timeout=60)
+    assert not result.timed_out and result.returncode == 0, procs.describe([result])
+    assert "train [(4, 3, 16, 16), (4, 3, 16, 16)]" in result.output and "val " in result.output

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
 from ..datasets import (Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, TrainLoader, augmentation_seed,
-                        check_batch_fits, train_sampler)
+                        check_batch_fits, train_sampler, worker_context)
 
 __all__ = ["MEMORY_DATASETS", "MemorySplit", "MemoryLoader", "MemoryEvalLoader", "decode_split",
            "crop_flip", "normalize", "augmentation_generator", "check_memory_dataset",
@@ -82,8 +82,9 @@ def decode_split(root: str | Path, split: str, classes: list[str] | None = None,
     if classes is not None and list(classes) != dataset.classes:
         raise DataError(f"{folder} has the class folders {dataset.classes}, expected {list(classes)}.")
     n = len(dataset)
-    loader = DataLoader(dataset, batch_size=256, collate_fn=_as_list,
-                        num_workers=workers if n >= PARALLEL_DECODE_FROM else 0)
+    workers = workers if n >= PARALLEL_DECODE_FROM else 0
+    loader = DataLoader(dataset, batch_size=256, collate_fn=_as_list, num_workers=workers,
+                        multiprocessing_context=worker_context(workers))
     images, i = None, 0
     for batch in loader:
         for image, _ in batch:
