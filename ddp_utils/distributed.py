@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import os
 import re
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .robust import compat, rendezvous
+from .robust import compat, rendezvous, setup_watch, sockets
 from . import settings as settings_module
 from .robust.devices import agree_on_backend, agree_on_precision, device_facts, torch_releases_differ
 from .robust.preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
@@ -158,9 +157,8 @@ def setup(settings, log=print) -> DistContext:
     if ctx.distributed:
         must_agree = {f: getattr(settings, f) for f in settings_module.MUST_AGREE}
         try:
-            backend = _init_process_group(settings, report, device_facts(settings, ctx.device), log)
+            backend = _join_process_group(settings, ctx, report, device_facts(settings, ctx.device), must_agree, log)
             ctx = dataclasses.replace(ctx, backend=backend)   # the backend every rank agreed on
-            agree({**must_agree, "backend": backend}, ctx)
             ctx = dataclasses.replace(ctx, join_s=round(time.monotonic() - started, 2))
         except BaseException as e:  # also KeyboardInterrupt: never leave a half-made process group
             teardown()
@@ -187,37 +185,71 @@ def _device(settings) -> torch.device:
     return torch.device("cuda", settings.local_rank)
 
 
-def _init_process_group(settings, report: dict, facts: dict, log) -> str:
-    """``init_process_group`` with a bounded wait, on the backend every rank agreed on (returned); a
-    failure becomes one readable DistSetupError."""
-    global _store, _waits, _watches, _group_sockets, _aborted, _collective_s, _where
+def _join_process_group(settings, ctx: DistContext, report: dict, facts: dict, must_agree: dict, log) -> str:
+    """``init_process_group`` with a bounded wait, on the backend every rank agreed on (returned), then
+    ``agree`` on ``must_agree``. A failure becomes one readable DistSetupError here, and the other ranks
+    hear of it: they stop within a second, every rank naming the first rank that failed and why
+    (robust/setup_watch.py)."""
+    global _where
     # Keys of this setup's own on the store on master_port (rank 0's, or torchrun's agent's), so that re-running a
     # notebook cell, or torchrun restarting the training processes, never reads an earlier attempt's (rendezvous.py)
     keys, everyone = rendezvous.join(settings, log, {**facts, "addr": report.get("local_ip")})
     # where each rank runs, for the paragraphs that name a lost rank (hosts in namespaces share one name)
     _where = {f["rank"]: f"{f.get('host')}, {f.get('addr')}" for f in everyone or []}
+    watch = setup_watch.SetupWatch(settings, keys)
     try:
-        # Every rank's device, compared before any backend starts: the same backend, or the same error, everywhere
-        backend, note = report["backend"], ""
+        backend = _agree_on_backend(settings, everyone, report, log)   # the same answer (or error) on every rank
+        with watch:
+            try:
+                _init_process_group(settings, keys, backend, report, log)
+                agree({**must_agree, "backend": backend}, dataclasses.replace(ctx, backend=backend))
+            except SettingsMismatch:   # every rank found the same difference
+                raise
+            except BaseException as e:
+                first = setup_watch.report(watch.keys, settings.rank, f"rank {settings.rank}{where(settings.rank)} "
+                                                                      f"failed during setup: {describe_failure(e)}")
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                if first:   # another rank failed before this one: this rank's error is its consequence
+                    raise DistSetupError(f"rank {settings.rank}: setup stopped because {first}. Deal with that "
+                                         f"rank's problem, then run setup again on every rank.") from None
+                if not isinstance(e, DistSetupError):
+                    raise DistSetupError(f"rank {settings.rank}: setup failed: {describe_failure(e)}") from e
+                raise
+        return backend
+    finally:
+        if settings.rank == 0:  # joined or failed: no more ranks may join it
+            rendezvous.close_generation(watch.keys)   # (the watch's connection, if it cut this one's)
+
+
+def _agree_on_backend(settings, everyone: list, report: dict, log) -> str:
+    """The backend every rank can run, from every rank's devices: the same backend, or the same error, everywhere."""
+    backend, note = report["backend"], ""
+    try:
         if everyone:
             backend, note = agree_on_backend(everyone, settings.backend)
             agree_on_precision(everyone, settings.amp)
             if torch_releases_differ(everyone):
                 log(f"rank {settings.rank}: {torch_releases_differ(everyone)}")
     except DistSetupError as e:
-        if settings.rank == 0:
-            rendezvous.close_generation(keys)
         raise DistSetupError(f"rank {settings.rank}: {e}") from None
     report["backend"] = backend
     if note:
         log(f"rank {settings.rank}: {note}")
+    return backend
+
+
+def _init_process_group(settings, keys, backend: str, report: dict, log) -> None:
+    """``init_process_group`` on the generation's ``keys`` and a first barrier; raises DistSetupError with a
+    readable paragraph."""
+    global _store, _waits, _watches, _group_sockets, _aborted, _collective_s
     if backend == "nccl":
         _set_nccl_env(log)
     # Joining may take long (the other ranks start late): made with init_timeout, lowered below -- except
     # where this torch's backend keeps the timeout it is made with (gloo before 2.9: robust/compat.py)
     timeout = timedelta(seconds=compat.timeout_at_init(settings, backend))
     try:
-        before = _tcp_connections()
+        before = sockets.tcp_connections()
         # DDP: the process group. With the kit's store this is what init_method="tcp://ADDR:PORT" does.
         dist.init_process_group(backend, rank=settings.rank, world_size=settings.world_size,
                                 timeout=timeout, store=keys)
@@ -227,7 +259,8 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
         _waits = _watches = 0
         _aborted = None
         # gloo's connections to the other ranks are the ones init made (the store's use master_port)
-        _group_sockets = {c for c in _tcp_connections() - before if settings.master_port not in (c[1][1], c[2][1])}
+        _group_sockets = {c for c in sockets.tcp_connections() - before
+                          if settings.master_port not in (c[1][1], c[2][1])}
         # From now on a collective waits at most collective_timeout: a silent rank is named within a
         # minute. Longer waits (the others reading their data, rank 0 starting W&B or writing a
         # checkpoint) are explicit store waits (wait_for_all), bounded by init_timeout. With --compile
@@ -245,10 +278,6 @@ def _init_process_group(settings, report: dict, facts: dict, log) -> str:
         _store.set_timeout(timedelta(seconds=10))
     except Exception as e:
         raise DistSetupError(_init_failure(settings, backend, report, e)) from e
-    finally:
-        if settings.rank == 0:  # joined or failed: no more ranks may join it
-            rendezvous.close_generation(keys)
-    return backend
 
 
 # NCCL's own error handling, set before the group exists unless the user chose: 2 = on a failure NCCL aborts
@@ -356,24 +385,7 @@ def abort_group(reason: str) -> str:
         except RuntimeError as e:   # said, not swallowed: the collective then ends at its timeout
             return f"{how} failed ({(str(e).splitlines() or [type(e).__name__])[0][:120]})"
         return how
-    still_open = _tcp_connections() & _group_sockets   # the same fd with the same two ends: not reused
-    for fd, _, _ in still_open:
-        with contextlib.suppress(OSError):
-            with socket.socket(fileno=os.dup(fd)) as s:   # a duplicate: shutdown reaches the shared socket
-                s.shutdown(socket.SHUT_RDWR)
-    return f"shut down {len(still_open)} gloo connection(s) to the other ranks"
-
-
-def _tcp_connections() -> set:
-    """This process's established TCP connections as (fd, local address, remote address)."""
-    try:
-        import psutil
-        me = psutil.Process()
-        listing = me.net_connections(kind="inet") if hasattr(me, "net_connections") else me.connections(kind="inet")
-        return {(c.fd, tuple(c.laddr), tuple(c.raddr)) for c in listing
-                if c.status == psutil.CONN_ESTABLISHED and c.fd != -1 and c.raddr}
-    except Exception:   # noqa: BLE001 - without psutil (or its permission) gloo waits for its own timeout
-        return set()
+    return f"shut down {sockets.shut_down(_group_sockets)} gloo connection(s) to the other ranks"
 
 
 # -- collectives (no-ops with one process) ----------------------------------------------------

@@ -92,6 +92,24 @@ def interrupted(s: Settings) -> None:
         check("initialized_after_interrupt", dist.is_initialized())
 
 
+def stopped_in_setup(s: Settings, where: str) -> None:
+    """Stop pressed on rank 1 while it builds the process group (``where``: in init_process_group, or in the
+    settings agreement after it), as rank 0 waits for it there: rank 0 must hear of it at once."""
+    if s.rank == 1:
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+        if where == "init":
+            dist.init_process_group = interrupted
+        else:
+            distributed.agree = lambda values, ctx, *a: (time.sleep(1.0), interrupted())   # rank 0 waits in it
+    try:
+        distributed.setup(s)
+    except KeyboardInterrupt:
+        check("interrupted", True)
+    finally:
+        check("initialized_after_error", dist.is_initialized())
+
+
 def devices(s: Settings) -> None:
     """The ranks' GPUs are emulated (tests/gpu_emulation.py) from DEVICES, a JSON list by rank: "T4" for a GPU,
     null for none; equal names on one machine are one shared GPU. BACKEND is the requested backend. Prints
@@ -116,7 +134,8 @@ def devices(s: Settings) -> None:
 
 
 SCENARIOS = {"devices": devices, "basics": basics, "joined": joined, "mismatch": mismatch, "init_fails": init_fails,
-             "interrupted": interrupted}
+             "interrupted": interrupted, "stopped_in_init": lambda s: stopped_in_setup(s, "init"),
+             "stopped_in_agree": lambda s: stopped_in_setup(s, "agree")}
 
 if __name__ == "__main__":
     name, rank, world, port = sys.argv[1], *map(int, sys.argv[2:5])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -112,9 +113,14 @@ def failures():
                 "init_fails/0": scenario("init_fails", 0, 2, ports["init_fails"], init_timeout=3),
                 "init_fails/1": scenario("init_fails", 1, 2, ports["init_fails"], init_timeout=3),
                 "interrupted": scenario("interrupted", 0, 2, free_port(), init_timeout=30)}
+        for where in ("init", "agree"):   # init_timeout 30 s: the bound below is the watch's, not a timeout
+            ports[f"stopped_in_{where}"] = port = free_port()
+            runs.update({f"stopped_in_{where}/{r}": scenario(f"stopped_in_{where}", r, 2, port, init_timeout=30)
+                         for r in (0, 1)})
         results = dict(zip(runs, run_all(list(runs.values()), timeout=60, env=base_env())))
     for name, r in results.items():
-        assert r.returncode == (0 if name == "interrupted" else 3), describe(list(results.values()))
+        ok = 0 if name == "interrupted" or name.endswith("/1") and name.startswith("stopped") else 3
+        assert r.returncode == ok, describe(list(results.values()))
     return results, ports
 
 
@@ -149,12 +155,31 @@ def test_missing_worker_fails_at_init_timeout_naming_the_missing_rank(failures):
 @pytest.mark.floor
 def test_failing_init_process_group_becomes_a_readable_error_on_every_rank(failures):
     port = failures[1]["init_fails"]
-    for rank in (0, 1):
-        r = failures[0][f"init_fails/{rank}"]
-        assert f"rank {rank} could not join the process group at tcp://127.0.0.1:{port}" in r.output
-        assert "Traceback" not in r.output
-    assert "random ports" in r.output
-    assert "(PyTorch said: Gloo connectFullMesh failed: simulated)" in r.output
+    failed, waiting = failures[0]["init_fails/1"], failures[0]["init_fails/0"]
+    assert f"rank 1 could not join the process group at tcp://127.0.0.1:{port}" in failed.output
+    assert "random ports" in failed.output and "Traceback" not in failed.output
+    assert "(PyTorch said: Gloo connectFullMesh failed: simulated)" in failed.output
+    # rank 0 waited in init_process_group for rank 1: it stops at once, with rank 1's reason
+    assert checks(waiting)["seconds_to_error"] < 3, waiting.output   # 3: init_timeout
+    assert re.search(r"rank 0: setup stopped because rank 1 \(on .+, 127\.0\.0\.1\) failed during setup: "
+                     rf"DistSetupError: rank 1 could not join the process group at tcp://127\.0\.0\.1:{port}",
+                     waiting.output), waiting.output
+    assert "Traceback" not in waiting.output
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+@pytest.mark.parametrize("where", ["init", "agree"])
+def test_a_rank_stopped_during_setup_stops_the_others_at_once_naming_it(failures, where):
+    """Stop pressed on rank 1 while rank 0 waits for it inside init_process_group, or in the settings agreement
+    after it (C++ waits that no interrupt reaches): rank 0 stops within seconds, not at init_timeout (30 s)."""
+    stopped, waiting = failures[0][f"stopped_in_{where}/1"], failures[0][f"stopped_in_{where}/0"]
+    assert checks(stopped)["interrupted"] is True and checks(stopped)["initialized_after_error"] is False
+    assert checks(waiting)["seconds_to_error"] < 10, waiting.output
+    assert re.search(r"rank 0: setup stopped because rank 1 \(on .+, 127\.0\.0\.1\) failed during setup: "
+                     r"KeyboardInterrupt \(Stop pressed in the notebook, or Ctrl-C\)\. Deal with that rank's problem, "
+                     r"then run setup again on every rank\.", waiting.output), waiting.output
+    assert checks(waiting)["initialized_after_error"] is False and "Traceback" not in waiting.output
 
 
 @pytest.mark.slow

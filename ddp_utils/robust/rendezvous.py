@@ -37,11 +37,25 @@ def torchrun_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
+class Keys(dist.PrefixStore):
+    """One generation's keys in the store (``prefix``: ``ddp_utils/<generation>``)."""
+
+    def __init__(self, prefix: str, store):
+        super().__init__(prefix, store)
+        self.prefix = prefix
+
+
+def second_client(settings, keys: Keys, timeout: float = 10.0) -> Keys:
+    """The same generation's keys through a connection of their own: another thread can read them while this
+    one's requests wait in C++ (a store client serves one request at a time)."""
+    return Keys(keys.prefix, _client_store(settings, timedelta(seconds=timeout)))
+
+
 class Reopen(Exception):
     """The generation this rank waits in was closed before it formed: join the current one."""
 
 
-def join(settings, log, facts: dict) -> tuple[dist.PrefixStore, list[dict]]:
+def join(settings, log, facts: dict) -> tuple[Keys, list[dict]]:
     """The keys of the generation every rank joined, and every rank's ``facts``, by rank."""
     while True:
         keys = open_store(settings, log)
@@ -51,7 +65,7 @@ def join(settings, log, facts: dict) -> tuple[dist.PrefixStore, list[dict]]:
             log(f"rank {settings.rank}: rank 0 started a new rendezvous; joining it")
 
 
-def open_store(settings, log) -> dist.PrefixStore:
+def open_store(settings, log) -> Keys:
     """The keys of a new (rank 0) or the currently open (ranks > 0) generation."""
     deadline, said = time.monotonic() + settings.init_timeout, None
     agent = settings.init_method == "env" and torchrun_store()
@@ -68,11 +82,11 @@ def open_store(settings, log) -> dist.PrefixStore:
                     f"{settings.master_port}" if agent else
                     f"rank 0: listening on {settings.master_addr}:{settings.master_port} (every node's "
                     f"master_addr and master_port must be these)")
-                return dist.PrefixStore(f"ddp_utils/{generation}", store)
+                return Keys(f"ddp_utils/{generation}", store)
             store = _client_store(settings, left)
             generation = int(store.get(GENERATION))  # waits for rank 0 to publish one
             if not store.check([f"ddp_utils/{generation}/closed"]):
-                return dist.PrefixStore(f"ddp_utils/{generation}", store)
+                return Keys(f"ddp_utils/{generation}", store)
             why = ("has not opened this attempt's rendezvous yet" if agent else
                    "still runs an earlier process group (has rank 0 re-run setup?)")
         except DistSetupError:   # rank 0's own paragraph (it subclasses RuntimeError): no retry
