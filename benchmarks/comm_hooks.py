@@ -3,6 +3,8 @@
     sudo python benchmarks/comm_hooks.py                 # root: two network namespaces, tc on their link
     sudo python benchmarks/comm_hooks.py --seeds 2 --epochs 3 --rates 500mbit
     sudo python benchmarks/comm_hooks.py --comms powersgd --powersgd-rank 1 --rates 1gbit
+    sudo python benchmarks/comm_hooks.py --seeds 1,2,3,4,5 --runs 1gbit/none,1gbit/auto,unshaped/none \
+        --out benchmarks/results/comm_hooks-auto.json           # comm=auto against none over 5 seeds
 
 For each seed, one after the other: one rank alone (the baseline), then two ranks on two namespace
 "hosts" joined by a veth pair, for each of ``--rates`` (a tc tbf rate, or ``unshaped``: the bare
@@ -106,14 +108,18 @@ def main() -> None:
                         "'+accK' adds --accumulate K, e.g. none+acc4 (a global batch K times larger: the lr scales)")
     parser.add_argument("--powersgd-rank", type=int, default=Settings().powersgd_rank,
                         help=f"PowerSGD's rank (default {Settings().powersgd_rank}, the kit's)")
+    parser.add_argument("--runs", default="", help="only these LINK/COMM pairs, e.g. 1gbit/none,1gbit/auto,"
+                        "unshaped/none (default: every rate with every comm)")
     add_out(parser, "comm_hooks")
     args = parser.parse_args()
     recorder = Recorder("comm_hooks", args)
     seeds = [int(s) for s in args.seeds.split(",")]
     comms, rates = args.comms.split(","), args.rates.split(",")
+    pairs = ([tuple(pair.split("/")) for pair in args.runs.split(",")] if args.runs else
+             [(r, c) for r in rates for c in comms])
     rows: dict[tuple, dict[str, list]] = {key: {"ips": [], "ratio": [], "late": [], "acc1": [], "chose": [], "comm": [],
                                                 "compute_ms": [], "comm_ms": []}
-                                          for key in [("-", "1 rank"), *((r, c) for r in rates for c in comms)]}
+                                          for key in [("-", "1 rank"), *pairs]}
     with tempfile.TemporaryDirectory() as tmp, netns.two_hosts("10.213.10") as hosts:
         args.data = Path(tmp, "demo")
         from ddp_utils.demo_data import prepare_demo
@@ -127,7 +133,7 @@ def main() -> None:
             alone["late"].append(0.5)
             alone["acc1"].append(one["acc1"])
             alone["compute_ms"].append(per_step_ms(one, "compute_s"))
-            for rate, comm in ((r, c) for r in rates for c in comms):
+            for rate, comm in pairs:
                 shape(hosts, rate)
                 two = run(hosts, Path(tmp, f"{rate}-{comm}-{seed}"), 2, seed, comm, args)
                 row = rows[(rate, comm)]
@@ -144,7 +150,7 @@ def main() -> None:
             print(f"seed {seed} done", file=sys.stderr, flush=True)
     print(f"ResNet-18 at 32 px on the demo digits (memory loader), batch 64 per rank, lr {args.lr} at 256, "
           f"{args.epochs} epochs, PowerSGD rank {args.powersgd_rank}, 1 thread "
-          f"per process, links {args.rates}; mean +- std over seeds {args.seeds}\n")
+          f"per process, links {args.runs or args.rates}; mean +- std over seeds {args.seeds}\n")
     fast = rows.get(("unshaped", "none"), {}).get("ips")   # the goal: a slow link as fast as this one
     table = ["| run | link | --comm (chosen) | img/s | of 2 x one rank | the same, second half of the run | of the "
              "unshaped link, none | comm waited (% of train time) | per step: compute / comm waited (ms) | final Acc@1 "

@@ -109,6 +109,16 @@ def chose(name: str, key: str) -> str:
     return found[0] if len(found) == 1 else f"{', '.join(found[:-1])} in some runs and {found[-1]} in the others"
 
 
+def auto_against_none(name: str = "comm_hooks-auto", link: str = "1gbit") -> dict:
+    """``comm=auto`` against ``none`` on one link, seed by seed: ``diff`` (Acc@1 points, auto minus none, a seed
+    each), ``speed_ok`` (auto at 0.95 or more of the unshaped link's images/s), ``acc_ok`` (mean gap within 1 point)."""
+    f = bench(name)["figures"]
+    auto, none = f[f"{link}/auto"], f[f"{link}/none"]
+    diff = [a - n for a, n in zip(auto["acc1"]["values"], none["acc1"]["values"])]
+    return {"diff": diff, "speed_ok": auto["of_unshaped"]["mean"] >= 0.95,
+            "acc_ok": abs(sum(diff) / len(diff)) <= 1.0}
+
+
 def releases(template: str) -> None:
     """Cog: ``template`` with the probes of every benchmarks/results/torch_releases-*.json (one per torch release):
     {releases} '2.6.0, 2.7.1, ...', {hung} '2 of 3 on 2.6.0, 2.7.1; 0 of 3 on ...', {agrees}, {machine} (the

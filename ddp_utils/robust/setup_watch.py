@@ -36,6 +36,8 @@ def report(keys, rank: int, text: str) -> str | None:
         deadline = time.monotonic() + FIRST_S
         while not keys.check(["setup_first"]) and time.monotonic() < deadline:   # the first writes it next
             time.sleep(0.05)
+        if not keys.check(["setup_first"]):   # the first rank died between its two requests: say this one's
+            return None
         first = int(keys.get("setup_first"))
         return None if first == rank else keys.get(f"setup_failed/{first}").decode()
     except Exception:   # noqa: BLE001 - the store may be what failed
