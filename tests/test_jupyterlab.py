@@ -131,11 +131,7 @@ def open_notebook(browser, lab, name: str):
     page.goto(f"{url}/lab/workspaces/{name}/tree/notebooks/{name}.ipynb?token={token}")
     deadline, idle_since = time.monotonic() + 90, None
     while True:   # ready: the kernel idle for a second, no dialog open
-        dialog = page.locator(".jp-Dialog")
-        if dialog.count():
-            # JupyterLab sometimes asks for the kernel although the notebook names it: take the one proposed.
-            assert "Select Kernel" in dialog.first.text_content(), dialog.first.text_content()
-            dialog.get_by_role("button", name="Select", exact=True).click()
+        if take_proposed_kernel(page):
             idle_since = None
         elif page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count():
             idle_since = idle_since or time.monotonic()
@@ -145,15 +141,34 @@ def open_notebook(browser, lab, name: str):
         page.wait_for_timeout(200)
 
 
+def take_proposed_kernel(page) -> bool:
+    """JupyterLab sometimes asks for the kernel although the notebook names it, also after its kernel was idle
+    (seen under load): take the one proposed. Whether there was such a question."""
+    dialog = page.locator(".jp-Dialog")
+    if not dialog.count():
+        return False
+    assert "Select Kernel" in dialog.first.text_content(), dialog.first.text_content()
+    dialog.get_by_role("button", name="Select", exact=True).click()
+    return True
+
+
 def run_all(page) -> None:
     """Run > Run All Cells, then wait until the cells are queued. On a loaded machine (the suite runs on both cores)
     a click can land before the menu is ready and nothing starts: then the menu is used again, but never once a cell
     is queued or has run (that would run the notebook twice)."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
     for attempt in range(3):
-        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Run$")).click()
-        page.locator(".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel",
-                     has_text=re.compile("^Run All Cells$")).click()
+        take_proposed_kernel(page)
+        try:
+            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Run$")).click(timeout=15_000)
+            page.locator(".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel",
+                         has_text=re.compile("^Run All Cells$")).click(timeout=15_000)
+        except PlaywrightTimeout:   # the kernel question came up in between: answer it, then use the menu again
+            if attempt == 2:
+                raise
+            if not take_proposed_kernel(page):
+                page.keyboard.press("Escape")   # a menu left open
+            continue
         try:
             page.wait_for_function("() => {" + PROMPTS + "return prompts.some(p => /[*0-9]/.test(p)); }",
                                    timeout=30_000)
