@@ -502,3 +502,43 @@ def test_a_store_wait_that_gets_no_answer_names_rank_0s_host(monkeypatch):
     never.set()   # the store call's thread ends
     assert "(rank 0's store (on node-a, 10.0.0.1) gave no answer for 0.2 s while this rank waited for finish " \
            "saving epoch 1)" in str(lost.value)
+
+
+# -- the setup watch's cut on NCCL: its communicators are aborted ---------------------------------------------
+def _cut_a_watch():
+    from ddp_utils.robust import setup_watch
+    watch = setup_watch.SetupWatch(Settings(world_size=2, rank=0, master_port=free_port()), keys=None)
+    watch._before = watch._mine = set()
+    watch._own = "the watch's own connection"
+    watch._cut()
+    return watch
+
+
+def test_the_setup_watch_aborts_nccl_communicators_when_it_cuts(monkeypatch):
+    """Emulated NCCL (no GPU here): the cut calls the abort this torch has (compat.abort_path), and keeps the
+    watch's own connection for the failure's report."""
+    from ddp_utils.robust import compat
+    aborted = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: "group")
+    monkeypatch.setattr(compat, "abort_path", lambda backend, group=None: ("abort", lambda: aborted.append(group)))
+    watch = _cut_a_watch()
+    assert aborted == ["group"] and watch.cut and watch.keys == "the watch's own connection"
+    watch.__exit__(None, None, None)   # stderr back
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_setup_watch_aborts_a_real_nccl_group(clean_env):
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        dist.barrier()
+        watch = _cut_a_watch()
+        watch.__exit__(None, None, None)
+        with pytest.raises(Exception):   # the aborted communicator refuses further work
+            dist.all_reduce(torch.ones(1, device="cuda"))
+            torch.cuda.synchronize()
+    finally:
+        distributed.teardown()
