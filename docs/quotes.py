@@ -154,8 +154,11 @@ def _expand(text: str, tmp: str, port: int) -> str:
     return text.replace("{tmp}", tmp).replace("{port}", str(port))
 
 
-def execute(name: str, tmp: str) -> dict[str, str]:
-    """Run RUNS[name] for real in ``tmp``; every process's output, temporary paths shown as the pages do."""
+def execute(name: str, tmp: str, wrap=None, extra_env: dict | None = None) -> dict[str, str]:
+    """Run RUNS[name] for real in ``tmp``; every process's output, temporary paths shown as the pages do.
+    ``wrap(argv, env)``: how each process is started (the tests fork them from their fork server, tests/zygote.py);
+    ``extra_env``: variables the tests add (torchrun's PYTHON_EXEC)."""
+    wrap = wrap or (lambda argv, env: argv)
     import glob
     import socket
     run = RUNS[name]
@@ -167,6 +170,7 @@ def execute(name: str, tmp: str) -> dict[str, str]:
                         "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
     env.update(WANDB_SILENT="true", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     env.setdefault("OMP_NUM_THREADS", "1")   # as the tests run the kit
+    env.update(extra_env or {})
     for k, v in run.env.items():
         if v is None:
             env.pop(k, None)
@@ -181,7 +185,7 @@ def execute(name: str, tmp: str) -> dict[str, str]:
         return args
 
     for argv in run.before:
-        first = subprocess.run(argv_of(argv), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        first = subprocess.run(wrap(argv_of(argv), env), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, timeout=run.timeout)
         if first.returncode != 0:
             raise RuntimeError(f"{argv} exited {first.returncode}:\n{first.stdout}")
@@ -191,7 +195,7 @@ def execute(name: str, tmp: str) -> dict[str, str]:
             if i:
                 time.sleep(run.stagger)
             args = argv_of(argv)
-            procs[proc] = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            procs[proc] = subprocess.Popen(args if run.action else wrap(args, env), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            text=True, start_new_session=True)
         deadline = time.monotonic() + run.timeout
         if run.action:

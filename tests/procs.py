@@ -37,6 +37,8 @@ def base_env(**extra) -> dict:
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")  # two ranks on two cores: no oversubscription
     env["WANDB_SILENT"] = "true"
+    if zygote.enabled():   # torchrun's workers (torchrun and launch tests) from the fork server as well
+        env["PYTHON_EXEC"] = zygote.python_exec()
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
                 "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "WANDB_API_KEY"):
         env.pop(var, None)

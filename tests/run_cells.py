@@ -18,6 +18,7 @@ from pathlib import Path
 
 from jupyter_client.manager import KernelManager
 
+from tests import zygote
 from tests.notebook_cells import read
 
 
@@ -42,6 +43,7 @@ def main(notebook: str, params: str, pauses: str, cwd: str) -> int:
             cells.append("\n".join(f"{name} = {value!r}" for name, value in values.items()))
     with tempfile.TemporaryDirectory(prefix="kernel-") as sockets:
         km = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(sockets) / "k"))
+        zygote.kernel_from_fork_server(km)
         km.start_kernel(cwd=cwd)
         client = km.client()
         client.start_channels()

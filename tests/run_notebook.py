@@ -16,10 +16,13 @@ from pathlib import Path
 import papermill
 from jupyter_client.manager import AsyncKernelManager
 
+from tests import zygote
+
 
 def main(notebook: str, out: str, params: str, cwd: str) -> None:
     with tempfile.TemporaryDirectory(prefix="kernel-") as sockets:
         km = AsyncKernelManager(kernel_name="python3", transport="ipc", ip=str(Path(sockets) / "k"))
+        zygote.kernel_from_fork_server(km)
         papermill.execute_notebook(notebook, out, parameters=json.loads(params), kernel_name="python3",
                                    cwd=cwd, log_output=True, progress_bar=False, km=km)
 

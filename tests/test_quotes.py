@@ -102,13 +102,17 @@ def test_shorten_keeps_epochs_one_to_three_and_the_last():
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
     """Each recorded command run once now, when a test first asks (the demo once: the report reads its runs)."""
+    from tests import zygote
     tmp, done = str(tmp_path_factory.mktemp("quotes")), {}
+    # from the fork server (no 8-s import each): the commands (not one a test acts on: it finds its processes by
+    # their parents) and torchrun's workers
+    fork = {"wrap": zygote.wrap, "extra_env": {"PYTHON_EXEC": zygote.python_exec()}} if zygote.enabled() else {}
 
     def output(run: str, proc: str) -> str:
         if run == "report" and "demo" not in done:
-            done["demo"] = quotes.execute("demo", tmp)
+            done["demo"] = quotes.execute("demo", tmp, **fork)
         if run not in done:
-            done[run] = quotes.execute(run, tmp)
+            done[run] = quotes.execute(run, tmp, **fork)
         return done[run][proc]
     return output
 

@@ -16,10 +16,20 @@ What a forked child cannot take from its environment, because the interpreter an
 start-up (PYTHON*, LD_*, OMP_*/MKL_*/KMP_* threads, CUDA_VISIBLE_DEVICES, TORCH_*): each distinct set of these gets
 a server of its own (up to MAX_SERVERS; beyond, the command runs as a real process). Commands with interpreter
 options (``-c``, ``-X``) run as real processes, and every command does when ``DDP_KIT_ZYGOTE=0``. A command on a
-namespace host (``ip netns exec NAME python ...``) is forked into that host's network namespace (setns). The
-frozen-peer (SIGSTOP), torchrun, launch, SLURM and notebook tests keep real processes, as does every test that
-starts its processes without ``procs.run_all`` / ``procs.popen``. One difference stays: forked ranks share
-the server's string-hash seed (fresh processes each draw one).
+namespace host (``ip netns exec NAME python ...``) is forked into that host's network namespace (setns).
+
+torchrun's workers (the torchrun and ``launch`` tests) fork too: ``procs.base_env`` sets torchrun's documented
+``PYTHON_EXEC`` to a shim (``python_exec()``) that runs this file's client in ``exec`` mode. It finds the server
+whose startup variables match its own, up to the ones torchrun and ``launch`` add and a forked child can take
+(``ADDED_BY_LAUNCHERS``), and joins the client's network namespace whatever it is (the client passes it as a file
+descriptor); without such a server it execs python itself. The shim's pid is the worker's to torchrun and to the
+tests, which find it by its command line and kill it: its command dies with it. A forked worker shows the server's
+command line in /proc, so a test that looks for leftovers by command line sees the clients, not their commands.
+Notebook kernels (run_cells.py, run_notebook.py) start through the same shim (``kernel_from_fork_server``); such a
+client ends when the process that started it does, as ipykernel's parent poller ends a real kernel.
+The frozen-peer (SIGSTOP), SLURM and JupyterLab tests keep real processes, as does every test that starts its
+processes without ``procs.run_all`` / ``procs.popen`` / ``base_env``. One difference stays: forked ranks share the
+server's string-hash seed (fresh processes each draw one).
 """
 from __future__ import annotations
 
@@ -34,11 +44,17 @@ import sys
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 READ_AT_START = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA_", "TORCH_", "NVIDIA_")
+NOT_READ = ("PYTHON_EXEC",)   # torchrun's, not the interpreter's
+# What torchrun (its agent) and ``launch`` add to a worker's environment that a forked child takes as well:
+# -u / PYTHONUNBUFFERED (_become's streams), PYTHONPATH (_become puts its entries on sys.path) and
+# TORCH_NCCL_ASYNC_ERROR_HANDLING (read when an NCCL group is made, not at start-up).
+ADDED_BY_LAUNCHERS = ("PYTHONUNBUFFERED", "PYTHONPATH", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 PRELOAD = ("torch", "torch.distributed", "torchvision", "numpy", "PIL.Image", "torch.utils.tensorboard",
            "ddp_utils.tools.cli", "ddp_utils.job", "ddp_utils.train", "ddp_utils.data", "ddp_utils.summary",
            "ddp_utils.speed.memdata")
 
 _servers: dict = {}   # the startup variables -> (Popen, socket path) or None (failed), in the pytest process
+_exec_dir: list = []  # the folder of python_exec()'s shim and the servers' names for it, once made
 MAX_SERVERS = 4       # environments beyond these (a leaked variable each) run as real processes
 stats = {"forked": 0, "real": 0}   # for the session's summary line (conftest.py)
 
@@ -66,10 +82,47 @@ def wrap(argv: list, env: dict) -> list:
     return [sys.executable, "-S", os.path.abspath(__file__), "client", server[1], *netns, *command[1:]]
 
 
+def _startup(env: dict) -> frozenset:
+    return frozenset((k, v) for k, v in env.items() if k.startswith(READ_AT_START) and k not in NOT_READ)
+
+
+def _exec_name(env: dict) -> str:
+    """The name under which a server is found by python_exec()'s shim: its startup variables but the added ones."""
+    import hashlib
+    key = sorted((k, v) for k, v in _startup(env) if k not in ADDED_BY_LAUNCHERS)
+    return hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
+
+
+def python_exec() -> str:
+    """The shim for torchrun's ``PYTHON_EXEC``: a worker it starts becomes a client of a fork server (``exec``)."""
+    import tempfile
+    if not _exec_dir:
+        _exec_dir.append(tempfile.mkdtemp(prefix="ddp-kit-zygote-exec-"))
+    shim = os.path.join(_exec_dir[0], "python")
+    if not os.path.exists(shim):
+        import shlex
+        with open(shim + ".tmp", "w") as f:
+            f.write(f"#!/bin/sh\n# torchrun's workers from the suite's fork server (tests/zygote.py)\n"
+                    f"exec {shlex.quote(sys.executable)} -S {shlex.quote(os.path.abspath(__file__))} exec "
+                    f"{shlex.quote(_exec_dir[0])} \"$@\"\n")
+        os.chmod(shim + ".tmp", 0o755)
+        os.rename(shim + ".tmp", shim)
+        for env_key, server in _servers.items():   # servers started before the shim was asked for
+            if server is not None:
+                _publish(dict(env_key), server[1])
+    return shim
+
+
+def _publish(env: dict, path: str) -> None:
+    """Give the server at ``path`` its name in the shim's folder (the first server of a name keeps it)."""
+    with contextlib.suppress(FileExistsError):
+        os.symlink(path, os.path.join(_exec_dir[0], _exec_name(env)))
+
+
 def _server_for(env: dict):
     """The server started with these startup variables (one per distinct set: a test or an in-process call may
     leave, say, OMP_NUM_THREADS set in pytest's environment, which every later command inherits)."""
-    key = frozenset((k, v) for k, v in env.items() if k.startswith(READ_AT_START))
+    key = _startup(env)
     if key not in _servers:
         _servers[key] = _start(env) if len(_servers) < MAX_SERVERS else None
     server = _servers[key]
@@ -95,6 +148,8 @@ def _start(env: dict):
     if not os.path.exists(path):   # it failed to start: these commands run as real processes
         _end(proc)
         return None
+    if _exec_dir:   # python_exec()'s shim finds it under its name
+        _publish(env, path)
     return proc, path
 
 
@@ -130,6 +185,9 @@ def stop_servers() -> None:
         _end(server[0])
         shutil.rmtree(os.path.dirname(server[1]), ignore_errors=True)
     _servers.clear()
+    for folder in _exec_dir:
+        shutil.rmtree(folder, ignore_errors=True)
+    _exec_dir.clear()
 
 
 def _end(proc) -> None:
@@ -230,11 +288,11 @@ def _signal(pid: int, sig: int, group: bool) -> None:
 def _fork_child(conn: socket.socket, listener: socket.socket, children: dict) -> int:
     """Read one request and fork its child; return the child's pid (0 if the request was unreadable)."""
     fds = array.array("i")
-    head, ancillary, _, _ = conn.recvmsg(8, socket.CMSG_SPACE(3 * fds.itemsize))
+    head, ancillary, _, _ = conn.recvmsg(8, socket.CMSG_SPACE(4 * fds.itemsize))
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-    if len(head) < 8 or len(fds) != 3:
+    if len(head) < 8 or len(fds) not in (3, 4):   # stdin, stdout, stderr [, the client's network namespace]
         for fd in fds:
             os.close(fd)
         return 0
@@ -282,6 +340,11 @@ def _become(request: dict, fds: list) -> int:
     os.setsid()
     if request.get("netns"):
         _enter_netns(request["netns"])
+    if len(fds) == 4:   # the client's own network namespace (a worker torchrun started inside a namespace host)
+        netns = fds.pop()
+        if os.fstat(netns).st_ino != os.stat("/proc/self/ns/net").st_ino:
+            _setns(netns, "the client's")
+        os.close(netns)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -296,6 +359,9 @@ def _become(request: dict, fds: list) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):   # as python puts them, after [0]
+        if entry and os.path.abspath(entry) not in map(os.path.abspath, sys.path):
+            sys.path.insert(1, entry)
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdin = io.TextIOWrapper(io.open(0, "rb", closefd=False)) if _open(0) else None
     sys.stdout = _text(1, unbuffered, line=False)
@@ -320,15 +386,19 @@ def _become(request: dict, fds: list) -> int:
 def _enter_netns(name: str) -> None:
     """Join the network namespace ``ip netns exec NAME`` would run the command in (setns(2); os.setns is 3.12+).
     What ``ip`` does besides (a /sys of that namespace, /etc/netns/NAME files) the kit does not read."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
     try:
-        if libc.setns(fd, 0x40000000) != 0:   # CLONE_NEWNET
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+        _setns(fd, name)
     finally:
         os.close(fd)
+
+
+def _setns(fd: int, name: str) -> None:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, 0x40000000) != 0:   # CLONE_NEWNET
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
 
 
 def _open(fd: int) -> bool:
@@ -383,7 +453,10 @@ def client(path: str, args: list) -> None:
             command = ["ip", "netns", "exec", netns, *command]
         os.execvp(command[0], command)
     body = json.dumps({"argv": args, "cwd": os.getcwd(), "env": dict(os.environ), "netns": netns}).encode()
-    sock.sendmsg([struct.pack("!Q", len(body))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    fds = [0, 1, 2, os.open("/proc/self/ns/net", os.O_RDONLY)]   # the namespace the command runs in (unless --netns)
+    if netns:
+        os.close(fds.pop())
+    sock.sendmsg([struct.pack("!Q", len(body))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     sock.sendall(body)
     reader = sock.makefile("rb")
     for sig in FORWARDED:
@@ -403,8 +476,46 @@ def client(path: str, args: list) -> None:
     sys.exit(os.waitstatus_to_exitcode(status) if not os.WIFSIGNALED(status) else 1)
 
 
+def kernel_from_fork_server(km) -> None:
+    """Start ``km``'s ipykernel through python_exec()'s shim (run_cells.py, run_notebook.py): the kernel forks
+    from the server with torch and the kit imported (a real kernel imports them in its first cell)."""
+    shim = os.environ.get("PYTHON_EXEC")
+    if shim and km.kernel_spec.argv[:3] == ["python", "-m", "ipykernel_launcher"]:
+        km.kernel_spec.argv[0] = shim
+
+
+def _end_with_parent() -> None:
+    """What ipykernel's parent poller does for a real kernel: exit once the process that started it is gone (the
+    client's exit kills its command). A forked kernel's parent is the server, so its own poller cannot tell."""
+    import threading
+    import time
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def exec_(folder: str, args: list) -> None:
+    """python_exec()'s shim: ``ARGS`` as torchrun gives them (``-u -m ddp_utils train ...``), run by the server
+    whose startup variables match this environment's, else by python itself."""
+    command = args[1:] if args[:1] == ["-u"] else args
+    if command is not args:
+        os.environ["PYTHONUNBUFFERED"] = "1"   # -u
+    path = os.path.join(folder, _exec_name(dict(os.environ)))
+    if os.environ.get("JPY_PARENT_PID"):   # a notebook kernel: it must end with its notebook runner
+        _end_with_parent()
+    if len(command) >= 2 and (command[0] == "-m" or command[0].endswith(".py")) and os.path.exists(path):
+        client(os.path.realpath(path), command)
+    os.execv(sys.executable, [sys.executable, *args])
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
         serve(sys.argv[2])
+    elif sys.argv[1] == "exec":
+        exec_(sys.argv[2], sys.argv[3:])
     else:
         client(sys.argv[2], sys.argv[3:])
