@@ -185,8 +185,8 @@ def execute(name: str, tmp: str, wrap=None, extra_env: dict | None = None) -> di
         return args
 
     for argv in run.before:
-        first = subprocess.run(wrap(argv_of(argv), env), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, timeout=run.timeout)
+        first = subprocess.run(wrap(argv_of(argv), env), cwd=cwd, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, timeout=run.timeout)
         if first.returncode != 0:
             raise RuntimeError(f"{argv} exited {first.returncode}:\n{first.stdout}")
     procs = {}
@@ -195,7 +195,9 @@ def execute(name: str, tmp: str, wrap=None, extra_env: dict | None = None) -> di
             if i:
                 time.sleep(run.stagger)
             args = argv_of(argv)
-            procs[proc] = subprocess.Popen(args if run.action else wrap(args, env), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            if not run.action:   # an action finds its processes by their parents: those stay unwrapped
+                args = wrap(args, env)
+            procs[proc] = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            text=True, start_new_session=True)
         deadline = time.monotonic() + run.timeout
         if run.action:

@@ -505,9 +505,9 @@ def exec_(folder: str, args: list) -> None:
     if command is not args:
         os.environ["PYTHONUNBUFFERED"] = "1"   # -u
     path = os.path.join(folder, _exec_name(dict(os.environ)))
-    if os.environ.get("JPY_PARENT_PID"):   # a notebook kernel: it must end with its notebook runner
-        _end_with_parent()
     if len(command) >= 2 and (command[0] == "-m" or command[0].endswith(".py")) and os.path.exists(path):
+        if os.environ.get("JPY_PARENT_PID"):   # a notebook kernel: it must end with its notebook runner
+            _end_with_parent()
         client(os.path.realpath(path), command)
     os.execv(sys.executable, [sys.executable, *args])
 
