@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .robust import compat, rendezvous, setup_watch, sockets
+from .robust import compat, mesh, rendezvous, setup_watch, sockets
 from . import settings as settings_module
 from .robust.devices import agree_on_backend, agree_on_precision, device_facts, torch_releases_differ
 from .robust.preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
@@ -201,9 +201,14 @@ def _join_process_group(settings, ctx: DistContext, report: dict, facts: dict, m
         backend = _agree_on_backend(settings, everyone, report, log)   # the same answer (or error) on every rank
         with watch:
             try:
+                # every rank can reach every other on a random port, as gloo and NCCL will (seconds, not their retries)
+                mesh.probe(keys, settings.rank, settings.world_size, report.get("local_ip"), settings.master_port)
                 _init_process_group(settings, keys, backend, report, log)
                 agree({**must_agree, "backend": backend}, dataclasses.replace(ctx, backend=backend))
             except SettingsMismatch:   # every rank found the same difference
+                raise
+            except mesh.Blocked as e:   # every rank read the same results; tell one whose results came late
+                setup_watch.report(watch.keys, settings.rank, str(e))
                 raise
             except BaseException as e:
                 first = setup_watch.report(watch.keys, settings.rank, f"rank {settings.rank}{where(settings.rank)} "

@@ -346,22 +346,30 @@ def where(proc: str = "demo") -> str:
     return f"{m.group(2)}-core {m.group(1)} machine, torch {m.group(3)}{busy}, {m.group(5)}"
 
 
+def table_rows(lines: list[str]) -> list[dict[str, str]]:
+    """The rows of the first Markdown table in ``lines``, each a dict keyed by the header's column names (a page
+    that read a column by position quoted another column once the table gained one: "Acc@1 145 %")."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table(lines)]
+    header = rows[0]
+    return [dict(zip(header, row, strict=True)) for row in rows[2:] if len(row) == len(header)]
+
+
 def demo_figures() -> dict[str, str]:
     """The figures the prose takes from the recorded demo: speed-up, probe, per-step ms, batch, Acc@1."""
     lines = recorded("demo")[1]
     text = "\n".join(lines)
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table(lines)[2:]]
+    ddp, single = table_rows(lines)[:2]
     probe = " ".join(line.strip() for line in link_probe(lines))
     compute = re.search(r"one step's compute (\d+) ms", probe).group(1)
     alone = re.search(r"\((\d+) ms for one rank alone", probe)
     batches = re.findall(r"global batch (\d+) = ", text)
     lrs = re.findall(r"lr [\d.]+ x \d+/\d+ = ([\d.]+)", text)
-    return {"speedup": rows[0][-2], "predicted": re.search(r"about ([\d.]+x) one rank", probe).group(1),
+    return {"speedup": ddp["speed-up"], "predicted": re.search(r"about ([\d.]+x) one rank", probe).group(1),
             "share": re.search(r"up to (\d+ %) of a step", probe).group(1), "compute": compute,
             "alone": alone.group(1) if alone else "", "batch_ddp": batches[0], "batch_single": batches[1],
             "lr_ddp_line": re.search(r"lr [\d.]+ x \d+/\d+ = [\d.]+", text).group(0), "lr_single": lrs[1],
-            "run_ddp": rows[0][0], "run_single": rows[1][0],
-            "acc_ddp": rows[0][7], "acc_single": rows[1][7], "wall_ddp": rows[0][4], "wall_single": rows[1][4]}
+            "run_ddp": ddp["run"], "run_single": single["run"], "acc_ddp": ddp["Acc@1"], "acc_single": single["Acc@1"],
+            "wall_ddp": ddp["wall time"], "wall_single": single["wall time"]}
 
 
 def say(template: str, proc: str = "demo") -> None:

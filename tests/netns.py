@@ -5,6 +5,7 @@
         net.veths          # ["veth<tag>a", "veth<tag>b"], host 1's and host 2's end of the cable
         net.names          # ["ddptest-<pid>-<tag>-h1", "ddptest-<pid>-<tag>-h2"]
         net.exec_prefix(0) # ["ip", "netns", "exec", "ddptest-<tag>-h1"]: run a command on host 1
+    open_only_port(net, 29500)  # a firewall between them that lets through only that TCP port
 
 Each namespace has only ``lo`` and its veth end, so traffic can reach nothing but the other
 namespace. ``many_hosts(8)``: eight hosts on one switch (a bridge in a namespace of its own). Names are
@@ -108,6 +109,26 @@ def many_hosts(count: int, subnet: str = "10.214.0"):
             ip("-n", name, "link", "set", veth, "up")
             ip("-n", name, "link", "set", "lo", "up")
         yield Hosts(names, veths, [f"{subnet}.{i + 1}" for i in range(count)])
+
+
+def open_only_port(hosts: Hosts, port: int) -> None:
+    """A firewall between the hosts that lets through TCP to or from ``port`` only (a security group that opens
+    only MASTER_PORT): every other TCP packet leaving a host is dropped, so a connection to another port hangs
+    until its timeout, as behind a real one. Made with tc on each veth (HTB: a class for the port, and a class
+    whose queue holds no packet for all other TCP), the only queueing this machine's kernel offers without modules."""
+    for name, veth in zip(hosts.names, hosts.veths):
+        tc = ["tc", "-n", name]
+        for args in (["qdisc", "add", "dev", veth, "root", "handle", "1:", "htb", "default", "10"],
+                     ["class", "add", "dev", veth, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit"],
+                     ["class", "add", "dev", veth, "parent", "1:", "classid", "1:20", "htb", "rate", "8bit", "ceil",
+                      "8bit"],
+                     ["qdisc", "add", "dev", veth, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0"],
+                     *[["filter", "add", "dev", veth, "parent", "1:", "prio", str(prio), "protocol", "ip", "u32",
+                        "match", "ip", "protocol", "6", "0xff", "match", "ip", end, str(port), "0xffff", "flowid",
+                        "1:10"] for prio, end in ((1, "dport"), (2, "sport"))],
+                     ["filter", "add", "dev", veth, "parent", "1:", "prio", "3", "protocol", "ip", "u32", "match",
+                      "ip", "protocol", "6", "0xff", "flowid", "1:20"]):
+            subprocess.run([*tc, *args], check=True, capture_output=True, text=True, timeout=20)
 
 
 def _delete_leftovers() -> None:

@@ -185,7 +185,8 @@ QUOTED_KIT_TEXTS = [
     "already holds a run",
     "has no class folders",
     "using interface",
-    "said hello to the master's check at",
+    "but not each other on other ports",
+    "Gloo and NCCL connect every rank to the others on further random ports",
     "continuing at epoch",
 ]
 

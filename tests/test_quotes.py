@@ -30,6 +30,11 @@ GPU_ONLY = [
     "  the NCCL backend's abort() (torch 2.6 has no ProcessGroup.abort)",
     "data imagenet at /data/imagenet: train 1281167 images / 1000 classes, val 50000 images / 1000 classes",
     "rank 0: joined tcp://172.31.9.80:29500 as rank 0 of 2 (nccl, cuda:0) in 0.7 s",
+    "rank 1: joined tcp://172.31.9.80:29500 as rank 1 of 2 (nccl, cuda:0) in 0.9 s",
+    "all-reduce over the process group (nccl, 2 ranks), up to the 46.8 MB of resnet18's gradients; busbw as nccl-tests "
+    "defines it:",
+    "      4096 ...",
+    "  46758048 ...",
 ]
 
 
@@ -128,3 +133,50 @@ def test_the_recorded_command_still_prints_the_recorded_lines(run, proc, fresh):
     assert got == want, (f"`{head[2:]}` now prints other lines than docs/output/{proc}.txt; if that is intended: "
                          f"python docs/quotes.py record {run} && python docs/quotes.py pages\n"
                          + "\n".join(difflib.unified_diff(want, got, "recorded", "now", lineterm="")))
+
+
+# -- generated sentences make sense, not only match a record --------------------------------------------
+GENERATED = re.compile(r"<!-- \[\[\[cog (.*?)\]\]\] -->\n(.*?)<!-- \[\[\[end\]\]\] -->", re.S)
+
+
+def generated_prose() -> list[tuple[str, str, str]]:
+    """(page, cog call, text) of every generated region of the pages, without its ```text blocks and tables."""
+    found = []
+    for page in quotes.PAGES:
+        text = Path(REPO, page).read_text(encoding="utf-8")
+        for m in GENERATED.finditer(text):
+            prose = re.sub(r"^( *)```text\n.*?^\1```$", "", m.group(2), flags=re.M | re.S)
+            prose = "\n".join(line for line in prose.splitlines() if not line.lstrip().startswith("|"))
+            found.append((page, m.group(1)[:60], " ".join(prose.split())))
+    return found
+
+
+def test_generated_percentages_are_between_0_and_100():
+    """A figure read from the wrong column once made step 0 say the runs 'end at 145 % (DDP) and 160 % (single)'."""
+    wrong = [f"{page} [{call}]: ...{prose[max(0, m.start() - 60):m.end()]}" for page, call, prose in generated_prose()
+             for m in re.finditer(r"(?<![\w.+-])(-?\d+(?:\.\d+)?) ?%", prose) if not 0 <= float(m.group(1)) <= 100]
+    assert not wrong, "generated percentages outside 0..100:\n" + "\n".join(wrong)
+
+
+def test_the_recorded_tables_speed_up_and_efficiency_agree():
+    for row in quotes.table_rows(quotes.recorded("demo")[1]):
+        speedup, ranks = float(row["speed-up"].rstrip("x")), int(row["ranks"])
+        assert 0 < speedup <= ranks * 1.1, row   # more than linear would be a measuring error on one machine
+        assert float(row["efficiency"].rstrip(" %")) == pytest.approx(100 * speedup / ranks, abs=1.0), row
+
+
+def test_step_0_quotes_the_demo_tables_speed_up_and_acc1_by_column_name():
+    """Step 0's sentences against the table printed above them, read by the header's names."""
+    ddp, single = quotes.table_rows(quotes.recorded("demo")[1])[:2]
+    [step0] = [prose for page, call, prose in generated_prose() if call.strip() == "step0()"]
+    assert f"the single run stands for one node: {ddp['speed-up']}, not 2x" in step0, step0
+    ends = (f"both runs end at {ddp['Acc@1']} %" if ddp["Acc@1"] == single["Acc@1"] else
+            f"the runs end at {ddp['Acc@1']} % (DDP) and {single['Acc@1']} % (single)")
+    assert ends in step0, step0
+    assert f"({ddp['global batch']} against {single['global batch']})" in step0, step0
+
+
+def test_table_rows_reads_columns_by_name_whatever_their_order():
+    lines = ["| run | Acc@1 | speed-up |", "| --- | ---: | ---: |", "| a | 97.2 | 1.9x |"]
+    swapped = ["| speed-up | run | Acc@1 |", "| ---: | --- | ---: |", "| 1.9x | a | 97.2 |"]
+    assert quotes.table_rows(lines) == quotes.table_rows(swapped) == [{"run": "a", "Acc@1": "97.2", "speed-up": "1.9x"}]

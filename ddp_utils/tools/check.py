@@ -1,28 +1,29 @@
 """``python -m ddp_utils check``: is this node ready to train? Prints what it found; True when ready.
 
-Run it on every node with the same flags as ``train``. With several ranks, rank 0's check listens on
-master_port for up to init_timeout seconds and reports each worker whose check reaches it, so one
-run proves the address, the port and the firewall before any training starts.
+Run it on every node with the same flags as ``train``. With several ranks the checks build the real process group
+(``distributed.setup``: the store on master_port, every rank reaching every other on a random port as gloo and
+NCCL will, ``init_process_group`` on the chosen backend) and all-reduce payloads up to the model's gradient size,
+so READY proves the collective training will run, not just a TCP hello to one port; rank 0 saves the sweep for
+``report``.
 """
 from __future__ import annotations
 
 import os
-import socket
-import time
+from pathlib import Path
 
-from .. import datasets
+from .. import datasets, distributed
 from ..datasets import DataError, check_data
 from ..progress import interactive
 from ..distributed import DistSetupError
 from ..robust import compat
 from ..data import loader_for
 from ..robust.preflight import SMALL_SHM, hardware_report, preflight
-
-HELLO = b"ddp_utils-check rank="
+from . import sweep
 
 
 def run_check(settings, log=print, verify_images: bool = False) -> bool:
-    ok = True
+    ok, network = True, True
+    log = _once(log)   # setup's pre-flight repeats lines the check has printed
     log(f"== rank {settings.rank} of {settings.world_size}, master {settings.master_addr}:{settings.master_port}")
     try:
         report = preflight(settings, log=log)
@@ -39,10 +40,11 @@ def run_check(settings, log=print, verify_images: bool = False) -> bool:
                 f"{report['port_status']}")
     except DistSetupError as exc:
         log(f"NOT READY (network): {exc}")
-        ok = False
+        ok = network = False
     for problem in hardware_problems(settings, hardware_report()):
         log(f"NOT READY (hardware): {problem}")
         ok = False
+    summary = None
     try:
         summary = check_data(settings)
         splits = ", ".join(f"{name} {s['images']} images / {s['classes']} classes"
@@ -62,8 +64,8 @@ def run_check(settings, log=print, verify_images: bool = False) -> bool:
     except DataError as exc:
         log(f"NOT READY (data): {exc}")
         ok = False
-    if ok and settings.distributed:
-        ok = _meet_workers(settings, log) if settings.rank == 0 else _greet_master(settings, log)
+    if network and settings.distributed:   # also when this node's data is wrong: the others wait for it
+        ok = _prove_collective(settings, summary, log) and ok
     log("READY" if ok else "NOT READY")
     return ok
 
@@ -86,37 +88,60 @@ def hardware_problems(settings, report: dict) -> list[str]:
     return problems
 
 
-def _meet_workers(settings, log) -> bool:
-    """Rank 0: listen on master_port until every other rank's check has said hello (or time is up)."""
-    expected = set(range(1, settings.world_size))
-    log(f"waiting up to {settings.init_timeout:g} s for the checks of ranks {sorted(expected)} ...")
-    deadline = time.monotonic() + settings.init_timeout
-    with socket.create_server(("", settings.master_port), reuse_port=False) as server:
-        server.settimeout(0.5)
-        while expected and time.monotonic() < deadline:
-            try:
-                conn, (peer, _) = server.accept()
-            except socket.timeout:
-                continue
-            with conn:
-                conn.settimeout(2.0)
-                try:
-                    line = conn.recv(64)
-                except OSError:
-                    continue
-            if line.startswith(HELLO):
-                rank = int(line[len(HELLO):].strip() or -1)
-                expected.discard(rank)
-                log(f"rank {rank} reached this node from {peer}")
-    if expected:
-        log(f"ranks {sorted(expected)} did not reach {settings.master_addr}:{settings.master_port} within "
-            f"{settings.init_timeout:g} s: run the same check there, and see the troubleshooting table.")
+def _prove_collective(settings, summary: dict | None, log) -> bool:
+    """Join the real process group (as train does), all-reduce payloads up to the model's gradient size, leave.
+    Rank 0 saves the sweep under the runs folder's ``check/`` for ``report``."""
+    if settings.backend != "gloo" and _wants_nccl():
+        os.environ.setdefault("NCCL_DEBUG", "INFO")         # NCCL's own lines: which interface it uses (NET/Socket)
+        os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
+    try:
+        ctx = distributed.setup(settings, log=log)
+    except DistSetupError as exc:
+        log(f"NOT READY (network): {exc}")
         return False
-    return True
+    try:
+        gradient_bytes = _gradient_bytes(settings, summary)
+        log(f"all-reduce over the process group ({ctx.backend}, {ctx.world_size} ranks), up to the "
+            f"{gradient_bytes / 1e6:.1f} MB of {settings.arch}'s gradients; busbw as nccl-tests defines it:")
+        rows = sweep.run(ctx, gradient_bytes)
+        log(sweep.table(rows))
+        if ctx.is_main:
+            folder = (Path(settings.run_dir).parent if settings.run_dir else Path("runs")) / "check"
+            log(f"saved {sweep.save(folder, settings, ctx.backend, rows)} (`python -m ddp_utils report` shows it "
+                f"beside the run's link probe)")
+        return True
+    except Exception as exc:   # noqa: BLE001 - a collective that fails after the group formed is the finding
+        log(f"NOT READY (network): the process group formed, but an all-reduce failed: "
+            f"{(str(exc).splitlines() or [type(exc).__name__])[0][:300]}. Allow all TCP between the nodes and "
+            f"run the check again on every node.")
+        return False
+    finally:
+        distributed.teardown()
 
 
-def _greet_master(settings, log) -> bool:
-    with socket.create_connection((settings.master_addr, settings.master_port), timeout=5) as conn:
-        conn.sendall(HELLO + str(settings.rank).encode() + b"\n")
-    log(f"said hello to the master's check at {settings.master_addr}:{settings.master_port}")
-    return True
+def _wants_nccl() -> bool:
+    """Whether this rank would pick NCCL (a GPU and an NCCL build)."""
+    import torch
+    return torch.cuda.is_available() and torch.distributed.is_nccl_available()
+
+
+def _gradient_bytes(settings, summary: dict | None) -> int:
+    """The fp32 gradient of ``settings.arch``: what DDP all-reduces every step."""
+    from ..model import build_model
+    from ..presets import PRESETS
+    classes = PRESETS[settings.dataset].num_classes if settings.dataset in PRESETS else None
+    if summary and summary.get("splits"):
+        classes = next(iter(summary["splits"].values()))["classes"]
+    model = build_model(settings.arch, classes or 1000)
+    return 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _once(log):
+    """``log`` that prints a line only the first time (setup's pre-flight says again what the check said)."""
+    seen: set[str] = set()
+
+    def say(text: str) -> None:
+        if text not in seen:
+            seen.add(text)
+            log(text)
+    return say

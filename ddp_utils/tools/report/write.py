@@ -12,6 +12,7 @@ from .runs import _load_all, group_runs, hardware_caption, parallel_mode
 from .tables import baseline_index, compare_table, lr_notes, results_table, seed_table
 from .bounds import bottleneck_sentence
 from .figures import DPI, plot_curves, plot_throughput, plot_time_breakdown
+from ..sweep import beside_probe
 
 
 # -- everything at once --------------------------------------------------------------------------
@@ -108,6 +109,9 @@ def report_markdown(run_dirs, baseline=None, report_cmd: str | None = None) -> s
     lines = ["# Results", "", results_table(dirs, baseline), "",
              "## What bound each run", "",
              *[f"- {bottleneck_sentence(run, base)}" for run in runs], ""]
+    link = [line for line in map(beside_probe, runs) if line]
+    if link:
+        lines += ["## The link between the ranks", "", *[f"- {line}" for line in link], ""]
     if any(len(group) > 1 for group in group_runs(runs)):
         lines += ["## Seeds: mean ± std over runs that differ only in their seed", "", seed_table(dirs, baseline), ""]
     if len({parallel_mode(run) for run in runs}) > 1:
