@@ -21,13 +21,25 @@ def check_cmd(rank, world_size, port, *extra):
 
 
 @pytest.mark.slow
-def test_check_on_two_ranks_reports_ready_when_the_worker_reaches_the_master():
+def test_check_on_two_ranks_proves_the_collective_and_saves_the_all_reduce_sweep(tmp_path):
+    """Both checks build the real process group and all-reduce payloads up to the model's gradient; rank 0 saves the
+    sweep beside the runs, where `report` finds it."""
     port = free_port()
-    results = run_all([check_cmd(0, 2, port), check_cmd(1, 2, port)], timeout=90, stagger=1.0)
+    run_dir = ("--run-dir", str(tmp_path / "runs" / "x"))
+    results = run_all([check_cmd(0, 2, port, *run_dir), check_cmd(1, 2, port, *run_dir)], timeout=120, stagger=1.0)
     assert [r.returncode for r in results] == [0, 0], describe(results)
     master, worker = results
-    assert "rank 1 reached this node" in master.output and "READY" in master.output
-    assert "using interface lo" in worker.output and "READY" in worker.output
+    for r in results:
+        assert "joined tcp://127.0.0.1:" in r.output and "all-reduce over the process group (gloo, 2 ranks)" in r.output
+        assert re.search(r"^\s+4096\s+[\d.]+ ms\s+[\d.]+ Gbit/s\s+[\d.]+ Gbit/s$", r.output, re.M), r.output
+        assert r.output.rstrip().splitlines()[-1] == "READY"
+    assert "using interface lo" in worker.output
+    from ddp_utils.tools import sweep
+    saved = sweep.newest(tmp_path / "runs" / "check", 2)
+    assert saved and saved["backend"] == "gloo" and saved["rows"][0]["bytes"] == 4096, saved
+    assert saved["rows"][-1]["bytes"] == max(r["bytes"] for r in saved["rows"])   # the gradient's size, last
+    assert all(r["busbw_gbit_s"] == pytest.approx(r["algbw_gbit_s"]) for r in saved["rows"])   # 2 (n-1)/n = 1
+    assert not list((tmp_path / "runs" / "check").glob("*.tmp"))
 
 
 @pytest.mark.slow
@@ -121,15 +133,24 @@ def test_ctrl_c_during_training_leaves_the_last_checkpoint_intact_and_says_how_t
     assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] >= 0
 
 
-def test_ci_runs_exactly_the_readme_install_and_test_commands_on_the_newest_torch_and_the_floor():
-    readme = Path(REPO, "README.md").read_text()
+def test_ci_types_the_quick_start_as_printed_then_runs_the_tests_sections_commands_in_its_venv():
+    from tests import readme_blocks
     ci = Path(REPO, ".ci", "run").read_text()
-    test_line = next(line.split("#")[0].strip() for line in readme.splitlines()
-                     if "python -m pytest" in line and line.lstrip().startswith("pip install"))
-    floor_line = next(line.split("#")[0].strip() for line in readme.splitlines() if line.startswith("tests/floor.sh"))
-    ci_lines = [line.strip() for line in ci.splitlines() if not line.lstrip().startswith("#")]
-    assert test_line in ci_lines and floor_line in ci_lines
-    assert ci_lines.index(floor_line) > ci_lines.index(test_line)   # the floor after the whole suite, with set -e
+    ci_lines = [line.strip() for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    # the student's block, extracted from the README at CI time (never a copy that could drift), on the system Python
+    run_quick = next(i for i, line in enumerate(ci_lines) if "tests/readme_blocks.py quick-start" in line)
+    assert any('bash -euo pipefail -c "$quick"' in line and "PATH=/usr/local/sbin:/usr/sbin:/usr/bin" in line
+               for line in ci_lines[run_quick:]), ci
+    quick = readme_blocks.commands("quick-start")
+    assert quick[0].startswith("sudo apt-get update && sudo apt-get install -y python3-venv"), quick
+    assert quick[1] == "python3 -m venv .venv && . .venv/bin/activate" and quick[-1] == "python -m ddp_utils demo"
+    assert not any(word in " ".join(quick) for word in ("pytest", "chromium", "slurm")), "maintainer lines: Tests"
+    # then the Tests section's commands, in order, in that venv; the fast tier is part of the whole suite
+    tests = [c for c in readme_blocks.commands("tests") if "not slow" not in c]
+    at = [ci_lines.index(c) for c in tests]
+    assert at == sorted(at) and at[0] > run_quick, (tests, ci_lines)
+    assert tests[0] == ". .venv/bin/activate" and tests[-1] == "tests/floor.sh"
+    assert not any(line.rstrip().endswith("|| true") for line in ci_lines), "an install that may fail silently"
 
 
 @pytest.mark.slow

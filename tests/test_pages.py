@@ -113,6 +113,7 @@ EXTERNAL = {
     "torchrun": (r"torchrun|torch\.distributed\.run", None),   # its own parser's flags (torchrun_flags)
     "pytest": (r"\bpytest\b", {"--basetemp"}),
     "papermill": (r"\bpapermill\b", {"--cwd"}),
+    "pip": (r"\bpip install\b", {"--index-url"}),
     "nvidia-smi": (r"nvidia-smi", {"--query-gpu", "--format"}),
     "aws": (r"\baws ec2\b", {"--group-name", "--description", "--vpc-id", "--group-id", "--protocol", "--port",
                              "--cidr", "--source-group", "--strategy", "--image-id", "--instance-type", "--count",
