@@ -27,6 +27,7 @@ from .optim import (ScaledStep, amp_dtype, autocast, build_optimizer, build_sche
                     to_device)
 from .progress import Progress
 from .runlog import TIME_PARTS, summarize
+from .robust.devices import gpu_id
 from .robust.threads import machine_id
 from .settings import describe_batch
 
@@ -253,7 +254,8 @@ def fit(job) -> dict:
     _wait_for_the_others("training (the Train cell)", job)
     started = time.perf_counter()   # start-up from here: the gradient communication's choice, loaders, first step
     try:
-        with heartbeat, GpuMonitor(devices_used(job.parallel, job.ctx)) as gpu:   # dp: every GPU it drives
+        # dp: every GPU it drives, each GPU's figures kept (is GPU 0 busier and fuller than the others?)
+        with heartbeat, GpuMonitor(devices_used(job.parallel, job.ctx), per_device=job.parallel == "dp") as gpu:
             if job.communication is None:   # DDP: how the gradients travel (all_reduce, or compressed), timed
                 kept = ((job.state or {}).get("comm") or {}).get("choice")   # a resume: comm=auto's choice at the start
                 job.communication = gradient_communication(job.model, job.settings, job.ctx, job.data.num_classes,
@@ -381,8 +383,9 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
             **(meta or {})}
     gpu_use = _gpu_results(gpu, ctx, logger, step) if gpu is not None else {}
     gpu_ranks = gpu_use.pop("per_rank", [])
-    gpus = torch.cuda.device_count() if meta["parallel"] == "dp" else int(ctx.device.type == "cuda")   # per process
-    extra = {**meta, "gpus": gpus, "stopped_early": stopped_early, "stop_reason": stop_reason,
+    gpus = len(devices_used(meta["parallel"], ctx)) if ctx.device.type == "cuda" else 0   # per process
+    extra = {**meta, "gpus": gpus, "job_gpus": job_gpus(meta["parallel"], ctx),   # this process's, the job's
+             "stopped_early": stopped_early, "stop_reason": stop_reason,
              "skipped_steps": stepper.skipped,   # fp16: steps the gradient scaler skipped (overflow)
              "link_gbit_s": probe["link_gbit_s"] if probe else None,
              "predicted_speedup": probe["predicted_speedup"] if probe else None, "probe": probe, **gpu_use,
@@ -436,6 +439,16 @@ def _gpu_results(gpu, ctx, logger, step: int) -> dict:
         logger.scalars({"gpu/util_mean": summary["gpu_util"], "gpu/mem_peak_mb": summary["gpu_mem_peak_mb"] or 0},
                        step)
     return summary
+
+
+def job_gpus(parallel: str, ctx) -> int:
+    """GPUs the whole job trained on, all ranks together (``gpus`` counts one process's): DataParallel's
+    every GPU, one per DDP rank, and a GPU that several ranks share (a rehearsal on gloo, lab 4 on a
+    one-GPU node) once. 0 on CPUs."""
+    if parallel == "dp":
+        return len(devices_used(parallel, ctx)) if ctx.device.type == "cuda" else 0
+    mine = gpu_id(ctx.device) if ctx.device.type == "cuda" else None
+    return len({g for g in distributed.gather_objects(mine, ctx) if g is not None})   # DDP: every rank's GPU
 
 
 def run_cost(settings, ctx, wall_s: float, epochs: int) -> dict:

@@ -292,3 +292,56 @@ def test_a_dataparallel_process_reports_every_gpu_it_drives(monkeypatch):
     s = gpu.summary()
     assert (s["gpu_util"], s["gpu_mem_peak_mb"]) == (60.0, 5000.0)
     assert devices_used("ddp", DistContext(0, 2, 0, CUDA0, "nccl")) == [CUDA0]
+
+
+def test_a_dataparallel_process_keeps_each_gpus_figures_beside_the_averaged_ones(monkeypatch):
+    """Lab 4's "is GPU 0 busier and fuller than GPU 1?": per_device=True keeps each GPU's training mean and
+    memory peaks (index i for cuda:i); the averaged keys keep their meaning (mean utilisation, fullest GPU)."""
+    from tests.gpu_emulation import T4, pretend_gpu
+    pretend_gpu(monkeypatch.setattr, T4, count=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # torch's own peaks, emulated as well
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: {0: 4800, 1: 2900}[device.index] * MB)
+    pci_ids(monkeypatch)
+    nvml = StubNvml(gpus=2)
+    nvml.util = {0: itertools.cycle([90, 100, 40]), 1: itertools.cycle([50, 30, 20])}   # the third sample: "val"
+    nvml.used_mb = {0: itertools.cycle([5000, 6100, 6000]), 1: itertools.cycle([3000, 4200, 4000])}
+    with GpuMonitor([CUDA0, torch.device("cuda", 1)], interval=QUIET, nvml=nvml, per_device=True) as gpu:
+        gpu.sample_once(); gpu.sample_once()
+        gpu.phase("val")
+        gpu.sample_once()
+    s = gpu.summary()
+    assert s["gpu_util_per_device"] == [95.0, 40.0]                # training samples only, like gpu_util
+    assert s["gpu_mem_peak_mb_per_device"] == [6100.0, 4200.0]     # every sample, like gpu_mem_peak_mb
+    assert s["torch_mem_peak_mb_per_device"] == [4800.0, 2900.0]
+    assert (s["gpu_util"], s["gpu_mem_peak_mb"], s["torch_mem_peak_mb"]) == (67.5, 6100.0, 4800.0)
+    job = reduce_summaries([s])                                    # one process: its lists go into results.json
+    assert job["gpu_util_per_device"] == [95.0, 40.0] and job["gpu_mem_peak_mb_per_device"] == [6100.0, 4200.0]
+    assert describe(job).endswith("\n  per GPU (DataParallel): cuda:0 95 %, 6100 MB; cuda:1 40 %, 4200 MB")
+
+
+def test_only_a_dataparallel_monitor_reports_per_gpu_figures():
+    plain = rank_summary([80], [5000])
+    assert not any(key in plain for key in gpu_monitor.PER_DEVICE_KEYS)
+    assert "\n" not in describe(reduce_summaries([plain]))
+    assert not any(key in reduce_summaries([plain, plain]) for key in gpu_monitor.PER_DEVICE_KEYS)
+
+
+def test_a_dataparallel_monitor_without_nvml_keeps_no_per_gpu_numbers():
+    with GpuMonitor([CUDA0, torch.device("cuda", 1)], nvml=StubNvml(fail_init=OSError("Driver Not Loaded")),
+                    per_device=True) as gpu:
+        pass
+    s = reduce_summaries([gpu.summary()])
+    assert s["gpu_util_per_device"] is None and s["gpu_mem_peak_mb_per_device"] is None
+    assert s["torch_mem_peak_mb_per_device"] is None
+    assert describe(s) == "GPU use: no GPU (NVML unavailable: Driver Not Loaded)"
+    assert gpu_monitor.describe_per_device(s) == ""
+
+
+def test_dataparallel_over_one_gpu_has_lists_of_one():
+    with GpuMonitor([CUDA0], interval=QUIET, nvml=StubNvml(util=[70], used_mb=[900]), per_device=True) as gpu:
+        gpu.sample_once()
+    s = gpu.summary()
+    assert (s["gpu_util_per_device"], s["gpu_mem_peak_mb_per_device"]) == ([70.0], [900.0])
+    assert gpu_monitor.describe_per_device(s) == "per GPU (DataParallel): cuda:0 70 %, 900 MB"

@@ -767,3 +767,37 @@ def test_results_md_says_what_bound_each_run_under_the_table(tmp_path):
     assert "- single: data loading 48 % of the step" in md
     assert "- ddp2: communication 61 % of the step (the link measured 0.9 Gbit/s; predicted speed-up 1.20x, " \
            "measured 1.20x" in md and "GPU use 87 % mean" in md
+
+
+# -- DataParallel: each GPU's figures; the GPUs a job used ---------------------------------------
+def with_results(folder, **keys):
+    """A fake run's results.json with ``keys`` added (what a newer kit writes)."""
+    path = folder / "results.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **keys}, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
+def test_report_shows_each_gpu_of_a_dataparallel_run_and_nothing_more_for_others(tmp_path):
+    """Lab 4's "is GPU 0 busier and fuller than GPU 1?" is answered in results.md, from results.json."""
+    shares = dict(data=0.1, compute=0.8, comm=0.0, idle=0.1)
+    single = fake_run(tmp_path / "single", 1, 3600.0, shares=shares, gpu_util=90.0)
+    dp = with_results(fake_run(tmp_path / "dp", 1, 2600.0, parallel="dp", shares=shares, gpu_util=76.5),
+                      gpus=2, job_gpus=2, gpu_util_per_device=[92.0, 61.0], gpu_mem_peak_mb_per_device=[6100.0, 4200.0],
+                      torch_mem_peak_mb_per_device=[4800.0, 2900.0])
+    line = "per GPU (DataParallel): cuda:0 92 %, 6100 MB; cuda:1 61 %, 4200 MB"
+    assert report.bottleneck_sentence(report.load_run(dp)).endswith(f"; GPU use 76 % mean; {line}.")
+    assert "per GPU" not in report.bottleneck_sentence(report.load_run(single))
+    md = report.report_markdown([single, dp])
+    assert md.count(line) == 1 and f"- dp: " in md
+    assert table_rows(report.compare_table([single, dp]))["DataParallel"][1] == "1 / 2"
+
+
+def test_compare_counts_a_gpu_that_two_ddp_ranks_shared_once(tmp_path):
+    """Lab 4 on a one-GPU node: DDP's two ranks share the GPU (gloo); the row says 2 ranks on 1 GPU. Runs of
+    kits that wrote only the per-process ``gpus`` count one GPU per rank."""
+    shared = with_results(fake_run(tmp_path / "ddp-shared", 2, 1900.0, shares=dict(data=0.1, compute=0.8, comm=0.05,
+                                                                                    idle=0.05)), gpus=1, job_gpus=1)
+    assert table_rows(report.compare_table([shared]))["DDP"][1] == "2 / 1"
+    older = with_results(fake_run(tmp_path / "ddp-older", 2, 1900.0, shares=dict(data=0.1, compute=0.8, comm=0.05,
+                                                                                 idle=0.05)), gpus=1)
+    assert table_rows(report.compare_table([older]))["DDP"][1] == "2 / 2"

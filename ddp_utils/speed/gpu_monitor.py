@@ -12,6 +12,10 @@ NVML reports the whole GPU, so with one rank per GPU (the kit's layout) that is 
 device, or where NVML cannot start (no driver, no ``nvidia-ml-py``), nothing is sampled and the summary
 says "no GPU" with the reason: never a made-up number. ``reduce_summaries`` turns every rank's summary
 into the job's figures.
+
+A DataParallel process drives every GPU of its node (``per_device=True``): its summary keeps each GPU's
+figures beside the averaged ones, index i for cuda:i (``PER_DEVICE_KEYS``), so that "is GPU 0 busier and
+fuller than the others?" has an answer in results.json.
 """
 from __future__ import annotations
 
@@ -22,20 +26,28 @@ import torch
 
 NO_GPU = "no GPU"
 MB = 2 ** 20
+# A DataParallel run's figures per GPU, index i for cuda:i: mean training utilisation (%), NVML's peak of used
+# memory (MB: the whole GPU, PyTorch's cache and the CUDA context included) and PyTorch's own peak (MB).
+PER_DEVICE_KEYS = ("gpu_util_per_device", "gpu_mem_peak_mb_per_device", "torch_mem_peak_mb_per_device")
 
 
 class GpuMonitor:
     """``device``: this rank's device, or a list of GPUs for a process that drives several (DataParallel):
     each sample is then their mean utilisation and the used memory of the fullest one (what limits the
-    batch); ``torch_peak_mb`` likewise the largest of their peaks."""
+    batch); ``torch_peak_mb`` likewise the largest of their peaks. ``per_device=True`` (DataParallel, also
+    over one GPU) adds each GPU's own figures to the summary (``PER_DEVICE_KEYS``)."""
 
-    def __init__(self, device, interval: float = 0.5, nvml=None):
+    def __init__(self, device, interval: float = 0.5, nvml=None, per_device: bool = False):
         self.devices = [torch.device(d) for d in (device if isinstance(device, (list, tuple)) else [device])]
         self.device = self.devices[0]
         self.interval = interval
+        self.per_device = per_device
         self.samples: list[tuple[str, float, float]] = []   # (phase, utilisation %, used memory MB)
+        # the same samples GPU by GPU: (phase, utilisation % per device, used memory MB per device)
+        self.device_samples: list[tuple[str, tuple[float, ...], tuple[float, ...]]] = []
         self.reason = ""                  # why nothing is sampled; "" while NVML answers
         self.torch_peak_mb: float | None = None
+        self.torch_peaks_mb: list[float] | None = None   # per device, in the order of ``devices``
         self._nvml, self._handles, self._phase = nvml, [], "train"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -83,7 +95,8 @@ class GpuMonitor:
         if not self.samples:
             self.sample_once()            # a run shorter than the interval still gets a number
         if torch.cuda.is_available():
-            self.torch_peak_mb = max(torch.cuda.max_memory_allocated(device) for device in self.devices) / MB
+            self.torch_peaks_mb = [torch.cuda.max_memory_allocated(device) / MB for device in self.devices]
+            self.torch_peak_mb = max(self.torch_peaks_mb)
         if not stuck:                     # never pull NVML from under a thread still inside it
             self._nvml.nvmlShutdown()
         self._handles = []
@@ -97,13 +110,14 @@ class GpuMonitor:
         if not self._handles:
             return False
         try:
-            utils = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
-            util = sum(utils) / len(utils)
-            used = max(self._nvml.nvmlDeviceGetMemoryInfo(h).used for h in self._handles) / MB
+            utils = tuple(float(self._nvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in self._handles)
+            used = tuple(self._nvml.nvmlDeviceGetMemoryInfo(h).used / MB for h in self._handles)
         except Exception as exc:          # noqa: BLE001 - a missed sample is no reason to stop training
             self.reason = f"NVML sample failed: {str(exc) or type(exc).__name__}"
             return False
-        self.samples.append((self._phase, float(util), float(used)))
+        phase = self._phase
+        self.device_samples.append((phase, utils, used))   # first: samples says how many are complete
+        self.samples.append((phase, sum(utils) / len(utils), max(used)))
         return True
 
     def _run(self) -> None:
@@ -115,12 +129,25 @@ class GpuMonitor:
         if not samples:
             return {"gpu_util": NO_GPU, "gpu_util_peak": None, "gpu_mem_peak_mb": None, "gpu_samples": 0,
                     "gpu_util_val": None, "torch_mem_peak_mb": self.torch_peak_mb,
-                    "gpu_reason": self.reason or "no sample taken yet"}
+                    "gpu_reason": self.reason or "no sample taken yet", **self._per_device([])}
         train = [u for p, u, _ in samples if p == "train"]
         val = [u for p, u, _ in samples if p == "val"]
         return {"gpu_util": _mean(train), "gpu_util_peak": max(train, default=None),
                 "gpu_mem_peak_mb": max(m for _, _, m in samples), "gpu_samples": len(samples),
-                "gpu_util_val": _mean(val), "torch_mem_peak_mb": self.torch_peak_mb, "gpu_reason": ""}
+                "gpu_util_val": _mean(val), "torch_mem_peak_mb": self.torch_peak_mb, "gpu_reason": "",
+                **self._per_device(self.device_samples[:len(samples)])}
+
+    def _per_device(self, samples: list) -> dict:
+        """``PER_DEVICE_KEYS`` for a DataParallel process (else nothing): one number per GPU, None where
+        nothing was measured (no sample: NVML's lists are None; no CUDA statistics: PyTorch's)."""
+        if not self.per_device:
+            return {}
+        n = len(self.devices)
+        train = [utils for phase, utils, _ in samples if phase == "train"]
+        return {"gpu_util_per_device": [_mean([utils[i] for utils in train]) for i in range(n)] if samples else None,
+                "gpu_mem_peak_mb_per_device": [max(used[i] for _, _, used in samples) for i in range(n)]
+                if samples else None,
+                "torch_mem_peak_mb_per_device": list(self.torch_peaks_mb) if self.torch_peaks_mb else None}
 
 
 def nvml_handle(nvml, device: torch.device):
@@ -150,18 +177,20 @@ def reduce_summaries(summaries: list[dict]) -> dict:
     """The job's figures from every rank's summary: mean of the ranks' means, the highest peaks.
     Ranks without GPU figures are left out of the numbers (and counted in ``describe``)."""
     measured = [s for s in summaries if s["gpu_util"] != NO_GPU]
+    # a DataParallel process (always alone: parallel=dp runs one process) keeps its figures per GPU
+    per_device = {k: summaries[0][k] for k in PER_DEVICE_KEYS if k in summaries[0]} if len(summaries) == 1 else {}
     if not measured:
         reasons = sorted({s.get("gpu_reason") or NO_GPU for s in summaries})
         return {"gpu_util": NO_GPU, "gpu_util_peak": None, "gpu_mem_peak_mb": None, "gpu_samples": 0,
                 "gpu_util_val": None, "torch_mem_peak_mb": _max(s.get("torch_mem_peak_mb") for s in summaries),
-                "gpu_reason": "; ".join(reasons), "per_rank": list(summaries)}
+                "gpu_reason": "; ".join(reasons), **per_device, "per_rank": list(summaries)}
     return {"gpu_util": _mean([s["gpu_util"] for s in measured if s["gpu_util"] is not None]),
             "gpu_util_peak": _max(s["gpu_util_peak"] for s in measured),
             "gpu_mem_peak_mb": _max(s["gpu_mem_peak_mb"] for s in measured),
             "gpu_samples": sum(s["gpu_samples"] for s in measured),
             "gpu_util_val": _mean([s["gpu_util_val"] for s in measured if s["gpu_util_val"] is not None]),
             "torch_mem_peak_mb": _max(s.get("torch_mem_peak_mb") for s in summaries),
-            "gpu_reason": "", "per_rank": list(summaries)}
+            "gpu_reason": "", **per_device, "per_rank": list(summaries)}
 
 
 def describe(summary: dict) -> str:
@@ -179,7 +208,32 @@ def describe(summary: dict) -> str:
     blind = sum(s["gpu_util"] == NO_GPU for s in ranks)
     if blind:
         line += f"; {blind} of {len(ranks)} ranks without GPU figures"
+    each = describe_per_device(summary)
+    if each:
+        line += f";\n  {each}"           # a line of its own: a notebook wraps longer ones mid-word
     return line
+
+
+def describe_per_device(results: dict) -> str:
+    """"per GPU (DataParallel): cuda:0 92 %, 6100 MB; cuda:1 61 %, 4200 MB" from a DataParallel run's
+    summary or results.json (``PER_DEVICE_KEYS``); "" for other runs and where no GPU was measured. The MB
+    are NVML's (the whole GPU), else PyTorch's own peak."""
+    utils, used = results.get("gpu_util_per_device"), results.get("gpu_mem_peak_mb_per_device")
+    torch_peaks = results.get("torch_mem_peak_mb_per_device")
+    lists = [x for x in (utils, used, torch_peaks) if isinstance(x, list)]
+    if not lists:
+        return ""
+    parts = []
+    for i in range(max(len(x) for x in lists)):
+        util, mem = _at(utils, i), _at(used, i)
+        mem = mem if mem is not None else _at(torch_peaks, i)
+        parts.append(f"cuda:{i} " + ", ".join([f"{util:.0f} %" if util is not None else "no utilisation sample",
+                                               *([f"{mem:.0f} MB"] if mem is not None else [])]))
+    return "per GPU (DataParallel): " + "; ".join(parts)
+
+
+def _at(values, i: int):
+    return values[i] if isinstance(values, list) and i < len(values) and isinstance(values[i], (int, float)) else None
 
 
 def _mean(values: list) -> float | None:

@@ -56,7 +56,13 @@ How the numbers are defined:
   (n - 1); in the pictures and that table the speed-up is measured against the mean train
   time per epoch of the baseline's group.
 - *parallel mode*: results.json's ``parallel`` (none, dp, ddp); older runs: ddp with more
-  than one rank, else none.
+  than one rank, else none. The compare table's *GPUs*: results.json's ``job_gpus``, all ranks
+  together (two ranks sharing one GPU, a rehearsal on gloo, count it once).
+- *per GPU* (DataParallel runs): results.json's ``gpu_util_per_device`` (mean training
+  utilisation, %), ``gpu_mem_peak_mb_per_device`` (NVML's peak, the whole GPU) and
+  ``torch_mem_peak_mb_per_device`` (PyTorch's own peak), index i for cuda:i, beside the averaged
+  ``gpu_util`` and the fullest GPU's ``gpu_mem_peak_mb``; results.md's "What bound each run"
+  line shows them.
 
 Every figure names the hardware and data that made it (``hardware_caption``): a speed-up means
 nothing without the machine it was measured on.

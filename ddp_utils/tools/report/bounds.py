@@ -3,6 +3,7 @@ from __future__ import annotations
 
 
 
+from ...speed.gpu_monitor import describe_per_device
 from .runs import parallel_mode
 from .tables import _seconds_per_epoch
 
@@ -95,7 +96,8 @@ def _percent(fraction: float) -> str:
 def bottleneck_sentence(run: dict, baseline_run: dict | None = None) -> str:
     """One sentence saying what bound ``run`` (a loaded run): data loading, communication, idle
     time or compute, with the measured link, the predicted and measured speed-up (against
-    ``baseline_run``, as in the table) and the GPU use where the run recorded them."""
+    ``baseline_run``, as in the table) and the GPU use where the run recorded them (a DataParallel run's
+    GPU by GPU too)."""
     name = run["name"]
     shares = time_shares(run)
     if not shares:
@@ -144,6 +146,9 @@ def bottleneck_sentence(run: dict, baseline_run: dict | None = None) -> str:
         text += f"; GPU use {gpu:.0f} % mean" + (f" (peak {peak:.0f} %)" if isinstance(peak, (int, float)) else "")
     elif gpu is not None:
         text += f"; {gpu}"   # "no GPU"
+    each = describe_per_device(run)   # DataParallel: each GPU's use and memory (is GPU 0 busier and fuller?)
+    if each:
+        text += f"; {each}"
     return f"{name}: {text}."
 
 

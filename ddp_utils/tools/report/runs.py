@@ -127,8 +127,13 @@ MODE_NAMES = {"none": "single", "dp": "DataParallel", "ddp": "DDP"}
 
 
 def _gpus(run: dict):
-    """GPUs the run trained on: a count results.json gives, else one per rank on a GPU, 0 on CPU;
-    None for a DataParallel run that does not say how many it drove."""
+    """GPUs the run trained on: results.json's ``job_gpus`` (all ranks together; a GPU that two ranks shared
+    counts once), else a count it gives, else one per rank on a GPU, 0 on CPU; None for a DataParallel run
+    that does not say how many it drove."""
+    if isinstance(run.get("job_gpus"), int):
+        return run["job_gpus"]
+    if parallel_mode(run) == "ddp" and isinstance(run.get("gpus"), int):
+        return run["gpus"] * run["world_size"]   # older kits: ``gpus`` counted one process's
     for key in ("gpus", "gpu_count", "num_gpus"):
         for source in (run, run.get("settings") or {}):
             if isinstance(source.get(key), int):
