@@ -84,18 +84,18 @@ def _autocast_on(device_type: str) -> bool:
 
 
 def parallel_mode(settings, ctx) -> str:
-    """What really runs: ``ddp`` with several ranks, ``dp`` when DataParallel was asked for and this
-    node has several GPUs, else ``none`` (one process, one device)."""
+    """What really runs: ``ddp`` with several ranks, ``dp`` when DataParallel was asked for (one process),
+    else ``none`` (one process, one device, no wrapper). DataParallel over one GPU or on a CPU splits
+    nothing (torch then calls the model itself): a rehearsal of its code path where the node has fewer
+    than 2 GPUs, as the homework's nodes do, and ``describe_parallel`` says so."""
     if ctx.distributed:
         return "ddp"
-    if settings.parallel == "dp" and ctx.device.type == "cuda" and torch.cuda.device_count() > 1:
-        return "dp"
-    return "none"
+    return "dp" if settings.parallel == "dp" else "none"
 
 
 def devices_used(mode: str, ctx) -> list[torch.device]:
-    """The devices this process computes on: every visible GPU under DataParallel, else its own device."""
-    if mode == "dp":
+    """The devices this process computes on: every visible GPU under DataParallel on a GPU, else its own device."""
+    if mode == "dp" and ctx.device.type == "cuda":
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     return [ctx.device]
 
@@ -103,13 +103,15 @@ def devices_used(mode: str, ctx) -> list[torch.device]:
 def describe_parallel(settings, ctx) -> str:
     mode = parallel_mode(settings, ctx)
     if mode == "dp":
-        n = torch.cuda.device_count()
-        return (f"parallel: DataParallel over {n} GPUs in one process; each step splits the batch of "
-                f"{settings.batch_size} into {n} parts and gathers the outputs on cuda:0")
-    if settings.parallel == "dp":
-        gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
-        return (f"parallel: dp asked for, but this node has {gpus} GPU(s) to use: DataParallel needs at "
-                f"least 2, so this is plain one-process training on {ctx.device} (recorded as parallel=none)")
+        n = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
+        if n >= 2:
+            return (f"parallel: DataParallel over {n} GPUs in one process; each step splits the batch of "
+                    f"{settings.batch_size} into {n} parts and gathers the outputs on cuda:0")
+        # torch's DataParallel.forward: with one GPU, or none, it calls the wrapped model itself
+        where = "over 1 GPU" if n else f"on the {ctx.device.type.upper()} (DataParallel splits over GPUs only)"
+        return (f"parallel: DataParallel {where} in one process: nothing to split, so torch runs the model "
+                f"directly (no replicas, no gather): a rehearsal of DP's code path, not of its cost; a node "
+                f"with 2+ GPUs splits each batch between them")
     if mode == "ddp":
         return f"parallel: DDP, {ctx.world_size} processes, gradients all-reduced in buckets during backward"
     return f"parallel: none, one process on {ctx.device}"
@@ -118,7 +120,7 @@ def describe_parallel(settings, ctx) -> str:
 def prepare_model(model: nn.Module, settings, ctx, log=print) -> nn.Module:
     """Move to the device, apply the speed settings and, with several ranks, wrap in
     ``DistributedDataParallel`` (buckets of ``bucket_mb``; how its gradients travel is decided when
-    training starts: ``train.fit``); DataParallel for parallel=dp on a node with several GPUs.
+    training starts: ``train.fit``); DataParallel for parallel=dp (over every GPU of the node).
 
     Returns the module to train with; ``unwrap(result)`` gives back the plain model. Rank 0 says
     what runs (``describe_parallel``). On an error every rank is told and the process group is left.

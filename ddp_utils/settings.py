@@ -106,7 +106,8 @@ class Settings:
     # -- distributed --------------------------------------------------------------------------
     parallel: str = _f("ddp", "ddp: one process per GPU, gradients all-reduced (DistributedDataParallel, the "
                               "course's way); dp: DataParallel, one process driving every GPU of this node "
-                              "(with one GPU or none this is plain one-process training); none: one process, "
+                              "(with one GPU or none a rehearsal: nothing to split, torch runs the model "
+                              "directly); none: one process, "
                               "one device, no wrapper", choices=PARALLEL_MODES)
     link_probe: bool = _f(True, "before training, time a few all-reduces of the gradients' size and one "
                                 "step's compute: link bandwidth and predicted speed-up (a few seconds)")

@@ -359,6 +359,30 @@ def test_each_dataparallel_replica_computes_in_the_runs_dtype():
     assert unwrap(torch.nn.DataParallel(wrapped)) is inner   # checkpoints keep the plain model's keys
 
 
+@pytest.mark.parametrize("gpus", [0, 1, 2, 4])
+def test_dataparallel_runs_with_the_devices_the_node_has_and_says_what_it_splits(monkeypatch, gpus):
+    """Lab 4 on the homework's one-GPU nodes and on a laptop: parallel=dp is DataParallel there too (a rehearsal:
+    torch calls the model itself, nothing is split), recorded as dp; with 2+ GPUs it drives all of them.
+    Emulated (tests/gpu_emulation.py); the one-GPU twin is test_time_split.py's gpu-marked DP test."""
+    from tests.gpu_emulation import T4, pretend_gpu
+    from ddp_utils.model import describe_parallel, devices_used, parallel_mode
+    if gpus:
+        pretend_gpu(monkeypatch.setattr, T4, count=gpus)
+    device = torch.device("cuda", 0) if gpus else torch.device("cpu")
+    ctx = DistContext(0, 1, 0, device, None)
+    settings = Settings(dataset="fake", parallel="dp", batch_size=64)
+    assert parallel_mode(settings, ctx) == "dp" and parallel_mode(settings.replace(parallel="none"), ctx) == "none"
+    assert devices_used("dp", ctx) == ([torch.device("cuda", i) for i in range(gpus)] if gpus else [device])
+    said = describe_parallel(settings, ctx)
+    if gpus >= 2:
+        assert said == (f"parallel: DataParallel over {gpus} GPUs in one process; each step splits the batch of 64 "
+                        f"into {gpus} parts and gathers the outputs on cuda:0")
+    else:
+        where = "over 1 GPU" if gpus else "on the CPU (DataParallel splits over GPUs only)"
+        assert said.startswith(f"parallel: DataParallel {where} in one process: nothing to split")
+        assert "a rehearsal of DP's code path, not of its cost" in said
+
+
 @gpu_only
 def test_dataparallel_with_bf16_runs_bf16_in_every_replica():
     if torch.cuda.device_count() < 2 or torch.cuda.get_device_capability() < (8, 0):
@@ -451,4 +475,29 @@ def test_a_dataparallel_process_samples_every_gpu_with_real_nvml():
         x = [torch.randn(1024, 1024, device=d) for d in devices]
         assert gpu.sample_once()
     assert len(devices) == torch.cuda.device_count() and gpu.summary()["gpu_mem_peak_mb"] > 0
+    del x
+
+
+@gpu_only
+def test_a_dataparallel_monitor_keeps_each_real_gpus_figures():
+    """The twin of test_gpu_monitor.py's emulated per-device tests: real NVML, every GPU of this node (one too),
+    a busy GPU 0 with more memory allocated than the others, as under DataParallel."""
+    import time
+    from ddp_utils.speed.gpu_monitor import GpuMonitor, describe_per_device
+    from ddp_utils.model import devices_used
+    devices = devices_used("dp", DistContext(0, 1, 0, torch.device("cuda", 0), None))
+    with GpuMonitor(devices, interval=0.05, per_device=True) as gpu:
+        x = torch.randn(4096, 4096, device=devices[0])       # 64 MB on GPU 0 only
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            for _ in range(10):
+                x = torch.tanh(x @ x)
+            torch.cuda.synchronize(devices[0])
+    s = gpu.summary()
+    n = len(devices)
+    assert len(s["gpu_util_per_device"]) == len(s["gpu_mem_peak_mb_per_device"]) == n, s
+    assert len(s["torch_mem_peak_mb_per_device"]) == n and s["torch_mem_peak_mb_per_device"][0] >= 64
+    assert s["gpu_util_per_device"][0] > 0 and s["gpu_mem_peak_mb_per_device"][0] >= 64
+    assert s["gpu_mem_peak_mb"] == max(s["gpu_mem_peak_mb_per_device"])
+    assert describe_per_device(s).startswith("per GPU (DataParallel): cuda:0 ")
     del x

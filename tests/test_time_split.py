@@ -121,11 +121,20 @@ def test_a_single_process_has_no_communication_and_no_probe(tmp_path):
 
 # -- parallel modes ------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_dataparallel_without_several_gpus_is_plain_training_and_says_so(tmp_path):
+def test_dataparallel_on_a_cpu_is_a_rehearsal_of_its_code_path_and_says_so(tmp_path):
+    """Lab 4 on a laptop: DataParallel has no GPU to split over, torch calls the model itself; the run is
+    recorded as dp on 0 GPUs, its per-GPU figures empty (the one-GPU twin: the gpu-marked test below)."""
     out = run_ranks(tmp_path, "dp", 1, "--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "8",
                     "--parallel", "dp")[0].output
-    assert "DataParallel needs at least 2" in out and "plain one-process training" in out
-    assert json.loads((tmp_path / "dp" / "results.json").read_text())["parallel"] == "none"
+    assert "DataParallel on the CPU (DataParallel splits over GPUs only)" in out and "nothing to split" in out
+    results = json.loads((tmp_path / "dp" / "results.json").read_text())
+    assert results["parallel"] == "dp" and results["gpus"] == results["job_gpus"] == 0
+    assert results["gpu_util"] == "no GPU" and results["gpu_util_per_device"] is None
+    run_ranks(tmp_path, "none", 1, "--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "8")
+    assert "gpu_util_per_device" not in json.loads((tmp_path / "none" / "results.json").read_text())
+    dp, plain = weights(tmp_path / "dp" / "last.pt"), weights(tmp_path / "none" / "last.pt")
+    assert dp.keys() == plain.keys()   # the checkpoint holds the plain model's keys (unwrap)
+    assert all(torch.equal(dp[k], plain[k]) for k in plain)   # the same training, step for step
 
 
 def test_a_one_process_mode_with_several_ranks_is_refused_before_anything_starts():
@@ -138,7 +147,27 @@ def test_a_one_process_mode_with_several_ranks_is_refused_before_anything_starts
 def test_dataparallel_over_every_gpu_of_the_node(tmp_path):
     run_ranks(tmp_path, "dp", 1, "--epochs", "1", "--max-steps-per-epoch", "3", "--batch-size", "32",
               "--parallel", "dp", "--backend", "nccl")
-    assert json.loads((tmp_path / "dp" / "results.json").read_text())["parallel"] == "dp"
+    results = json.loads((tmp_path / "dp" / "results.json").read_text())
+    assert results["parallel"] == "dp" and results["gpus"] == results["job_gpus"] == torch.cuda.device_count()
+    assert len(results["gpu_util_per_device"]) == len(results["gpu_mem_peak_mb_per_device"]) == results["gpus"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_dataparallel_over_one_gpu_is_a_rehearsal_that_keeps_the_gpus_figures(tmp_path):
+    """Lab 4 on a homework node (one GPU): DataParallel over that GPU runs (torch calls the model directly) and
+    results.json has the per-GPU lists, of one. The emulated twin: test_gpu_monitor.py's per-device tests."""
+    from tests.test_training import train_cmd
+    [result] = run_all([train_cmd(tmp_path / "dp1", 0, 1, free_port(), "--epochs", "1", "--max-steps-per-epoch", "3",
+                                  "--batch-size", "32", "--parallel", "dp")],
+                       timeout=180, env=base_env(CUDA_VISIBLE_DEVICES="0"))   # one GPU, as on a homework node
+    assert result.returncode == 0, describe([result])
+    out = result.output
+    assert "DataParallel over 1 GPU" in out and "per GPU (DataParallel): cuda:0 " in out
+    results = json.loads((tmp_path / "dp1" / "results.json").read_text())
+    assert results["parallel"] == "dp" and results["gpus"] == results["job_gpus"] == 1
+    assert len(results["gpu_util_per_device"]) == 1 and results["gpu_mem_peak_mb_per_device"][0] > 0
+    assert results["torch_mem_peak_mb_per_device"][0] > 0
 
 
 # -- early stopping ------------------------------------------------------------------------------
