@@ -801,3 +801,27 @@ def test_compare_counts_a_gpu_that_two_ddp_ranks_shared_once(tmp_path):
     older = with_results(fake_run(tmp_path / "ddp-older", 2, 1900.0, shares=dict(data=0.1, compute=0.8, comm=0.05,
                                                                                  idle=0.05)), gpus=1)
     assert table_rows(report.compare_table([older]))["DDP"][1] == "2 / 2"
+
+
+def test_report_prints_the_checks_all_reduce_sweep_beside_the_runs_link_probe(tmp_path):
+    """`check` saved a sweep under runs/check/ before training: results.md shows its largest payload's busbw and the
+    smallest one's latency beside the run's own link probe; a 1-rank run gets no such line."""
+    from ddp_utils.tools import sweep
+    runs = tmp_path / "runs"
+    ddp = fake_run(runs / "ddp2", 2, 100.0, link_gbit_s=7.5, shares={"data": 0.1, "compute": 0.8, "comm": 0.1, "idle": 0})
+    single = fake_run(runs / "single", 1, 190.0)
+    rows = [{"bytes": 4096, "seconds": 0.0002, "algbw_gbit_s": 0.16, "busbw_gbit_s": 0.16},
+            {"bytes": 46758048, "seconds": 0.05, "algbw_gbit_s": 7.48, "busbw_gbit_s": 7.48}]
+    sweep.save(runs / "check", Settings(world_size=2, master_addr="10.0.0.1"), "nccl", rows)
+    sweep.save(runs / "check", Settings(world_size=4, master_addr="10.0.0.1"), "nccl", rows[:1])   # another size
+    text = report.report_markdown([ddp, single])
+    section = text.split("## The link between the ranks", 1)[1].split("##", 1)[0]
+    assert "ddp2: the link probe before training measured 7.5 Gbit/s" in section, section
+    assert "moved 46.8 MB in 50.0 ms, busbw 7.48 Gbit/s" in section and "4.1 kB: 0.20 ms, the latency" in section
+    assert "single" not in section
+
+
+def test_without_a_check_sweep_the_report_says_how_to_make_one(tmp_path):
+    ddp = fake_run(tmp_path / "runs" / "ddp2", 2, 100.0)
+    section = report.report_markdown([ddp]).split("## The link between the ranks", 1)[1]
+    assert "no `check` sweep for this many ranks" in section and "python -m ddp_utils check" in section
