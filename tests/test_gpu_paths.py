@@ -501,3 +501,23 @@ def test_a_dataparallel_monitor_keeps_each_real_gpus_figures():
     assert s["gpu_mem_peak_mb"] == max(s["gpu_mem_peak_mb_per_device"])
     assert describe_per_device(s).startswith("per GPU (DataParallel): cuda:0 ")
     del x
+
+
+@gpu_only
+def test_two_launched_processes_share_one_real_gpu_over_gloo(tmp_path, monkeypatch):
+    """Lab 4's DDP on a one-GPU homework node: launch(share_gpu=True) starts 2 processes on GPU 0; they agree on
+    gloo and train; the run counts one GPU. The emulated twin: test_launch.py's one-GPU plan test."""
+    import json
+    import os
+    from ddp_utils.tools import launch as launch_module
+    monkeypatch.setattr(launch_module, "local_gpus", lambda: 1)   # the children see GPU 0 only (below)
+    settings = Settings(dataset="fake", image_size=32, arch="convnet", workers=0, wandb="disabled", progress="off",
+                        epochs=1, max_steps_per_epoch=3, batch_size=16, init_timeout=60, run_dir=str(tmp_path / "run"))
+    lines = []
+    results = launch_module.launch(settings, nproc_per_node=2, master_port=free_port(), share_gpu=True,
+                                   log_dir=str(tmp_path / "logs"), on_line=lines.append, timeout=300,
+                                   environ={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    text = "\n".join(lines)
+    assert "all use the same GPU" in text and "(gloo, cuda:0)" in text, text
+    assert results["world_size"] == 2 and results["backend"] == "gloo" and results["job_gpus"] == 1
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["gpus"] == 1

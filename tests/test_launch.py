@@ -308,6 +308,29 @@ def test_the_plan_gives_every_process_its_rank_and_refuses_impossible_layouts(mo
     assert len(launch_module.plan(Settings())) == 1   # no GPU: one process
 
 
+def test_on_a_one_gpu_node_processes_may_share_the_gpu_on_gloo_when_asked(monkeypatch, tmp_path):
+    """Lab 4 on a homework node (one T4 or A10G): DDP with 2 processes sharing the GPU, a rehearsal on gloo. Each
+    process's command names --local-rank 0, which wins over torchrun's LOCAL_RANK 1 (cuda:1 does not exist).
+    The emulated GPU count; the twin on a real GPU: test_gpu_paths.py's gpu-marked shared launch."""
+    monkeypatch.setattr(launch_module, "local_gpus", lambda: 1)
+    base = Settings(master_port=1234)
+    with pytest.raises(ValueError, match="this node has 1 GPU.*or share_gpu=True to rehearse"):
+        launch_module.plan(base, nproc_per_node=2)
+    plans = launch_module.plan(base, nproc_per_node=2, share_gpu=True)
+    assert [(s.rank, s.local_rank, s.world_size) for s in plans] == [(0, 0, 2), (1, 0, 2)]
+    launcher = launch_module.Launcher(plans, log_dir=tmp_path)
+    assert launcher.train[-2:] == ["--local-rank", "0"] and "all on GPU 0, shared" in launcher.describe()[0]
+    with pytest.raises(ValueError, match="need gloo: NCCL refuses two ranks on one GPU"):
+        launch_module.plan(base.replace(backend="nccl"), nproc_per_node=2, share_gpu=True)
+    assert [s.local_rank for s in launch_module.plan(base, nproc_per_node=1, share_gpu=True)] == [0]
+    monkeypatch.setattr(launch_module, "local_gpus", lambda: 2)   # two GPUs: one process each, never shared
+    with pytest.raises(ValueError, match="DDP runs one process per GPU. Use --nproc-per-node 2 .*\\.$"):
+        launch_module.plan(base, nproc_per_node=3, share_gpu=True)
+    plans = launch_module.plan(base, nproc_per_node=2, share_gpu=True)
+    assert [s.local_rank for s in plans] == [0, 1]
+    assert "--local-rank" not in launch_module.Launcher(plans, log_dir=tmp_path).train
+
+
 # -- two hosts, two processes each ----------------------------------------------------------------------------
 @pytest.fixture
 def two_hosts():

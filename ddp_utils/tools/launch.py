@@ -62,8 +62,12 @@ def local_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def plan(settings, nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0) -> list:
-    """The Settings of each process this node starts, by local rank; refuses a layout that cannot work."""
+def plan(settings, nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0,
+         share_gpu: bool = False) -> list:
+    """The Settings of each process this node starts, by local rank; refuses a layout that cannot work.
+
+    ``share_gpu``: on a node with one GPU, let several processes share it (every local_rank 0), a rehearsal on
+    gloo (lab 4 on the homework's one-GPU nodes): the ranks find that they share it and agree on gloo."""
     gpus = local_gpus()
     nproc = nproc_per_node if nproc_per_node is not None else max(gpus, 1)
     if nproc < 1 or nnodes < 1:
@@ -71,16 +75,28 @@ def plan(settings, nproc_per_node: int | None = None, nnodes: int = 1, node_rank
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"--node-rank {node_rank} with --nnodes {nnodes}: the node rank must be in 0..{nnodes - 1} "
                          f"(0 on the node whose address is --master-addr)")
-    if gpus and nproc > gpus:
+    shared = share_gpu and gpus == 1 and nproc > 1
+    if shared and settings.backend == "nccl":
+        raise ValueError(f"{nproc} processes sharing this node's one GPU need gloo: NCCL refuses two ranks on one "
+                         f"GPU (\"duplicate GPU\"). Use backend 'auto' (it then picks gloo) or 'gloo'.")
+    if gpus and nproc > gpus and not shared:
         raise ValueError(f"--nproc-per-node {nproc}, but this node has {gpus} GPU(s): DDP runs one process per GPU. "
-                         f"Use --nproc-per-node {gpus} (or leave it out: the number of GPUs).")
+                         f"Use --nproc-per-node {gpus} (or leave it out: the number of GPUs)"
+                         + (", or share_gpu=True to rehearse several processes on its one GPU over gloo."
+                            if gpus == 1 else "."))
     if nnodes > 1 and settings.master_addr in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"--nnodes {nnodes} with --master-addr {settings.master_addr}: the other nodes cannot reach "
                          f"a loopback address. Set --master-addr to the private IP of the node with --node-rank 0, "
                          f"the same on every node.")
     world = nnodes * nproc
-    return [settings.replace(rank=node_rank * nproc + local, world_size=world, local_rank=local, init_method="tcp")
-            for local in range(nproc)]
+    return [settings.replace(rank=node_rank * nproc + local, world_size=world, local_rank=0 if shared else local,
+                             init_method="tcp") for local in range(nproc)]
+
+
+def shares_a_gpu(plans: list) -> bool:
+    """Whether this node's processes all use one GPU (``plan(..., share_gpu=True)``): their command then names
+    ``--local-rank``, which wins over the LOCAL_RANK that torchrun gives each process."""
+    return len(plans) > 1 and len({s.local_rank for s in plans}) == 1
 
 
 def child_argv(settings, resume: str | None = None, evaluate: bool = False, seeds=None) -> list[str]:
@@ -198,6 +214,8 @@ class Launcher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = child_env(environ)
         self.train = child_argv(plans[0], resume, evaluate, seeds)
+        if shares_a_gpu(plans):   # every process on GPU 0, whatever torchrun's LOCAL_RANK says
+            self.train += ["--local-rank", str(plans[0].local_rank)]
         self.argv = [sys.executable, "-c", BOOT, *torchrun_argv(plans, self.train, self.log_dir, max_restarts)]
         self.lines: queue.Queue = queue.Queue()
         self.torchrun_lines: list[str] = []   # torchrun's own (its summary names the failed ranks)
@@ -210,8 +228,10 @@ class Launcher:
     def describe(self) -> list[str]:
         first = self.plans[0]
         nproc, ranks = len(self.plans), f"{self.plans[0].rank}..{self.plans[-1].rank}"
+        where = ("all on GPU 0, shared: a rehearsal on gloo" if shares_a_gpu(self.plans)
+                 else f"local_rank 0..{nproc - 1}")
         return [f"launch: {first.world_size // nproc} node(s) x {nproc} process(es) = world size "
-                f"{first.world_size}; this node runs ranks {ranks} (local_rank 0..{nproc - 1}); master "
+                f"{first.world_size}; this node runs ranks {ranks} ({where}); master "
                 f"{first.master_addr}:{first.master_port}",
                 f"launch: rank {first.rank}'s output follows; every rank's output is in {self.log_dir}/rank<N>.log"]
 
@@ -372,7 +392,7 @@ def _send(pid: int, sig: int, group: bool) -> None:
 def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0,
            master_addr: str | None = None, master_port: int | None = None, *, resume: str | None = None,
            evaluate: bool = False, seeds=None, log_dir: str | None = None, on_line=print,
-           timeout: float | None = None, environ=None, max_restarts: int = 0):
+           timeout: float | None = None, environ=None, max_restarts: int = 0, share_gpu: bool = False):
     """Run ``nproc_per_node`` training processes on this node and wait for them; rank 0's results.
 
     ``settings``: a Settings, or ``train`` flags as a list (``["--dataset", "demo", "--epochs", "2"]``).
@@ -382,7 +402,7 @@ def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, no
     shows it in a notebook cell). Returns rank 0's results.json as a dict (a list with ``seeds``; None
     on the other nodes); raises LaunchError naming the rank that failed and why. ``max_restarts``: torchrun
     restarts every process of the job this many times after a failure (with ``resume="auto"`` the run continues
-    from its last checkpoint).
+    from its last checkpoint). ``share_gpu``: several processes on a node's one GPU, over gloo (``plan``).
     """
     if settings is None or isinstance(settings, (list, tuple)):
         settings, parsed = parse_train_argv(list(settings or []))
@@ -390,7 +410,7 @@ def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, no
     changes = {k: v for k, v in (("master_addr", master_addr), ("master_port", master_port)) if v is not None}
     if changes:
         settings = settings.replace(**changes)
-    launcher = Launcher(plan(settings, nproc_per_node, nnodes, node_rank), resume=resume, evaluate=evaluate,
+    launcher = Launcher(plan(settings, nproc_per_node, nnodes, node_rank, share_gpu), resume=resume, evaluate=evaluate,
                         seeds=seeds, log_dir=log_dir, environ=environ, max_restarts=max_restarts)
     for line in launcher.describe():
         on_line(line)
