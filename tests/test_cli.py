@@ -1,6 +1,7 @@
 """The command line users type: check, demo, and the README's promises about it."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -194,3 +195,41 @@ def test_the_readme_is_a_front_page_with_a_picture_that_links_every_reference_pa
     for page in [*sorted(Path(REPO, "docs").glob("*.md")), Path(REPO, "lab", "README.md"),
                  Path(REPO, "notebooks", "lesson.md")]:
         assert f"]({page.relative_to(REPO).as_posix()})" in readme, f"the README does not link {page.name}"
+
+
+def test_check_on_a_gpu_node_switches_on_nccls_own_log_so_step_5_can_read_its_interface_line(monkeypatch):
+    """Emulated: NCCL chosen (a GPU, an NCCL build). NCCL_DEBUG=INFO is set before the group is built, unless the
+    user set it; the network failure that follows is still one NOT READY paragraph."""
+    from ddp_utils.settings import Settings
+    from ddp_utils.tools import check
+    from ddp_utils.distributed import DistSetupError
+    monkeypatch.delenv("NCCL_DEBUG", raising=False)
+    monkeypatch.delenv("NCCL_DEBUG_SUBSYS", raising=False)
+    monkeypatch.setattr(check, "_wants_nccl", lambda: True)
+    seen = {}
+
+    def setup(settings, log):
+        seen.update(NCCL_DEBUG=os.environ.get("NCCL_DEBUG"), SUBSYS=os.environ.get("NCCL_DEBUG_SUBSYS"))
+        raise DistSetupError("rank 1: the ranks reach the master's port 29500, but not each other on other ports")
+    monkeypatch.setattr(check.distributed, "setup", setup)
+    lines = []
+    assert not check._prove_collective(Settings(dataset="fake", world_size=2, rank=1), None, lines.append)
+    assert seen == {"NCCL_DEBUG": "INFO", "SUBSYS": "INIT,NET"}
+    assert lines == ["NOT READY (network): rank 1: the ranks reach the master's port 29500, but not each other on "
+                     "other ports"]
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")   # the user's choice is kept
+    check._prove_collective(Settings(dataset="fake", world_size=2, rank=1), None, lines.append)
+    assert seen["NCCL_DEBUG"] == "WARN"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: two NCCL ranks on one machine")
+def test_check_on_two_gpus_prints_nccls_interface_line_and_the_sweep(tmp_path):
+    port = free_port()
+    argv = [["env", f"LOCAL_RANK={r}", *python("-m", "ddp_utils", "check", "--dataset", "fake", "--master-addr",
+                                               "127.0.0.1", "--master-port", str(port), "--world-size", "2", "--rank",
+                                               str(r), "--run-dir", str(tmp_path / "runs" / "x"))] for r in (0, 1)]
+    results = run_all(argv, timeout=180, stagger=1.0)
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    assert "NET/Socket" in results[0].output or "Bootstrap" in results[0].output, describe(results)
+    assert "all-reduce over the process group (nccl, 2 ranks)" in results[0].output
