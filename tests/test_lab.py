@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -279,6 +280,122 @@ def test_demo_output_in_the_walkthrough_matches_the_demos_current_settings():
 def test_files_the_walkthrough_names_exist():
     for path in set(re.findall(r"\b((?:lab|notebooks|docker|ddp_utils)/[\w./-]+\.(?:py|ipynb|sh|md))\b", readme())):
         assert (Path(REPO) / path).is_file(), path
+
+
+# -- the walkthrough's shell lines, as a student types them -----------------------------------------
+def bash_lines(text: str) -> list[tuple[int, str]]:
+    """(offset in the text, command) of every ```bash block line, ``\\``-continued lines joined, comments cut off."""
+    found = []
+    for block in re.finditer(r"^ *```bash\n(.*?)^ *```", text, re.M | re.S):
+        offset, start, pending = block.start(1), None, ""
+        for raw in block.group(1).splitlines(keepends=True):
+            start = offset if start is None else start
+            offset += len(raw)
+            if raw.rstrip("\n").endswith("\\"):
+                pending += raw.rstrip("\n")[:-1] + " "
+                continue
+            command = re.sub(r"(^|\s)#.*", "", pending + raw).strip()
+            if command:
+                found.append((start, command))
+            start, pending = None, ""
+    return found
+
+
+def typed(text: str) -> list[tuple[int, str]]:
+    """What a student copies into a shell: the bash lines, and the inline code spans of the prose."""
+    prose = re.sub(r"^ *```.*?^ *```", lambda m: " " * len(m.group(0)), text, flags=re.M | re.S)
+    return bash_lines(text) + [(m.start(), m.group(1)) for m in re.finditer(r"`([^`\n]+)`", prose)]
+
+
+NODE = re.compile(r"\b(\w+)@(NODE[12]_(PUBLIC|PRIVATE)_IP)\b")
+KEY = re.compile(r"-i (?:~|\$HOME)/\.ssh/KEY\.pem\b")
+
+
+def test_every_ssh_scp_or_rsync_to_a_node_names_the_user_and_the_key_or_uses_the_forwarded_agent():
+    text = readme()
+    agent = [text.find("ssh-add ~/.ssh/KEY.pem"), text.find("ssh -A ubuntu@NODE1_PUBLIC_IP")]
+    assert min(agent) >= 0, "the walkthrough sets up agent forwarding (ssh-add, then ssh -A) before node-to-node copies"
+    checked = 0
+    for where, command in typed(text):
+        if not re.search(r"\b(ssh|scp|rsync)\b", command) or "ssh-add" in command:
+            continue
+        for user, target, kind in NODE.findall(command):
+            checked += 1
+            assert user == "ubuntu", f"log in as ubuntu (the Ubuntu AMIs' user): {command}"
+            if kind == "PUBLIC":   # from the laptop: the key, or the agent that ssh-add filled
+                assert KEY.search(command) or (command.startswith("ssh -A ") and where > min(agent)), \
+                    f"a laptop command without -i ~/.ssh/KEY.pem: {command}"
+            else:                  # node to node: only the laptop's agent, forwarded by ssh -A, holds the key
+                assert where > max(agent), f"{command} comes before ssh-add / ssh -A are shown"
+    assert checked >= 10, checked
+
+
+def test_no_command_starts_docker_run_sh_with_plain_sudo():
+    """sudo resets the environment: WANDB_API_KEY and the interface variables would not reach the container."""
+    wrong = [c for _, c in typed(readme()) if re.search(r"\bsudo\s+(?!-E\b)(?:\S+\s+)*?(?:\S*/)?run\.sh\b", c)]
+    assert wrong == [], wrong
+    assert "sudo usermod -aG docker" in readme()
+
+
+def test_bash_blocks_hold_no_angle_bracket_placeholders():
+    """`git clone <url>` is a shell redirection, not a placeholder: placeholders are CAPITALS (NODE1_PUBLIC_IP)."""
+    wrong = [c for _, c in bash_lines(readme()) if re.search(r"<[A-Za-z][^>]*>", c)]
+    assert wrong == [], wrong
+
+
+def test_no_page_calls_the_cinic10_labs_lab_9():
+    texts = {"lab/README.md": readme(), **{nb: markdown(LAB / nb) + code(LAB / nb) for nb in NOTEBOOKS},
+             **{f"notebooks/{nb}.ipynb": code(Path(REPO) / "notebooks" / f"{nb}.ipynb")
+                for nb in ("main", "worker", "single")}}
+    assert [name for name, text in texts.items() if re.search(r"\blab 9\b", text, re.I)] == []
+    assert "(labs 1-5)](#appendix-the-cinic-10-lab-notebooks-labs-1-5)" in readme()
+
+
+def test_every_lab_script_the_walkthrough_runs_exists_and_its_help_runs_without_the_container():
+    """The scripts run on the node's own python3 before the container exists (step 2): --help must start there."""
+    named = sorted(set(re.findall(r"lab/scripts/(\w+\.py)", readme())))
+    assert "make_imagenet_subset.py" in named and "sort_imagenet_val.py" in named, named
+    for name in named:
+        result = subprocess.run([sys.executable, str(LAB / "scripts" / name), "--help"], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0 and "usage:" in result.stdout, (name, result.stderr[-500:])
+    for _, command in bash_lines(readme()):
+        if "lab/scripts/" in command:
+            assert command.startswith("python3 "), f"the node has python3, not python, outside the container: {command}"
+
+
+def table(text: str, header: str) -> list[dict[str, str]]:
+    """The rows of the markdown table whose header line starts with ``header``, as {column: cell}."""
+    start = text.index(header)
+    lines = text[start:].split("\n\n", 1)[0].splitlines()
+    names = [c.strip() for c in lines[0].strip("|").split(" | ")]
+    return [dict(zip(names, (c.strip() for c in line.strip().strip("|").split(" | ")))) for line in lines[2:]]
+
+
+def test_the_node_table_fits_each_node_type():
+    """Step 1: no more loader workers than a node's vCPUs leave free, and ImageNet only where an archive fits on
+    the local NVMe disk (the 155 GB Kaggle zip, or the 145 GB of tars)."""
+    step1 = section(readme(), "1.")
+    nodes = {row["type"]: row for row in table(step1, "| type | GPU | vCPUs |")}
+    assert {"g4dn.xlarge", "g4dn.2xlarge", "g5.2xlarge"} <= set(nodes)
+    rows = table(step1, "| node | data (step 2) |")
+    for row in rows:
+        node = nodes[row["node"]]
+        vcpus, nvme = int(node["vCPUs"]), int(node["local NVMe (instance store)"].split()[0])
+        workers = re.match(r"(\d+|-)", row["`WORKERS`"]).group(1)
+        assert workers == "-" or int(workers) <= vcpus - 1, row
+        if row["data (step 2)"] == "ImageNet":
+            assert ("not supported" in row["disk: how much, and where"]) == (nvme < 145), row
+    assert {(row["node"], row["data (step 2)"]) for row in rows} >= \
+        {(n, d) for n in nodes for d in ("ImageNet", "the 100-class subset", "CINIC-10")}
+
+
+def test_the_walkthrough_says_a_stop_erases_the_local_nvme_disk():
+    text = readme()
+    assert "stopped nodes keep their disks" not in text
+    cost = text[text.index("Cost:"):text.index("\n---", text.index("Cost:"))]
+    assert "instance store" in cost and "erased at" in cost and "survives the stop" in cost
+    assert "erased whenever the node stops" in section(text, "1.")
 
 
 # -- the notebooks, executed ------------------------------------------------------------------

@@ -117,7 +117,11 @@ EXTERNAL = {
     "nvidia-smi": (r"nvidia-smi", {"--query-gpu", "--format"}),
     "aws": (r"\baws ec2\b", {"--group-name", "--description", "--vpc-id", "--group-id", "--protocol", "--port",
                              "--cidr", "--source-group", "--strategy", "--image-id", "--instance-type", "--count",
-                             "--key-name", "--security-group-ids", "--placement", "--block-device-mappings"}),
+                             "--key-name", "--security-group-ids", "--placement", "--block-device-mappings",
+                             "--filters", "--query", "--output"}),
+    "gcloud": (r"\bgcloud compute\b", {"--network", "--allow", "--source-tags", "--target-tags", "--tags"}),
+    "rsync": (r"\brsync\b", {"--exclude"}),
+    "wsl": (r"\bwsl\b", {"--install"}),
 }
 
 
