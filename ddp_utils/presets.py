@@ -64,7 +64,7 @@ PRESETS: dict[str, Preset] = {
                "(e.g. train/n01440764/n01440764_10026.JPEG). The 50,000 ImageNet validation images "
                "ship in one flat folder: sort them into the same <wnid> class folders as train/ "
                "with lab/scripts/sort_imagenet_val.py before training"),
-    # Lab 9: ResNet-18 with the 32 px stem; CIFAR's usual 0.1 at batch 128, i.e. 0.2 at 256.
+    # The CINIC-10 labs (lab/): ResNet-18 with the 32 px stem; CIFAR's usual 0.1 at batch 128, i.e. 0.2 at 256.
     "cinic10": Preset(
         "cinic10", mean=(0.47889522, 0.47227842, 0.43047404),
         std=(0.24205776, 0.23828046, 0.25874835), image_size=32, num_classes=10,
