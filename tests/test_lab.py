@@ -98,13 +98,31 @@ def test_wandb_lab_is_offline_by_default():
         assert mode in ("offline", "disabled"), (name, mode)
 
 
-def test_dataparallel_lab_asks_for_dataparallel_through_the_parallel_setting_only_with_several_gpus():
+def test_dataparallel_lab_compares_the_three_modes_with_the_devices_the_node_has():
     source = code(LAB / "lab4_dataparallel.ipynb")
     assert 'parallel="dp"' in source and 'parallel="none"' in source
     assert "DataParallel(" not in source   # prepare wraps the model, as on the command line (--parallel dp)
-    assert "torch.cuda.device_count()" in source and "gpus > 1" in source
-    assert "compare_table(run_dirs)" in source
-    assert "DistributedDataParallel" in markdown(LAB / "lab4_dataparallel.ipynb")
+    assert "node_modes()" in source and "share_gpu=modes.share_gpu" in source   # 1 GPU: DDP's ranks share it
+    assert "launch(" in source and "compare_table(run_dirs)" in source
+    text = markdown(LAB / "lab4_dataparallel.ipynb")
+    assert "DistributedDataParallel" in text
+    # the homework's nodes have one GPU: the lab says what it shows there, and that the 2+ GPU node is optional
+    assert "g4dn.2xlarge" in text and "g4dn.12xlarge" in text and "4 x T4" in text and "48 vCPUs" in text
+    assert "$3.91 per hour" in text and "quota of 48, more\nthan the 16 that step 1" in text and "optional" in text
+    assert "16 vCPUs" in readme()   # what step 1 asks for, quoted above
+
+
+def test_lab4_answers_come_from_the_saved_results_keys_the_kit_writes():
+    """Every results.json key lab 4's questions name is one the kit writes (gpu_monitor, train, runlog)."""
+    import ddp_utils
+    text = markdown(LAB / "lab4_dataparallel.ipynb")
+    questions = text.split("## Questions", 1)[1]
+    named = set(re.findall(r"`results\.json: ([^`]+)`", questions.replace("\n", " ")))
+    keys = {k.strip() for group in named for k in group.split(",")}
+    assert {"gpu_util_per_device", "gpu_mem_peak_mb_per_device", "torch_mem_peak_mb_per_device"} <= keys
+    source = "\n".join(p.read_text() for p in Path(ddp_utils.__file__).parent.rglob("*.py"))
+    for key in keys:
+        assert f'"{key}"' in source, f"lab 4 asks for results.json: {key}, which the kit does not write"
 
 
 def test_two_node_lab_points_to_the_homework_notebooks():
@@ -489,13 +507,82 @@ def test_lab3_logs_wandb_offline_without_a_key(executed):
 
 @pytest.mark.slow
 @pytest.mark.timeout(TIME_BOUND + 60)
-def test_lab4_trains_on_one_device_and_skips_dataparallel_without_two_gpus(executed):
+def test_lab4_compares_single_dataparallel_and_ddp_with_the_devices_it_has(executed):
+    """On this machine (a CPU here; one GPU on a homework node): all three runs, the DP run recorded as dp."""
     import torch
 
+    from ddp_utils.tools.node_modes import node_modes
+    modes = node_modes()
     text = finished(executed, "lab4_dataparallel.ipynb")
-    assert "| one-gpu | 1 |" in text
-    if torch.cuda.device_count() < 2:
-        assert "the DP run is skipped" in text and "model: DataParallel" not in text
+    assert modes.describe().splitlines()[0] in text and "model: DataParallel" in text
+    dp, ddp = f"dataparallel-{modes.label}", f"ddp-{modes.ddp_ranks}ranks-{modes.label}"
+    for run, ranks in (("single", 1), (dp, 1), (ddp, modes.ddp_ranks)):
+        assert f"| {run} | {ranks} |" in text, run
+    results = json.loads((executed[0] / "lab4" / dp / "results.json").read_text())
+    assert results["parallel"] == "dp" and results["job_gpus"] == torch.cuda.device_count()
+    assert f"| DataParallel | 1 / {modes.gpus} |" in text and f"| DDP | {modes.ddp_ranks} / {modes.gpus} |" in text
+    if modes.gpus:
+        assert f"- {dp}: " in text and "per GPU (DataParallel): cuda:0 " in text
+    assert "python -m ddp_utils report " in text
+
+
+class _Job:
+    """What the lab's train() uses of prepare()'s job, without training (the emulated runs below)."""
+
+    def __init__(self, settings, trained):
+        self.settings, self.model = settings, type("DataParallel" if settings.parallel == "dp" else "Sequential",
+                                                   (), {})()
+        trained.append(settings)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 4])
+def test_lab4_asks_for_the_runs_this_nodes_gpus_allow(monkeypatch, tmp_path, capsys, gpus):
+    """The notebook's cells, run here with the GPUs emulated (tests/gpu_emulation.py) and the training left out:
+    on the homework's one-GPU node DP runs over that GPU with BATCH_SIZE and DDP as 2 processes sharing it; on a
+    4-GPU node DP splits 4 x BATCH_SIZE and DDP runs 4 processes; on a laptop 2 CPU processes. (The real runs:
+    the executed notebook above, on this machine's devices, and test_gpu_paths.py's gpu-marked twins.)"""
+    import ddp_utils.job
+    import ddp_utils.train
+    import ddp_utils.tools.launch
+    import ddp_utils.tools.report as report
+    from tests.gpu_emulation import T4, pretend_gpu
+    if gpus:
+        pretend_gpu(monkeypatch.setattr, T4, count=gpus)
+    else:
+        monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    trained, launched = [], []
+    monkeypatch.setattr(ddp_utils.job, "prepare", lambda settings: _Job(settings, trained))
+    monkeypatch.setattr(ddp_utils.train, "fit", lambda job: {})
+    monkeypatch.setattr(ddp_utils.tools.launch, "launch", lambda settings, **kw: launched.append((settings, kw)))
+    for name in ("results_table", "compare_table", "bottleneck_sentence", "load_run"):
+        monkeypatch.setattr(report, name, lambda *a, **kw: "")
+    monkeypatch.chdir(LAB)
+    namespace = {"__name__": "__main__"}
+    cells = [c.source for c in read(LAB / "lab4_dataparallel.ipynb").cells if c.cell_type == "code"]
+    exec(cells[0] + f"\nRUN_ROOT = {str(tmp_path / 'lab4')!r}", namespace)   # the parameters, as papermill sets them
+    for cell in cells[1:]:
+        exec(cell, namespace)
+    out = capsys.readouterr().out
+    batch = parameters(LAB / "lab4_dataparallel.ipynb")["BATCH_SIZE"]
+    assert [(s.parallel, s.batch_size) for s in trained] == [("none", batch), ("dp", batch * max(gpus, 1))]
+    [(ddp, how)] = launched
+    ranks = max(gpus, 2)
+    assert how["nproc_per_node"] == ranks and how["share_gpu"] is (gpus == 1)
+    assert ddp.parallel == "ddp" and ddp.batch_size == batch
+    label = {0: "cpu", 1: "1gpu", 4: "4gpus"}[gpus]
+    assert ddp.run_dir.endswith(f"ddp-{ranks}ranks-{label}") and trained[1].run_dir.endswith(f"dataparallel-{label}")
+    first = {0: "No GPU: a rehearsal on the CPU", 1: "1 GPU (Tesla T4), as on the homework's nodes: a rehearsal",
+             4: "4 GPUs (Tesla T4): the comparison as meant."}[gpus]
+    assert out.startswith(first), out
+    if gpus == 1:
+        assert "2 processes sharing the GPU over gloo" in out and "nothing to split" in out
+        assert "GPU 0 vs the others need a node with 2+ GPUs" in " ".join(out.split())
 
 
 @pytest.mark.slow

@@ -790,6 +790,8 @@ def test_report_shows_each_gpu_of_a_dataparallel_run_and_nothing_more_for_others
     md = report.report_markdown([single, dp])
     assert md.count(line) == 1 and f"- dp: " in md
     assert table_rows(report.compare_table([single, dp]))["DataParallel"][1] == "1 / 2"
+    rows = table_rows(report.results_table([single, dp]))
+    assert (rows["single"][2], rows["dp"][2]) == ("one process", "DataParallel")   # both one process; DP says so
 
 
 def test_compare_counts_a_gpu_that_two_ddp_ranks_shared_once(tmp_path):

@@ -98,8 +98,11 @@ def results_table(run_dirs, baseline=None) -> str:
 
 
 def run_algorithm(run: dict) -> str:
-    """What trained: results.json's ``algorithm`` (runs of older kits: from ``comm``)."""
+    """What trained: results.json's ``algorithm`` (runs of older kits: from ``comm``); a DataParallel run,
+    one process too, says so."""
     from ...speed.comm import algorithm
+    if parallel_mode(run) == "dp":
+        return MODE_NAMES["dp"]
     return run.get("algorithm") or algorithm(run.get("comm") or "none", run["world_size"])
 
 
