@@ -387,3 +387,44 @@ def test_every_default_a_flag_table_quotes_is_the_kits():
                 wrong.append(f"{rel(page)}: {flag} quoted as {quoted!r}, the default is {real!r}")
     assert checked >= 15, checked
     assert wrong == [], "\n".join(wrong)
+
+
+# -- (9) every `python -m ddp_utils ...` line of a shell block runs as typed -----------------------------------
+BASH = re.compile(r"^( *)```bash\n(.*?)^\1```$", re.M | re.S)
+
+
+def kit_commands() -> list[tuple[str, str]]:
+    """(page, command) for every `python -m ddp_utils ...` line of the pages' ```bash blocks, joined over `\\`
+    continuations, without its trailing comment; lines with `...` (elided flags) are left out."""
+    found = []
+    for page in MD_PAGES:
+        for m in BASH.finditer(page.read_text(encoding="utf-8")):
+            text = re.sub(r"\\\n\s*", " ", m.group(2))
+            for line in text.splitlines():
+                line = line.split("  #")[0].strip()
+                if line.startswith("python -m ddp_utils") and "..." not in line:
+                    found.append((rel(page), line))
+    return found
+
+
+def test_every_kit_command_on_a_page_parses_and_its_settings_are_valid():
+    """A literal reader types these lines: each must parse with the kit's own parser, and a train/launch/check
+    line's settings must pass validation (the same check train runs first)."""
+    import shlex
+    from ddp_utils import settings as settings_module
+    from ddp_utils.tools.cli import build_parser
+    commands = kit_commands()
+    assert len(commands) >= 10, commands
+    bad = []
+    for page, line in commands:
+        argv = shlex.split(line)[3:]
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:
+            bad.append(f"{page}: does not parse: {line}")
+            continue
+        if args.command in ("train", "launch", "check"):
+            problems = settings_module.from_args(args, environ={}).problems()
+            if problems:
+                bad.append(f"{page}: {line}: {problems}")
+    assert not bad, "\n".join(bad)
