@@ -32,7 +32,7 @@ Environment (defaults in brackets):
 Examples:
   docker/run.sh --build                 # first time on a node
   PORT=8890 DATA=/mnt/data docker/run.sh
-  ssh -L 8888:127.0.0.1:8888 ubuntu@NODE   # then open the printed URL on your laptop
+  ssh -i ~/.ssh/KEY.pem -N -L 8888:127.0.0.1:8888 ubuntu@NODE_PUBLIC_IP   # on your laptop; then open the printed URL
 USAGE
 }
 
@@ -58,6 +58,12 @@ done
 if ! [[ "$PORT" =~ ^[0-9]+$ ]] || ((PORT < 1 || PORT > 65535)); then
     echo "run.sh: PORT must be a number from 1 to 65535, got '$PORT'" >&2
     exit 2
+fi
+if [[ -n "${SUDO_USER:-}" && -z "${WANDB_API_KEY:-}${GLOO_SOCKET_IFNAME:-}${NCCL_SOCKET_IFNAME:-}${JUPYTER_TOKEN:-}" ]]; then
+    # sudo resets the environment: a key or interface set in the user's shell never reaches the container.
+    echo "run.sh: warning: started through sudo, which drops your environment (WANDB_API_KEY, GLOO_SOCKET_IFNAME," >&2
+    echo "        NCCL_SOCKET_IFNAME, JUPYTER_TOKEN are not set here). Run it as yourself, in the docker group" >&2
+    echo "        (sudo usermod -aG docker \"\$USER\", then log in again), or keep them with sudo -E." >&2
 fi
 if [[ ! -d "$DATA" ]]; then
     # Without this check docker would quietly create an empty, root-owned $DATA.

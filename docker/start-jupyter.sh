@@ -3,7 +3,7 @@
 #
 # Settings come from the environment (docker/run.sh passes them through):
 #   PORT           port to listen on (default 8888). With --net=host this is a port of the node itself.
-#   JUPYTER_IP     address to listen on (default 127.0.0.1, reach it with `ssh -L 8888:127.0.0.1:8888 NODE`).
+#   JUPYTER_IP     address to listen on (default 127.0.0.1, reach it with `ssh -i KEY -N -L 8888:127.0.0.1:8888 USER@NODE`).
 #                  Set JUPYTER_IP=0.0.0.0 to listen on every interface (then guard the port in the
 #                  cloud security group: anyone who reaches it and has the token can run code).
 #   JUPYTER_TOKEN  login token. When unset or empty a random one is made: an empty token would turn
@@ -25,7 +25,7 @@ fi
 # Jupyter reads the token from the environment, so it never shows up in `ps` output.
 export JUPYTER_TOKEN
 
-echo "JupyterLab listens on ${ip}:${port}. On your laptop, run: ssh -L ${port}:127.0.0.1:${port} <this node>, then open:"
+echo "JupyterLab listens on ${ip}:${port}. On your laptop, run: ssh -i ~/.ssh/KEY.pem -N -L ${port}:127.0.0.1:${port} ubuntu@THIS_NODE_PUBLIC_IP, then open:"
 echo "    http://127.0.0.1:${port}/lab?token=${JUPYTER_TOKEN}"
 
 # --port-retries=0: fail if the port is taken instead of quietly moving to another one.

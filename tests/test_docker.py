@@ -228,6 +228,18 @@ def test_run_sh_help_explains_the_options():
         assert word in result.stdout
 
 
+def test_run_sh_started_through_sudo_warns_that_the_keys_and_interfaces_it_passes_on_are_gone(tmp_path):
+    """`sudo docker/run.sh` resets the environment: WANDB_API_KEY, GLOO_SOCKET_IFNAME ... would vanish silently."""
+    clean = {"SUDO_USER": "ubuntu", "DATA": str(tmp_path), "WANDB_API_KEY": "", "GLOO_SOCKET_IFNAME": "",
+             "NCCL_SOCKET_IFNAME": "", "JUPYTER_TOKEN": ""}
+    result = run_script(RUN_SH, "--print", env=clean)
+    assert result.returncode == 0 and "started through sudo" in result.stderr and "sudo -E" in result.stderr
+    kept = run_script(RUN_SH, "--print", env={**clean, "WANDB_API_KEY": "x"})   # sudo -E kept the environment
+    assert "started through sudo" not in kept.stderr
+    alone = run_script(RUN_SH, "--print", env={**clean, "SUDO_USER": ""})
+    assert "sudo" not in alone.stderr
+
+
 def test_run_sh_uses_gpus_host_network_shared_memory_and_ulimits(tmp_path):
     result = run_script(RUN_SH, "--print", env={"DATA": str(tmp_path)})
     assert result.returncode == 0, result.stderr
