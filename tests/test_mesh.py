@@ -4,6 +4,7 @@ naming the blocked connections and the rule to add; an open link gets the all-re
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -127,3 +128,26 @@ def test_train_behind_that_firewall_ends_on_both_ranks_within_init_timeout_with_
     for r in results:
         assert "not each other on other ports" in r.output and "All TCP" in r.output, describe([r])
     assert not any((tmp_path / f"run{r}" / "last.pt").exists() for r in (0, 1))
+
+
+@pytest.mark.slow
+def test_check_on_two_hosts_with_an_open_link_is_ready_and_prints_the_all_reduce_sweep(tmp_path):
+    """The same two checks without the firewall: READY on both, each with the sweep up to the gradient's size."""
+    port = free_port()
+    try:
+        with netns.two_hosts("10.213.8") as net:
+            results, _ = _both(net, lambda r: python(
+                "-m", "ddp_utils", "check", "--dataset", "fake", "--backend", "gloo", "--master-addr", net.addrs[0],
+                "--master-port", str(port), "--world-size", "2", "--rank", str(r), "--init-timeout", "30",
+                "--run-dir", str(tmp_path / "runs" / "x")), timeout=90)
+    except netns.NetnsUnavailable as e:
+        pytest.skip(str(e))
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    from ddp_utils.model import build_model
+    grad = 4 * sum(p.numel() for p in build_model("convnet", 1000).parameters())   # the fake set's recipe
+    for r in results:
+        assert f"all-reduce over the process group (gloo, 2 ranks), up to the {grad / 1e6:.1f} MB" in r.output
+        sizes = re.findall(r"^ +(\d+) +[\d.]+ ms ", r.output, re.M)
+        assert sizes[0] == "4096" and sizes[-1] == str(grad), describe([r])   # from latency up to the gradient
+        assert r.output.rstrip().splitlines()[-1] == "READY", describe([r])
+    assert len(list((tmp_path / "runs" / "check").glob("allreduce-*.json"))) == 1   # rank 0 wrote, rank 1 did not
