@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -37,7 +38,7 @@ MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_r
               "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
               "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps",
-              "comm_auto_share", "average_every", "localsgd_warmup_steps", "auto_local_sgd")
+              "comm_auto_share", "average_every", "localsgd_warmup_steps", "auto_local_sgd", "profile_steps")
 
 
 def _f(default, help: str, **kw):
@@ -100,6 +101,9 @@ class Settings:
                             "offline or disabled", choices=WANDB_MODES)
     wandb_project: str = _f("ddp-course", "W&B project name")
     log_every: int = _f(20, "steps between TensorBoard scalars on rank 0")
+    profile_steps: str = _f("", "A:B: trace training steps A to B-1 (counted from 0 over the run) with torch.profiler on "
+                                "every rank, written to RUN_DIR/profile/rank<N>.pt.trace.json (Perfetto, "
+                                "chrome://tracing); empty = no trace")
     progress: str = _f("auto", "auto: a progress bar on a terminal or in Jupyter, two lines per epoch when the "
                                "output is piped; steps: also a line every log_every steps; bar; off",
                        choices=PROGRESS_MODES)
@@ -207,6 +211,10 @@ class Settings:
         if self.parallel != "ddp" and self.world_size > 1:
             out.append(f"parallel={self.parallel} runs one process, but world_size={self.world_size}: use "
                        f"parallel=ddp for several processes, or world_size=1")
+        window = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(self.profile_steps))
+        if str(self.profile_steps).strip() and not (window and int(window[1]) < int(window[2])):
+            out.append(f"profile_steps={self.profile_steps!r}: write A:B with A < B, the training steps to trace "
+                       f"(e.g. 20:25 traces steps 20 to 24), or leave it empty")
         if not str(self.master_addr).strip():
             out.append("master_addr is empty: set it to the master node's IP address")
         return out

@@ -23,6 +23,7 @@ from .model import devices_used, unwrap
 from .speed.comm import algorithm, forget_overflow, gradient_communication
 from .speed.localsgd import LocalSGD
 from .speed.powersgd import Memory as PowerSGDMemory
+from .speed.profile import StepProfiler
 from .optim import (ScaledStep, amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, optimizer_steps,
                     to_device)
 from .progress import Progress
@@ -61,7 +62,8 @@ def _check_finite(value: float, what: str, step: int, lr: float) -> None:
 
 
 def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, settings, ctx, logger,
-                    start_step: int = 0, heartbeat=None, comm=None, stepper=None, local_sgd=None) -> dict:
+                    start_step: int = 0, heartbeat=None, comm=None, stepper=None, local_sgd=None,
+                    profiler=None) -> dict:
     """Train one pass over this rank's shard. Returns global metrics and timing for the epoch.
 
     Time split (seconds, each rank's own in ``per_rank``, their mean at the top level); they add up
@@ -78,6 +80,7 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
     ``stepper`` (an ``optim.ScaledStep`` of this optimizer and scaler, made here if not given) counts the
     steps the fp16 scaler skips. ``local_sgd`` (``--comm localsgd``, a ``localsgd.LocalSGD``): steps keep
     their gradients on the rank, and the weights are averaged every few steps and at the end of the epoch.
+    ``profiler`` (``--profile-steps A:B``, a ``profile.StepProfiler``) traces steps A to B-1.
     """
     stepper = stepper or ScaledStep(optimizer, scaler)
     model.train()
@@ -99,6 +102,8 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
             if heartbeat is not None:
                 heartbeat.fetching(False)
             data_s += t_data - t_end
+            if profiler is not None:
+                profiler.before(step)
             images, labels = to_device(images, labels, settings, ctx.device)
             lr = scheduler.get_last_lr()[0]   # the lr this step uses
             first = i - i % k
@@ -126,6 +131,8 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
             step_s += time.perf_counter() - t_data
             logger.scalars({"lr": lr}, step)   # every step (rank 0 only, cheap): the schedule's exact shape
             step += 1
+            if profiler is not None:
+                profiler.after(step)   # at the window's end: every rank's trace to rank 0 (a collective)
             if step % settings.log_every == 0:
                 step_s += _finish_queued_work(ctx)
                 stats = window.reduced(ctx)   # DDP: a collective, reached by every rank at the same step
@@ -141,6 +148,8 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
             t_end = time.perf_counter()
             if first_step_s is None:
                 first_step_s = t_end - t_epoch
+        if profiler is not None:
+            profiler.finish()   # a window the epoch's end cut short
         if local_sgd is not None:
             t_sync = time.perf_counter()
             local_sgd.end_of_epoch()   # one model on every rank again: for the evaluation and the checkpoint
@@ -337,13 +346,14 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
                              scheduler.last_epoch, comm)
 
     last_path, best_path = (checkpoint.checkpoint_paths(logger.run_dir) if logger.run_dir else (None, None))
+    profiler = StepProfiler.from_settings(settings, ctx, logger.run_dir, logger.info)   # --profile-steps A:B
     val, trained_now, stopped_early, stop_reason = None, 0, None, None
     t0 = time.perf_counter()
     for epoch in range(start_epoch, settings.epochs):
         if gpu is not None:
             gpu.phase("train")
         train = train_one_epoch(model, data, optimizer, scheduler, scaler, epoch, settings, ctx, logger, step,
-                                heartbeat, comm, stepper, local_sgd)
+                                heartbeat, comm, stepper, local_sgd, profiler)
         step = train["step"]
         if gpu is not None:
             gpu.phase("val")

@@ -1,0 +1,115 @@
+"""``--profile-steps A:B``: a ``torch.profiler`` trace of optimizer steps A to B-1 on every rank, in rank 0's run folder.
+
+The trace shows what the time split only sums up: the forward and backward operators, the gradient all-reduce
+DDP starts during the backward pass (``gloo:all_reduce``, ``nccl:all_reduce`` and its GPU kernel
+``ncclDevKernel_AllReduce...``), what it overlaps and what waits for it. Every rank records its own steps; at step B
+the ranks send their traces to rank 0 (a gather: the ranks step in lock-step, so all of them get there), which
+writes ``RUN_DIR/profile/rank<N>.pt.trace.json``: Chrome's trace format, opened by https://ui.perfetto.dev or
+chrome://tracing (drag the file in). Profiling slows the traced steps; the epoch's figures include that.
+"""
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .. import distributed
+from ..robust.files import atomic_write
+
+
+def parse_window(text: str) -> tuple[int, int] | None:
+    """``"20:25"`` -> (20, 25): optimizer steps 20 to 24 (counted from 0 over the whole run); ``""`` -> None."""
+    if not str(text).strip():
+        return None
+    try:
+        a, b = (int(part) for part in str(text).split(":"))
+    except ValueError:
+        raise ValueError(f"profile_steps={text!r}: write it as A:B, the optimizer steps to trace, e.g. 20:25 "
+                         f"(steps 20 to 24)") from None
+    if not 0 <= a < b:
+        raise ValueError(f"profile_steps={text!r}: A:B needs 0 <= A < B (A the first step traced, B the one after "
+                         f"the last), e.g. 20:25")
+    return a, b
+
+
+class StepProfiler:
+    """``before(step)`` at the start of each optimizer step, ``after(step)`` once ``step`` (the run's step count)
+    went up; ``finish()`` at the end of an epoch closes a window that the epoch's end cut short."""
+
+    def __init__(self, window: tuple[int, int] | None, ctx, run_dir, log=print):
+        self.window, self.ctx, self.log = window, ctx, log
+        self.folder = Path(run_dir) / "profile" if run_dir else None
+        self._prof = None
+        self.done = False     # one window per run (every rank alike: the gather at its end is a collective)
+        self.steps = 0        # steps traced
+        self.written: list[Path] = []   # rank 0: the traces it wrote
+
+    @classmethod
+    def from_settings(cls, settings, ctx, run_dir, log=print) -> StepProfiler | None:
+        window = parse_window(settings.profile_steps)
+        return cls(window, ctx, run_dir, log) if window else None
+
+    def before(self, step: int) -> None:
+        if self._prof is None and not self.done and self.window[0] <= step < self.window[1]:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.ctx.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")   # the profiler library's own notes: errors only
+            self._prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
+            with _quiet_stderr():
+                self._prof.start()
+            self._first = step
+
+    def after(self, step: int) -> None:
+        if self._prof is not None:
+            self.steps += 1
+            if step >= self.window[1]:
+                self.finish()
+
+    def finish(self) -> None:
+        """Stop, and send every rank's trace to rank 0, which writes them (a collective: every rank calls it)."""
+        if self._prof is None:
+            return
+        prof, self._prof, self.done = self._prof, None, True
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        with _quiet_stderr():
+            prof.stop()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path, "rb") as f:
+                mine = gzip.compress(f.read(), compresslevel=1)   # a few MB of JSON, sent once
+        traces = distributed.gather_objects(mine, self.ctx)   # every rank's, in rank order
+        if not self.ctx.is_main or self.folder is None:
+            return
+        for rank, data in enumerate(traces):
+            target = self.folder / f"rank{rank}.pt.trace.json"
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(target, lambda f, data=data: f.write(gzip.decompress(data)))
+            self.written.append(target)
+        self.log(f"profile: training steps {self._first} to {self._first + self.steps - 1} traced on "
+                 f"{len(traces)} rank(s): {self.folder}/rank<N>.pt.trace.json (open them in https://ui.perfetto.dev "
+                 f"or chrome://tracing; find the all-reduce and what it overlaps)")
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The profiler library prints "USDT: profiler_start" lines to stderr from C++ at every start and stop, and on a
+    CUDA build of torch without a GPU an "ERROR ... gpuGetDeviceCount" that is none: kept off the student's output."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as nowhere:
+            os.dup2(nowhere.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
