@@ -1,0 +1,175 @@
+"""The build-DDP lab (lab/build_ddp/): its tests pass against the kit's reference.py on 2 and 3 ranks, on one
+machine and split over two "nodes"; against the untouched student.py every part fails at once with its own
+NotImplementedError message (what a student sees first: what to write, not a hang); and student.py is
+reference.py with the bodies taken out (the same names, signatures and docstrings)."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from tests.procs import REPO, base_env, free_port
+
+LAB = Path(REPO) / "lab" / "build_ddp"
+PARTS = {   # part -> the function whose NotImplementedError its test meets first in the untouched student.py
+    "part_a": "broadcast_parameters",
+    "part_b": "OverlapDDP.__init__",
+    "part_c": "BucketDDP.__init__",
+    "part_d": "ring_all_reduce",
+}
+WORLD_SIZES = (2, 3)
+RUN_LIMIT_S = 240
+
+
+def definitions(path: Path) -> dict[str, ast.AST]:
+    """``{qualified name: node}`` of the public functions, classes and methods of a file (and ``__init__``)."""
+    found = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            found[node.name] = node
+            if isinstance(node, ast.ClassDef):
+                found.update({f"{node.name}.{item.name}": item for item in node.body
+                              if isinstance(item, ast.FunctionDef)
+                              and (item.name == "__init__" or not item.name.startswith("_"))})
+    return found
+
+
+def not_implemented_message(function: ast.FunctionDef) -> str | None:
+    """The message of the ``raise NotImplementedError("...")`` in ``function``'s body, if it has one."""
+    for node in ast.walk(function):
+        if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                and getattr(node.exc.func, "id", None) == "NotImplementedError"):
+            return ast.literal_eval(node.exc.args[0])
+    return None
+
+
+def test_student_py_is_reference_py_with_the_bodies_taken_out():
+    """The same public names, signatures and docstrings (the contract); every body the student writes raises
+    NotImplementedError with a message that starts 'write <its name> (part x):'."""
+    student, reference = definitions(LAB / "student.py"), definitions(LAB / "reference.py")
+    assert sorted(student) == sorted(reference)
+    for name, node in student.items():
+        twin = reference[name]
+        assert ast.get_docstring(node) == ast.get_docstring(twin), f"{name}: the docstrings differ"
+        if isinstance(node, ast.FunctionDef):
+            assert ast.unparse(node.args) == ast.unparse(twin.args), f"{name}: the signatures differ"
+            assert not not_implemented_message(twin), f"reference.py's {name} is not written"
+            message = not_implemented_message(node)
+            if name.endswith(".forward"):   # given: calling the wrapped module is not the lesson
+                assert message is None
+            else:
+                assert message and re.match(rf"write {re.escape(name)} \(part [abcd]\): ", message), (name, message)
+
+
+def test_the_labs_page_states_the_harness_time_bounds():
+    source = (LAB / "harness.py").read_text()
+    limit = re.search(r"^TIME_LIMIT_S = (\d+)\.0 ", source, re.M).group(1)
+    nodes_limit = re.search(r"^NODES_TIME_LIMIT_S = (\d+)\.0 ", source, re.M).group(1)
+    page = (LAB / "README.md").read_text()
+    assert f"after {limit} seconds" in page and f"waits up to {nodes_limit} s" in page
+
+
+def lab_env(**extra) -> dict:
+    env = base_env(**extra)
+    for var in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
+        env.pop(var, None)
+    for var in [v for v in env if v.startswith("BUILD_DDP")]:
+        if var not in extra:
+            env.pop(var)
+    return env
+
+
+@pytest.fixture(scope="module")
+def lab_runs(tmp_path_factory) -> dict:
+    """``python -m pytest lab/build_ddp`` as a student types it, all at once: against reference.py, against
+    student.py, and against reference.py split over two "nodes" (part d on 127.0.0.1). For each run its
+    exit code, output, seconds, and ``{test name: failure message, or None if it passed}`` from its JUnit XML."""
+    tmp = tmp_path_factory.mktemp("build_ddp")
+    port = free_port()
+    nodes = dict(BUILD_DDP="reference", BUILD_DDP_NODES=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    runs = {"reference": (lab_env(BUILD_DDP="reference"), []),
+            "student": (lab_env(BUILD_DDP="student"), []),
+            "node0": (lab_env(**nodes, BUILD_DDP_NODE_RANK=0), ["-k", "part_d"]),
+            "node1": (lab_env(**nodes, BUILD_DDP_NODE_RANK=1), ["-k", "part_d"])}
+    started, procs, logs, results = time.monotonic(), {}, {}, {}
+    try:
+        for name, (env, args) in runs.items():
+            logs[name] = open(tmp / f"{name}.log", "w+")
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "pytest", "lab/build_ddp", "-p", "no:cacheprovider",
+                 f"--junitxml={tmp / name}.xml", *args],
+                cwd=REPO, env=env, stdout=logs[name], stderr=subprocess.STDOUT, text=True)
+        while len(results) < len(procs) and time.monotonic() - started < RUN_LIMIT_S:
+            for name, proc in procs.items():
+                if name not in results and proc.poll() is not None:
+                    results[name] = {"rc": proc.returncode, "seconds": time.monotonic() - started}
+            time.sleep(0.1)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs.values():
+            log.close()
+    assert len(results) == len(procs), f"still running after {RUN_LIMIT_S} s: {sorted(set(procs) - set(results))}"
+    for name, result in results.items():
+        result["output"] = (tmp / f"{name}.log").read_text()
+        result["tests"] = junit_results(tmp / f"{name}.xml")
+    return results
+
+
+def junit_results(path: Path) -> dict[str, str | None]:
+    tests = {}
+    for case in ET.parse(path).iter("testcase"):
+        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+        assert case.find("skipped") is None, f"{case.get('name')} was skipped"
+        tests[case.get("name")] = None if problem is None else problem.get("message", "")
+    return tests
+
+
+def name_of(part: str, world_size: int, tests: dict) -> str:
+    [name] = [t for t in tests if t.startswith(f"test_{part}_") and t.endswith(f"[{world_size}-ranks]")]
+    return name
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_the_reference_solution_passes_every_part_on_2_and_3_ranks(lab_runs):
+    run = lab_runs["reference"]
+    assert run["rc"] == 0, run["output"]
+    assert len(run["tests"]) == len(PARTS) * len(WORLD_SIZES), run["output"]
+    for part in PARTS:
+        for world_size in WORLD_SIZES:
+            assert run["tests"][name_of(part, world_size, run["tests"])] is None, run["output"]
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_the_untouched_student_file_fails_each_part_at_once_with_its_own_message(lab_runs):
+    run = lab_runs["student"]
+    assert run["rc"] == 1, run["output"]
+    nodes = definitions(LAB / "student.py")
+    messages = {part: not_implemented_message(nodes[name]) for part, name in PARTS.items()}
+    for part, message in messages.items():
+        for world_size in WORLD_SIZES:
+            failure = run["tests"][name_of(part, world_size, run["tests"])]
+            assert failure and failure.startswith(f"NotImplementedError: {message}"), (part, failure)
+        assert f"E       NotImplementedError: {message}" in run["output"], f"{part}'s message is not shown"
+    # the eight failures came from the skeleton's raise, not from the time bound (60 s) of a hung rank
+    assert run["seconds"] < 60, run["output"]
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_the_tests_run_across_two_nodes_with_master_addr_and_master_port(lab_runs):
+    for node in ("node0", "node1"):
+        run = lab_runs[node]
+        assert run["rc"] == 0, run["output"]
+        assert sorted(run["tests"]) == [name_of("part_d", n, run["tests"]) for n in WORLD_SIZES], run["output"]
+        assert f"node {node[-1]} of 2" in run["output"]
