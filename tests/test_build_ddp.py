@@ -152,6 +152,7 @@ def test_the_reference_solution_passes_every_part_on_2_and_3_ranks(lab_runs):
 @pytest.mark.slow
 @pytest.mark.floor
 def test_the_untouched_student_file_fails_each_part_at_once_with_its_own_message(lab_runs):
+    """At once: a NotImplementedError, not the TimeoutError of a rank that hung."""
     run = lab_runs["student"]
     assert run["rc"] == 1, run["output"]
     nodes = definitions(LAB / "student.py")
@@ -161,8 +162,6 @@ def test_the_untouched_student_file_fails_each_part_at_once_with_its_own_message
             failure = run["tests"][name_of(part, world_size, run["tests"])]
             assert failure and failure.startswith(f"NotImplementedError: {message}"), (part, failure)
         assert f"E       NotImplementedError: {message}" in run["output"], f"{part}'s message is not shown"
-    # the eight failures came from the skeleton's raise, not from the time bound (60 s) of a hung rank
-    assert run["seconds"] < 60, run["output"]
 
 
 @pytest.mark.slow
