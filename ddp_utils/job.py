@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from .distributed import describe_failure, setup
 from .model import build_model, parallel_mode, prepare_model
 from .robust import autoresume
 from .runlog import NullLogger, RunLogger, default_run_dir, make_logger
+from .settings import Settings
 from .speed.comm import Communication
 from .train import evaluate_only, fit, kept_checkpoint
 
@@ -169,6 +172,68 @@ def run_seeds(settings, seeds, log=print) -> list[dict]:
     for i, one in enumerate(seed_settings(settings, seeds)):
         if settings.rank == 0:
             log(f"=== seed {one.seed} ({i + 1} of {len(seeds)}): {one.run_dir} ===")
+        out.append(run_job(one, log=log))
+    return out
+
+
+# Settings a grid may not vary: who and where the ranks are (every rank of one job shares them), the folder
+# (each grid run gets its own) and the seed (--seeds repeats a run).
+NOT_IN_A_GRID = ("rank", "world_size", "local_rank", "master_addr", "master_port", "backend", "init_method",
+                 "socket_ifname", "run_dir", "seed")
+
+
+def grid_axes(texts) -> dict[str, list]:
+    """``["bucket_mb=1,25,100", "comm=none,fp16"]`` -> ``{"bucket_mb": [1.0, 25.0, 100.0], "comm": ["none", "fp16"]}``:
+    each value converted to its setting's type (the defaults' types), every name a setting."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
+    axes: dict[str, list] = {}
+    for text in texts or []:
+        name, _, values = str(text).partition("=")
+        name = name.strip().replace("-", "_")
+        if name not in defaults or not values.strip():
+            raise ValueError(f"--grid {text!r}: write NAME=V1,V2,... with NAME a train setting (e.g. bucket_mb=1,25,100 "
+                             f"or comm=none,fp16); `python -m ddp_utils train --help` lists them")
+        if name in NOT_IN_A_GRID or name in axes:
+            raise ValueError(f"--grid {text!r}: {name} cannot vary {'twice' if name in axes else 'within one job'} "
+                             f"({'give it once' if name in axes else 'run a job per value; --seeds repeats runs'})")
+        kind = type(defaults[name]) if defaults[name] is not None else str
+        try:
+            axes[name] = [_grid_value(kind, v.strip()) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"--grid {text!r}: {name} takes {kind.__name__} values") from None
+    return axes
+
+
+def _grid_value(kind, text: str):
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0", "on", "off"):
+            raise ValueError(text)
+        return text.lower() in ("true", "1", "on")
+    return kind(text)
+
+
+def grid_settings(settings, axes: dict[str, list]) -> list:
+    """One Settings per combination of the ``axes`` values (the first axis slowest), each in its own run folder
+    ``RUN_DIR-<name><value>...`` (siblings); every combination is checked before any run starts."""
+    base = settings.run_dir.rstrip("/") or str(default_run_dir(settings))
+    out = []
+    for values in itertools.product(*axes.values()):
+        combo = dict(zip(axes, values))
+        tag = "-".join(f"{name}{format(value, 'g') if isinstance(value, float) else str(value).replace('/', '_')}"
+                       for name, value in combo.items())
+        out.append(settings.replace(**combo, run_dir=f"{base}-{tag}"))
+    return out
+
+
+def run_grid(settings, axes: dict[str, list], log=print) -> list[dict]:
+    """``run_job`` once per combination, one after the other (every rank must pass the same grid): short runs
+    (``--max-steps-per-epoch``) that vary one mechanism. ``python -m ddp_utils report RUN_DIR-*`` makes their table
+    and grid.png."""
+    runs, out = grid_settings(settings, axes), []
+    for i, one in enumerate(runs):
+        if settings.rank == 0:
+            varied = ", ".join(f"{name}={getattr(one, name)}" for name in axes)
+            log(f"=== grid run {i + 1} of {len(runs)}: {varied}: {one.run_dir} ===")
         out.append(run_job(one, log=log))
     return out
 

@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seeds", type=seed_list, metavar="2,4,42",
                        help="train the same configuration once per seed, one after the other, into sibling "
                             "run folders RUN_DIR-seed2, RUN_DIR-seed4, ...; `report` then gives mean +- std")
+    train.add_argument("--grid", action="append", metavar="NAME=V1,V2", default=None,
+                       help="vary a setting: one run per value (per combination when given again, e.g. --grid "
+                            "bucket_mb=1,25,100 --grid comm=none,fp16), one after the other, into sibling run "
+                            "folders RUN_DIR-bucket_mb1-commnone, ...; short runs with --max-steps-per-epoch; "
+                            "`report` then makes one table and grid.png")
 
     launch = sub.add_parser("launch", help="start one train process per GPU of this node (N CPU processes with "
                                            "--nproc-per-node N), rank 0's output streamed; torchrun's flag names")
@@ -58,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--resume", metavar="PATH|auto", help="as for train (every process gets it)")
     launch.add_argument("--evaluate", action="store_true", help="as for train")
     launch.add_argument("--seeds", type=seed_list, metavar="2,4,42", help="as for train")
+    launch.add_argument("--grid", action="append", metavar="NAME=V1,V2", default=None, help="as for train")
 
     check = sub.add_parser("check", help="pre-flight only: network, port, GPUs, data, /dev/shm; exit 0 when ready")
     settings_module.add_arguments(check)
@@ -122,8 +128,14 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _terminate)   # without it SIGTERM ends the process with no word to the others
     try:
         if args.command == "train":
-            from ..job import run_job, run_seeds
-            if args.seeds:
+            from ..job import grid_axes, run_grid, run_job, run_seeds
+            if args.grid:
+                if args.resume or args.seeds or args.evaluate:
+                    raise ValueError("--grid starts new runs, one per value: without --resume, --seeds or --evaluate "
+                                     "(continue one of its runs with --resume RUN_DIR-<name><value>/last.pt and that "
+                                     "value set)")
+                run_grid(settings_module.from_args(args), grid_axes(args.grid))
+            elif args.seeds:
                 if args.resume:
                     raise ValueError("--seeds starts new runs; to continue one seed's run, pass --resume "
                                      "RUN_DIR-seedN/last.pt with --seed N instead of --seeds")

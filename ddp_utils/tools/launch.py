@@ -99,7 +99,7 @@ def shares_a_gpu(plans: list) -> bool:
     return len(plans) > 1 and len({s.local_rank for s in plans}) == 1
 
 
-def child_argv(settings, resume: str | None = None, evaluate: bool = False, seeds=None) -> list[str]:
+def child_argv(settings, resume: str | None = None, evaluate: bool = False, seeds=None, grid=None) -> list[str]:
     """What every process runs: ``train`` and the shared flags (through ``to_argv``); its rank, world size and
     local rank come from torchrun's environment."""
     argv = settings.to_argv(skip=(*SET_BY_LAUNCH, "master_addr", "master_port"))
@@ -109,6 +109,8 @@ def child_argv(settings, resume: str | None = None, evaluate: bool = False, seed
         argv.append("--evaluate")
     if seeds:
         argv += ["--seeds", ",".join(str(s) for s in seeds)]
+    for axis in grid or []:
+        argv += ["--grid", axis]
     return ["train", *argv]
 
 
@@ -207,13 +209,13 @@ class Launcher:
     """torchrun for this node's processes of one run: start, stream, stop. ``launch()`` drives it."""
 
     def __init__(self, plans: list, resume=None, evaluate=False, seeds=None, log_dir=None, environ=None,
-                 max_restarts: int = 0):
+                 max_restarts: int = 0, grid=None):
         self.plans = plans
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"ddp_utils-launch-{stamp}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = child_env(environ)
-        self.train = child_argv(plans[0], resume, evaluate, seeds)
+        self.train = child_argv(plans[0], resume, evaluate, seeds, grid)
         if shares_a_gpu(plans):   # every process on GPU 0, whatever torchrun's LOCAL_RANK says
             self.train += ["--local-rank", str(plans[0].local_rank)]
         self.argv = [sys.executable, "-c", BOOT, *torchrun_argv(plans, self.train, self.log_dir, max_restarts)]
@@ -392,7 +394,7 @@ def _send(pid: int, sig: int, group: bool) -> None:
 def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0,
            master_addr: str | None = None, master_port: int | None = None, *, resume: str | None = None,
            evaluate: bool = False, seeds=None, log_dir: str | None = None, on_line=print,
-           timeout: float | None = None, environ=None, max_restarts: int = 0, share_gpu: bool = False):
+           timeout: float | None = None, environ=None, max_restarts: int = 0, share_gpu: bool = False, grid=None):
     """Run ``nproc_per_node`` training processes on this node and wait for them; rank 0's results.
 
     ``settings``: a Settings, or ``train`` flags as a list (``["--dataset", "demo", "--epochs", "2"]``).
@@ -403,15 +405,17 @@ def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, no
     on the other nodes); raises LaunchError naming the rank that failed and why. ``max_restarts``: torchrun
     restarts every process of the job this many times after a failure (with ``resume="auto"`` the run continues
     from its last checkpoint). ``share_gpu``: several processes on a node's one GPU, over gloo (``plan``).
+    ``grid``: ``["bucket_mb=1,25"]``, one run per value (``train --grid``; a list of results).
     """
     if settings is None or isinstance(settings, (list, tuple)):
         settings, parsed = parse_train_argv(list(settings or []))
         resume, evaluate, seeds = resume or parsed.resume, evaluate or parsed.evaluate, seeds or parsed.seeds
+        grid = grid or parsed.grid
     changes = {k: v for k, v in (("master_addr", master_addr), ("master_port", master_port)) if v is not None}
     if changes:
         settings = settings.replace(**changes)
     launcher = Launcher(plan(settings, nproc_per_node, nnodes, node_rank, share_gpu), resume=resume, evaluate=evaluate,
-                        seeds=seeds, log_dir=log_dir, environ=environ, max_restarts=max_restarts)
+                        seeds=seeds, log_dir=log_dir, environ=environ, max_restarts=max_restarts, grid=grid)
     for line in launcher.describe():
         on_line(line)
     launcher.start()
@@ -439,6 +443,7 @@ def parse_train_argv(argv: list[str]):
     parser.add_argument("--resume")
     parser.add_argument("--evaluate", action="store_true")
     parser.add_argument("--seeds", type=lambda text: [int(s) for s in text.split(",") if s.strip()])
+    parser.add_argument("--grid", action="append")
     try:
         args, unknown = parser.parse_known_args(argv)
     except SystemExit:   # argparse has printed what is wrong; a notebook should get an exception, not an exit
@@ -463,7 +468,7 @@ def settings_from_args(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> int:
     """``python -m ddp_utils launch ...`` (cli.py parses the flags)."""
     results = launch(settings_from_args(args), args.nproc_per_node, args.nnodes, args.node_rank,
-                     resume=args.resume, evaluate=args.evaluate, seeds=args.seeds, log_dir=args.log_dir,
+                     resume=args.resume, evaluate=args.evaluate, seeds=args.seeds, log_dir=args.log_dir, grid=args.grid,
                      on_line=lambda line: print(line, flush=True), max_restarts=args.max_restarts)
     done = "" if results is None else " (rank 0's results.json is in the run folder named above)"
     print(f"launch: every process of this node finished{done}", flush=True)

@@ -13,6 +13,7 @@ from .tables import baseline_index, compare_table, lr_notes, results_table, seed
 from .bounds import bottleneck_sentence
 from .figures import DPI, plot_curves, plot_throughput, plot_time_breakdown
 from ..sweep import beside_probe
+from .grid import grid_table, is_grid, plot_grid
 
 
 # -- everything at once --------------------------------------------------------------------------
@@ -114,6 +115,9 @@ def report_markdown(run_dirs, baseline=None, report_cmd: str | None = None) -> s
         lines += ["## The link between the ranks", "", *[f"- {line}" for line in link], ""]
     if any(len(group) > 1 for group in group_runs(runs)):
         lines += ["## Seeds: mean ± std over runs that differ only in their seed", "", seed_table(dirs, baseline), ""]
+    if is_grid(runs):   # train --grid, or runs that vary one mechanism: where each step's time went
+        lines += ["## What changed when a setting changed", "", grid_table(dirs), "", "![each run's step split into "
+                  "data wait, compute, communication and idle; throughput or scaling efficiency](grid.png)", ""]
     if len({parallel_mode(run) for run in runs}) > 1:
         lines += ["## Single vs DataParallel vs DDP", "", compare_table(dirs), ""]
     lines += ["## Learning rate and global batch", "", *[f"- {note}" for note in lr_notes(runs)], "",
@@ -145,14 +149,15 @@ def write_report(run_dirs, out_dir=None, baseline=None, *, kit_images: bool = Fa
     report_cmd = " ".join([words[0], *map(shlex.quote, words[1:])])
     contents = {}   # everything made before the first file is written
     for name, fig in (("curves.png", plot_curves(dirs)), ("time.png", plot_time_breakdown(dirs)),
-                      ("throughput.png", plot_throughput(dirs, baseline))):
+                      ("throughput.png", plot_throughput(dirs, baseline)),
+                      *([("grid.png", plot_grid(dirs))] if is_grid(runs) else [])):
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=DPI)
         contents[name] = buffer.getvalue()
     contents["results.md"] = report_markdown(dirs, baseline, report_cmd).encode("utf-8")
 
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / name for name in REPORT_FILES]
+    paths = [out / name for name in (*REPORT_FILES, "grid.png") if name in contents]
     for path in paths:
         path.write_bytes(contents[path.name])
     return paths
