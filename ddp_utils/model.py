@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import distributed
+from . import distributed, own_ddp
 from .optim import amp_dtype, use_fast_gpu_kernels
 
 
@@ -112,6 +112,9 @@ def describe_parallel(settings, ctx) -> str:
         return (f"parallel: DataParallel {where} in one process: nothing to split, so torch runs the model "
                 f"directly (no replicas, no gather): a rehearsal of DP's code path, not of its cost; a node "
                 f"with 2+ GPUs splits each batch between them")
+    if mode == "ddp" and settings.build_ddp:
+        return (f"parallel: {ctx.world_size} processes, your DDP from lab/build_ddp/{own_ddp.which()}.py, part "
+                f"{settings.build_ddp}: {own_ddp.PARTS[settings.build_ddp]}")
     if mode == "ddp":
         return f"parallel: DDP, {ctx.world_size} processes, gradients all-reduced in buckets during backward"
     return f"parallel: none, one process on {ctx.device}"
@@ -145,7 +148,9 @@ def _place(model: nn.Module, settings, ctx) -> nn.Module:
     model = model.to(ctx.device)
     if settings.channels_last and ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
-    if ctx.distributed:
+    if ctx.distributed and settings.build_ddp:   # the DDP you wrote (lab/build_ddp), in the kit's loop
+        model = own_ddp.wrap(model, settings.build_ddp, settings.bucket_mb)
+    elif ctx.distributed:
         # DDP: the wrap. It copies rank 0's weights to every rank now, then during each backward pass
         # all-reduces (averages) the gradients in buckets, overlapped with the rest of the backward.
         # gradient_as_bucket_view lets gradients live inside the communication buffers (no copy).
@@ -171,7 +176,7 @@ def ddp_of(model: nn.Module) -> DDP | None:
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain model inside DDP / DataParallel (``.module``) and torch.compile (``._orig_mod``)."""
     while True:
-        if isinstance(model, (DDP, nn.DataParallel, AutocastInReplicas)):
+        if isinstance(model, (DDP, nn.DataParallel, AutocastInReplicas)) or own_ddp.is_own(model):
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
             model = model._orig_mod

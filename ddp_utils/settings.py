@@ -38,7 +38,7 @@ MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_r
               "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
               "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps",
-              "comm_auto_share", "average_every", "localsgd_warmup_steps", "auto_local_sgd", "profile_steps")
+              "comm_auto_share", "average_every", "localsgd_warmup_steps", "auto_local_sgd", "profile_steps", "build_ddp")
 
 
 def _f(default, help: str, **kw):
@@ -122,6 +122,10 @@ class Settings:
                            "auto (choose from the link probe: compress when communication would take more than "
                            "comm_auto_share of a step)",
                    choices=COMM_MODES)
+    build_ddp: str = _f("", "train with the DDP you wrote in lab/build_ddp (student.py; BUILD_DDP=reference: the kit's "
+                            "reference.py) instead of torch's: a (all-reduce every gradient after backward), b (one "
+                            "async all-reduce per parameter from hooks), c (buckets of bucket_mb); empty: torch's "
+                            "DistributedDataParallel", choices=("", "a", "b", "c"))
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MB (DDP's default 25): smaller buckets start the "
                                 "all-reduce earlier in the backward pass, larger ones make fewer, longer messages")
     accumulate: int = _f(1, "gradient accumulation: add up the gradients of this many steps and all-reduce "
@@ -211,6 +215,9 @@ class Settings:
         if self.parallel != "ddp" and self.world_size > 1:
             out.append(f"parallel={self.parallel} runs one process, but world_size={self.world_size}: use "
                        f"parallel=ddp for several processes, or world_size=1")
+        if self.build_ddp and (self.comm != "none" or self.accumulate > 1 or self.parallel != "ddp"):
+            out.append(f"build_ddp={self.build_ddp!r} trains with your own DDP, which has no comm hooks, no no_sync() "
+                       f"and no other parallel mode: use it with comm=none, accumulate=1 and parallel=ddp")
         window = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(self.profile_steps))
         if str(self.profile_steps).strip() and not (window and int(window[1]) < int(window[2])):
             out.append(f"profile_steps={self.profile_steps!r}: write A:B with A < B, the training steps to trace "

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import checkpoint, distributed
+from . import checkpoint, distributed, own_ddp
 from .datasets import DataError
 from .speed.gpu_monitor import GpuMonitor, reduce_summaries
 from .speed.gpu_monitor import describe as describe_gpu
@@ -118,6 +118,10 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
                     loss = F.cross_entropy(logits, labels)
                 scaler.scale(loss if group == 1 else loss / group).backward()   # DDP: gradients are all-reduced
             if syncs:                             # (averaged) during the backward of the group's last batch
+                if own_ddp.is_own(model):         # --build-ddp: your DDP waits for its all-reduces here
+                    started = comm.span()
+                    model.finish_gradient_sync()
+                    comm.end_span(started)
                 if not stepper():                 # fp16: the scaler skipped the step, its gradients overflowed
                     _after_a_skipped_step(stepper, comm, step, lr)
                 scheduler.step()

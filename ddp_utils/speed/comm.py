@@ -62,6 +62,8 @@ def gradient_communication(model, settings, ctx, num_classes: int, image_size: i
     if not ctx.distributed:
         return Communication(reason="one process: nothing to send")
     probe = linkprobe.probe(model, settings, ctx, num_classes, image_size, log)
+    if ddp_of(model) is None:   # --build-ddp: your own DDP; the loop times its finish_gradient_sync()
+        return Communication(CommTimer(ctx.device), probe, "none", "your DDP (lab/build_ddp): no comm hook")
     choice, why = choose(settings, probe, kept, precision_name(settings, ctx.device))
     hook, state = hook_for(choice, settings, ctx.backend)
     if isinstance(state, powersgd.Memory):

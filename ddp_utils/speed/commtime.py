@@ -38,6 +38,7 @@ class CommTimer:
         self.waited_s = self.in_flight_s = 0.0
         self.steps = 0
         self.blocking = False
+        self.state = None               # the hook's state, once attached (PowerSGD's memory)
 
     def attach(self, ddp_model, hook=allreduce_hook, state=None) -> None:
         """Time ``hook`` (DDP's default all-reduce, or a compression hook from ``comm.py``) on ``ddp_model``."""

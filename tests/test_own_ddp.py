@@ -1,0 +1,65 @@
+"""--build-ddp a|b|c (YOUR_DDP in the notebooks): the DDP written in lab/build_ddp trains in the kit's own loop, and the
+epoch's time split shows what each part waits for."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from torch import nn
+
+from ddp_utils import own_ddp
+from ddp_utils.model import unwrap
+from ddp_utils.settings import Settings
+from tests.procs import base_env, describe, free_port, run_all
+from tests.test_notebooks import DDP, MAIN, NOTEBOOKS, WORKER
+
+
+@pytest.mark.parametrize("changes", [{"comm": "fp16"}, {"accumulate": 2}])
+def test_your_ddp_is_refused_with_what_it_lacks(changes):
+    with pytest.raises(ValueError, match="no comm hooks, no no_sync"):
+        Settings(build_ddp="b", **changes)
+
+
+def test_the_kit_finds_your_file_or_the_reference_from_build_ddp(monkeypatch):
+    monkeypatch.delenv("BUILD_DDP", raising=False)
+    assert own_ddp.which() == "student" and own_ddp.implementation().__name__ == "student"
+    monkeypatch.setenv("BUILD_DDP", "reference")
+    assert own_ddp.which() == "reference" and hasattr(own_ddp.implementation(), "BucketDDP")
+
+
+def test_without_the_lab_folder_the_kit_says_it_needs_a_checkout(monkeypatch, tmp_path):
+    monkeypatch.setattr(own_ddp, "LAB", tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="run from a checkout of the kit"):
+        own_ddp.implementation()
+
+
+def test_unwrap_sees_through_your_wrapper_whatever_its_class():
+    class Yours(nn.Module):   # the lab's contract: .module and finish_gradient_sync()
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def finish_gradient_sync(self):
+            pass
+    net = nn.Linear(2, 2)
+    assert unwrap(Yours(net)) is net and own_ddp.is_own(Yours(net)) and not own_ddp.is_own(net)
+
+
+@pytest.mark.slow
+def test_parts_a_and_c_train_the_demo_in_the_notebooks_alike_and_c_waits_less_for_communication(tmp_path):
+    """The kit's reference solution in main.ipynb and worker.ipynb (BUILD_DDP=reference): (a) and (c) compute the same
+    gradients, so the same loss; (a) all-reduces after the backward pass, so its step waits for all of it, (c)
+    starts its buckets during the backward pass, so it waits for less (the page's claim, measured)."""
+    out = {}
+    for part in ("a", "c"):
+        params = {**DDP, "MAX_STEPS": 25, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port(), "YOUR_DDP": part,
+                  "RUN_DIR": str(tmp_path / part)}
+        results = run_all([[sys.executable, "-m", "tests.run_cells", str(nb), json.dumps(params), "{}", str(NOTEBOOKS)]
+                           for nb in (MAIN, WORKER)], timeout=300, env=base_env(BUILD_DDP="reference"))
+        assert all(r.returncode == 0 for r in results), describe(results)
+        assert f"your DDP from lab/build_ddp/reference.py, part {part}" in results[0].output, describe(results)
+        out[part] = json.loads((tmp_path / part / "results.json").read_text())
+    assert out["a"]["loss"] == pytest.approx(out["c"]["loss"], rel=1e-4)   # the same training
+    share = {part: r["comm_s"] / r["train_time_s"] for part, r in out.items()}
+    assert share["a"] > share["c"] > 0, share
