@@ -7,14 +7,14 @@ Right after the model is built, every rank times
   size: the compute of one step, without communication. The real model, its statistics and the
   random number generators are left untouched.
 
-The compute is timed twice: on every rank at once (the step under DDP) and on rank 0 alone while
+The compute is timed twice (each the median of three steps after a warm-up): on every rank at once (the step under DDP) and on rank 0 alone while
 the others wait (the step of a 1-rank baseline; slower together where ranks share a machine's
 cores or memory). From these: the link's bus bandwidth (nccl-tests' definition: a ring all-reduce
 of S bytes over n ranks moves 2 (n-1)/n S bytes through every rank's link), and a **predicted
 speed-up** over one rank with the same per-rank batch::
 
     predicted step     = compute + all-reduce           (no overlap: a pessimistic bound)
-    predicted speed-up = n x compute alone / predicted step
+    predicted speed-up = n x compute alone / predicted step   (at most n)
 
 The probe takes a few seconds at most (``--no-link-probe`` skips it). Both numbers go into
 ``results.json``; after training the measured step is printed next to the predicted one.
@@ -22,6 +22,7 @@ The probe takes a few seconds at most (``--no-link-probe`` skips it). Both numbe
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 
 import torch
@@ -55,7 +56,8 @@ def probe(model, settings, ctx, num_classes: int, image_size: int, log=print) ->
     result = {"allreduce_s": allreduce_s, "compute_s": compute_s, "compute_alone_s": alone_s,
               "grad_mb": grads.numel() * 4 / 1e6, "link_gbit_s": moved * 8 / allreduce_s / 1e9,
               "predicted_step_s": compute_s + allreduce_s,
-              "predicted_speedup": n * alone_s / (compute_s + allreduce_s)}
+              # never above n: a step together that timed faster than one alone is the timer's noise, not a gain
+              "predicted_speedup": min(float(n), n * alone_s / (compute_s + allreduce_s))}
     if ctx.is_main:
         log(describe(result, n))
     return result
@@ -91,9 +93,10 @@ def _time_allreduce(grads: torch.Tensor, ctx) -> float:
     return _slowest((time.perf_counter() - start) / rounds, ctx)
 
 
-def _time_compute(model, settings, ctx, num_classes: int, image_size: int, rounds: int = 2) -> float:
+def _time_compute(model, settings, ctx, num_classes: int, image_size: int, rounds: int = 3) -> float:
     """Seconds per step (forward, backward, SGD update) of a copy of the model (no DDP: nothing is
-    communicated; the real model and its optimizer are not touched)."""
+    communicated; the real model and its optimizer are not touched): the median of ``rounds`` steps after a
+    warm-up, so that one step slowed by something else on the machine does not move the prediction."""
     net = local_batchnorm(copy.deepcopy(unwrap(model))).train()
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=settings.momentum)
     dtype = amp_dtype(settings, ctx.device)
@@ -114,7 +117,7 @@ def _time_compute(model, settings, ctx, num_classes: int, image_size: int, round
             optimizer.zero_grad(set_to_none=True)
             _sync(ctx)
             times.append(time.perf_counter() - start)
-    return sum(times[1:]) / rounds
+    return statistics.median(times[1:])
 
 
 class _LocalBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
