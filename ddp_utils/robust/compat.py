@@ -17,6 +17,11 @@ works on the floor, and no other module branches on torch's version:
 - **the collective timeout**: NCCL takes a new one after init on every supported torch; gloo only from
   2.9 (before, its collectives keep the timeout the group was made with), so there the kit makes the
   group with the collective timeout, or init_timeout where that is smaller (``timeout_at_init``).
+- **FSDP2** (``--parallel fsdp``): ``fully_shard`` is ``torch.distributed.fsdp.fully_shard`` in PyPI's 2.6 and later,
+  ``torch.distributed._composable.fsdp.fully_shard`` in builds before that move (``fully_shard``). On a CPU it runs
+  from 2.7 (pytorch#145935: CPU streams record and wait for events): 2.6's gloo has the collectives it needs
+  (``all_gather_into_tensor``, ``reduce_scatter_tensor``), but its first forward fails on a CPU, so the kit refuses
+  it there before training, saying what to use (``fsdp_refusal``); on GPUs it runs over nccl.
 
 ``paths()`` names what this torch takes: ``check`` prints it, the watch logs its abort path, docs/gpu.md
 has the table for the supported releases.
@@ -164,6 +169,36 @@ def timeout_path(backend: str) -> str:
     if timeout_changes_after_init(backend):
         return "init_timeout while the ranks join, then collective_timeout"
     return "collective_timeout from the start (gloo keeps its first timeout before torch 2.9)"
+
+
+# -- FSDP2 ------------------------------------------------------------------------------------------
+FSDP_ON_CPU = (2, 7)   # FSDP2 trains on a CPU (gloo): the CPU stream's record_event / wait_event (pytorch#145935)
+
+
+def fully_shard():
+    """FSDP2's ``fully_shard``, where this build keeps it."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:   # a build from before 2.6 made it public (NGC's 2.6.0a0 snapshot may be one)
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def fsdp_refusal(device_type: str, backend: str | None, version: str | None = None) -> str | None:
+    """One sentence when this torch cannot train ``--parallel fsdp`` on ``device_type`` over ``backend``, naming the
+    version and what to do; None where it can."""
+    version = str(version or torch.__version__)
+    if device_type != "cuda" and release(version) < FSDP_ON_CPU:
+        floor = ".".join(map(str, FSDP_ON_CPU))
+        return (f"parallel=fsdp cannot train on a CPU with torch {version}: its FSDP2 (fully_shard) fails in the first "
+                f"forward there (gloo has the all-gather and reduce-scatter it needs; the CPU stream events came in "
+                f"torch {floor}), so use torch {floor} or newer for a CPU run, or GPUs with nccl, or parallel=zero1 "
+                f"(which shards the optimizer state on any torch)")
+    if device_type == "cuda" and backend != "nccl":
+        return (f"parallel=fsdp on GPUs runs over nccl only, not {backend} (torch {version}; FSDP2's all-gathers of "
+                f"CUDA tensors over gloo are untried by the kit): use --backend nccl (auto picks it where each rank has "
+                f"a GPU), or parallel=zero1 or ddp for ranks that share one GPU over gloo")
+    return None
 
 
 def paths(backend: str = "gloo") -> dict[str, str]:
