@@ -31,6 +31,7 @@ import torch.distributed as dist
 from . import distributed
 from .robust.files import atomic_write
 from .model import unwrap
+from .speed import sharding
 
 
 class CheckpointError(RuntimeError):
@@ -182,8 +183,10 @@ def save_state(paths, model, optimizer, scheduler, scaler, epoch, step, best_acc
     # rank's scaler sees only its own gradients, so their scales can differ
     ranks = gather_per_rank({"rng": rng_state(), "scaler": scaler.state_dict()}, ctx)
     rngs, scalers = [r["rng"] for r in ranks], [r["scaler"] for r in ranks]
+    # zero1 / fsdp: the shards gathered to rank 0 (collectives), saved as one process's state_dict()s would be
+    weights, optimizer_state = sharding.full_state(unwrap(model), optimizer, ctx)
     if ctx.is_main:
-        state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+        state = {"model": weights, "optimizer": optimizer_state,
                  "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                  "epoch": epoch, "step": step, "best_acc1": best_acc1, "history": history,
                  "settings": settings.to_dict(),
@@ -254,10 +257,11 @@ def check_matches(state: dict, settings, path) -> None:
 
 
 def restore(state, model, optimizer, scheduler, scaler, ctx) -> None:
-    """Put a loaded state back: weights, optimiser, schedule, this rank's own scaler and RNG."""
-    unwrap(model).load_state_dict(state["model"])
+    """Put a loaded state back: weights, optimiser, schedule, this rank's own scaler and RNG (zero1 and fsdp keep
+    their own shares of the full state that every rank was sent)."""
+    sharding.load_model_state(unwrap(model), state["model"])
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        sharding.load_optimizer_state(unwrap(model), optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         # A checkpoint from a run without fp16 (bf16 on A100s, a CPU) holds a disabled scaler's empty state,
         # which an fp16 scaler refuses to load: it starts afresh (its scale settles in a few steps).

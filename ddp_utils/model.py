@@ -7,6 +7,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import distributed, own_ddp
 from .optim import amp_dtype, use_fast_gpu_kernels
+from .speed import sharding
 
 
 def _conv_block(c_in: int, c_out: int, norm: str) -> nn.Sequential:
@@ -84,12 +85,13 @@ def _autocast_on(device_type: str) -> bool:
 
 
 def parallel_mode(settings, ctx) -> str:
-    """What really runs: ``ddp`` with several ranks, ``dp`` when DataParallel was asked for (one process),
-    else ``none`` (one process, one device, no wrapper). DataParallel over one GPU or on a CPU splits
-    nothing (torch then calls the model itself): a rehearsal of its code path where the node has fewer
-    than 2 GPUs, as the homework's nodes do, and ``describe_parallel`` says so."""
+    """What really runs: ``ddp`` with several ranks (``zero1`` or ``fsdp`` when asked for: speed/sharding.py),
+    ``dp`` when DataParallel was asked for (one process), else ``none`` (one process, one device, no wrapper).
+    DataParallel over one GPU or on a CPU splits nothing (torch then calls the model itself): a rehearsal of its
+    code path where the node has fewer than 2 GPUs, as the homework's nodes do, and ``describe_parallel`` says so.
+    zero1 and fsdp on one process have nothing to shard: ``none``, said too."""
     if ctx.distributed:
-        return "ddp"
+        return settings.parallel if settings.parallel in sharding.MODES else "ddp"
     return "dp" if settings.parallel == "dp" else "none"
 
 
@@ -100,7 +102,8 @@ def devices_used(mode: str, ctx) -> list[torch.device]:
     return [ctx.device]
 
 
-def describe_parallel(settings, ctx) -> str:
+def describe_parallel(settings, ctx, model: nn.Module | None = None) -> str:
+    """What runs, in a line or two (rank 0 prints it); ``model``: the prepared one, whose FSDP blocks are counted."""
     mode = parallel_mode(settings, ctx)
     if mode == "dp":
         n = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
@@ -117,13 +120,26 @@ def describe_parallel(settings, ctx) -> str:
                 f"{settings.build_ddp}: {own_ddp.PARTS[settings.build_ddp]}")
     if mode == "ddp":
         return f"parallel: DDP, {ctx.world_size} processes, gradients all-reduced in buckets during backward"
+    if mode == "zero1":
+        return (f"parallel: ZeRO-1, {ctx.world_size} processes: DDP all-reduces the gradients; each rank keeps the "
+                f"optimizer\n  state of about 1/{ctx.world_size} of the parameters (ZeroRedundancyOptimizer), steps "
+                f"them, broadcasts them")
+    if mode == "fsdp":
+        blocks = len(sharding.blocks(sharding.blueprint(unwrap(model)))) if model is not None else "its"
+        return (f"parallel: FSDP (fully_shard), {ctx.world_size} processes: each rank keeps 1/{ctx.world_size} of "
+                f"every parameter,\n  its gradient and its optimizer state; a block's weights are all-gathered for "
+                f"its\n  forward and backward, its gradients reduce-scattered ({blocks} blocks and the root)")
+    if settings.parallel in sharding.MODES:
+        return (f"parallel: {settings.parallel} with one process: nothing to shard, so plain one-process training "
+                f"on {ctx.device}\n  (recorded as none)")
     return f"parallel: none, one process on {ctx.device}"
 
 
 def prepare_model(model: nn.Module, settings, ctx, log=print) -> nn.Module:
     """Move to the device, apply the speed settings and, with several ranks, wrap in
     ``DistributedDataParallel`` (buckets of ``bucket_mb``; how its gradients travel is decided when
-    training starts: ``train.fit``); DataParallel for parallel=dp (over every GPU of the node).
+    training starts: ``train.fit``); DataParallel for parallel=dp (over every GPU of the node); for parallel=fsdp
+    no wrapper: its blocks and root are sharded in place (``speed/sharding.py``; zero1 is DDP here).
 
     Returns the module to train with; ``unwrap(result)`` gives back the plain model. Rank 0 says
     what runs (``describe_parallel``). On an error every rank is told and the process group is left.
@@ -135,7 +151,7 @@ def prepare_model(model: nn.Module, settings, ctx, log=print) -> nn.Module:
         model = _place(model, settings, ctx)
         use_fast_gpu_kernels(ctx.device)   # cuDNN's autotuner and TF32 on a GPU
         if ctx.is_main:
-            log(describe_parallel(settings, ctx))
+            log(describe_parallel(settings, ctx, model))
     return model
 
 
@@ -148,6 +164,9 @@ def _place(model: nn.Module, settings, ctx) -> nn.Module:
     model = model.to(ctx.device)
     if settings.channels_last and ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
+    if parallel_mode(settings, ctx) == "fsdp":   # FSDP: no wrapper; the model's blocks are sharded in place
+        model = sharding.shard_model(model, ctx)
+        return torch.compile(model) if settings.compile else model
     if ctx.distributed and settings.build_ddp:   # the DDP you wrote (lab/build_ddp), in the kit's loop
         model = own_ddp.wrap(model, settings.build_ddp, settings.bucket_mb)
     elif ctx.distributed:

@@ -11,13 +11,17 @@ import math
 import torch
 
 
-def build_optimizer(model: torch.nn.Module, settings) -> torch.optim.SGD:
-    """SGD with momentum; no weight decay on biases and normalisation weights (1-D tensors)."""
+def build_optimizer(model: torch.nn.Module, settings, zero: bool = False) -> torch.optim.Optimizer:
+    """SGD with momentum; no weight decay on biases and normalisation weights (1-D tensors). ``zero``
+    (parallel=zero1): the same SGD inside ZeroRedundancyOptimizer, each rank keeping the state of its share."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-    return torch.optim.SGD([{"params": decay, "weight_decay": settings.weight_decay},
-                            {"params": no_decay, "weight_decay": 0.0}],
-                           lr=settings.effective_lr, momentum=settings.momentum)
+    groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if zero:   # each rank steps the parameters it owns (about 1/N, by size) and broadcasts them (speed/sharding.py)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.SGD, lr=settings.effective_lr,
+                                       momentum=settings.momentum)
+    return torch.optim.SGD(groups, lr=settings.effective_lr, momentum=settings.momentum)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:

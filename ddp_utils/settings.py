@@ -28,7 +28,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 LOADERS = ("auto", "workers", "memory", "dali")
 COMM_MODES = ("auto", "none", "fp16", "bf16", "powersgd", "localsgd")
 PROGRESS_MODES = ("auto", "steps", "bar", "off")
-PARALLEL_MODES = ("ddp", "dp", "none")
+PARALLEL_MODES = ("ddp", "dp", "none", "zero1", "fsdp")
 
 # The fields a preset's recipe fills in when they are left out (None).
 RECIPE_FIELDS = ("arch", "batch_size", "epochs", "lr", "warmup_epochs")
@@ -112,7 +112,10 @@ class Settings:
                               "course's way); dp: DataParallel, one process driving every GPU of this node "
                               "(with one GPU or none a rehearsal: nothing to split, torch runs the model "
                               "directly); none: one process, "
-                              "one device, no wrapper", choices=PARALLEL_MODES)
+                              "one device, no wrapper; zero1: DDP, and each rank keeps 1/N of the optimizer state "
+                              "(ZeroRedundancyOptimizer); fsdp: FSDP2, each rank keeps 1/N of the parameters, "
+                              "gradients and optimizer state (docs/zero-fsdp.md). With one process zero1 and fsdp "
+                              "have nothing to shard: plain training", choices=PARALLEL_MODES)
     link_probe: bool = _f(True, "before training, time a few all-reduces of the gradients' size and one "
                                 "step's compute: link bandwidth and predicted speed-up (a few seconds)")
     comm: str = _f("none", "gradient communication: none (fp32 all-reduce, DDP's default), fp16 / bf16 (send "
@@ -212,9 +215,17 @@ class Settings:
             out.append(f"{under_no_sync} with static_graph: DDP(static_graph=True) under no_sync() crashes or "
                        f"silently stops all-reducing in current PyTorch (pytorch/pytorch#187732): drop static_graph, "
                        f"or use accumulate=1 and another comm")
-        if self.parallel != "ddp" and self.world_size > 1:
+        if self.parallel in ("dp", "none") and self.world_size > 1:
             out.append(f"parallel={self.parallel} runs one process, but world_size={self.world_size}: use "
                        f"parallel=ddp for several processes, or world_size=1")
+        ddp_only = [f"comm={self.comm}"] * (self.comm != "none") + ["static_graph"] * self.static_graph
+        if self.parallel == "fsdp" and ddp_only:   # FSDP has no DDP wrapper to hook into
+            out.append(f"{' and '.join(ddp_only)} with parallel=fsdp: these set how DDP sends the gradients, and FSDP "
+                       f"reduce-scatters them itself: use comm=none without static_graph, or parallel=ddp or zero1")
+        if self.parallel == "zero1" and (self.comm == "localsgd" or self.auto_local_sgd):
+            out.append(f"{'comm=localsgd' if self.comm == 'localsgd' else 'auto_local_sgd'} with parallel=zero1: local "
+                       f"SGD averages every rank's whole optimizer state, which ZeRO-1 splits between the ranks: use "
+                       f"another comm, or parallel=ddp")
         if self.build_ddp and (self.comm != "none" or self.accumulate > 1 or self.parallel != "ddp"):
             out.append(f"build_ddp={self.build_ddp!r} trains with your own DDP, which has no comm hooks, no no_sync() "
                        f"and no other parallel mode: use it with comm=none, accumulate=1 and parallel=ddp")

@@ -10,7 +10,9 @@
 It runs one forward pass on a dummy batch of 2 zeros (no random numbers are drawn, so the
 training RNG is untouched) with forward hooks on the layers, in eval mode and without gradients.
 DDP, DataParallel and torch.compile wrappers are unwrapped first, so the pass runs on the plain
-module on this rank alone: no collective, no deadlock when only rank 0 calls it.
+module on this rank alone: no collective, no deadlock when only rank 0 calls it. An FSDP model's forward
+all-gathers its weights (a collective): the table comes from a meta-device copy taken before sharding
+(``sharding.blueprint``), shapes without data.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from .model import unwrap
+from .speed import sharding
 
 
 def model_summary(model: nn.Module, input_shape: tuple) -> str:
@@ -28,7 +31,7 @@ def model_summary(model: nn.Module, input_shape: tuple) -> str:
     that owns parameters itself (a ViT's class token); a module called twice gets two rows, with
     its parameters counted on the first only, so the column adds up to the total.
     """
-    model = unwrap(model)
+    model = sharding.blueprint(unwrap(model))   # FSDP: its meta-device copy (a forward of the real one is a collective)
     rows = []          # (layer, output shape, parameters)
     counted = set()    # ids of parameters already in a row (shared layers, tied weights)
 

@@ -24,6 +24,7 @@ from .speed.comm import algorithm, forget_overflow, gradient_communication
 from .speed.localsgd import LocalSGD
 from .speed.powersgd import Memory as PowerSGDMemory
 from .speed.profile import StepProfiler
+from .speed import sharding
 from .optim import (ScaledStep, amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, optimizer_steps,
                     to_device)
 from .progress import Progress
@@ -230,8 +231,9 @@ def _finish_queued_work(ctx) -> float:
 def evaluate(model, loader, settings, ctx) -> dict:
     """Exact evaluation: each sample of the split counted once across ranks, sums all-reduced.
 
-    Runs on the unwrapped module (no DDP forward, so ranks with fewer batches cannot deadlock),
-    and returns the same global {loss, acc1, acc5, count} on every rank.
+    Runs on the unwrapped module (no DDP forward, so ranks with fewer batches cannot deadlock; an FSDP
+    model's forward all-gathers, so there they add empty batches), and returns the same global {loss, acc1,
+    acc5, count} on every rank.
     """
     net = unwrap(model)
     distributed.sync_buffers(net, ctx)   # DDP: every rank evaluates rank 0's model, the one saved
@@ -239,11 +241,14 @@ def evaluate(model, loader, settings, ctx) -> dict:
     net.eval()
     dtype = amp_dtype(settings, ctx.device)
     meter = Meter(ctx.device)
+    padding = sharding.forwards_to_add(net, loader, ctx)   # FSDP: as many forwards on every rank
     for images, labels in loader:
         images, labels = to_device(images, labels, settings, ctx.device)
         with autocast(dtype, ctx.device):
             logits = net(images)
         meter.update(F.cross_entropy(logits.float(), labels, reduction="sum"), logits.float(), labels)
+    for _ in range(padding):
+        net(images[:0])   # FSDP: an empty batch, counted nowhere
     net.train(was_training)
     return meter.reduced(ctx)   # DDP: sums and counts added over ranks
 
@@ -277,7 +282,8 @@ def fit(job) -> dict:
             try:
                 return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,
                             comm.timer, comm.probe, gpu, {"parallel": job.parallel, "comm": comm.choice,
-                                                          "algorithm": algorithm(comm.choice, job.ctx.world_size),
+                                                          "algorithm": algorithm(comm.choice, job.ctx.world_size,
+                                                                                 job.parallel),
                                                           "comm_reason": comm.reason,
                                                           "resumed_from": job.resume if job.state is not None else None},
                             started)
@@ -318,7 +324,7 @@ def _wait_for_the_others(what: str, job) -> None:
 
 def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm=None, probe=None,
          gpu=None, meta=None, started=None) -> dict:
-    optimizer = build_optimizer(model, settings)
+    optimizer = build_optimizer(model, settings, zero=(meta or {}).get("parallel") == "zero1")   # ZeRO-1: state sharded
     per_epoch = optimizer_steps(len(data.train), settings.accumulate)
     scheduler = build_scheduler(optimizer, settings, per_epoch)
     dtype = amp_dtype(settings, ctx.device)
@@ -359,6 +365,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
         train = train_one_epoch(model, data, optimizer, scheduler, scaler, epoch, settings, ctx, logger, step,
                                 heartbeat, comm, stepper, local_sgd, profiler)
         step = train["step"]
+        held = sharding.held_bytes(unwrap(model), optimizer)   # this rank's parameters, gradients, optimizer state
         if gpu is not None:
             gpu.phase("val")
         val = evaluate(model, data.val, settings, ctx)
@@ -404,7 +411,9 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
              "link_gbit_s": probe["link_gbit_s"] if probe else None,
              "predicted_speedup": probe["predicted_speedup"] if probe else None, "probe": probe, **gpu_use,
              # localsgd: waited after the evaluation for the momentum's average (not in the time split)
-             "localsgd_wait_s": local_sgd.waited_s if local_sgd is not None else None}
+             "localsgd_wait_s": local_sgd.waited_s if local_sgd is not None else None,
+             "memory": sharding.memory_results(held if trained_now else sharding.held_bytes(unwrap(model), optimizer),
+                                               unwrap(model), meta["parallel"], settings.momentum, ctx)}   # gathered
     extra.update(run_cost(settings, ctx, wall, trained_now))
     # Start-up, which wall_time_s (from the first epoch's start) leaves out: joining, and from the Train cell's
     # start to its first step's end. This rank's figures (results are rank 0's).
@@ -535,7 +544,8 @@ def early_stop(history: list[dict], patience: int, ctx) -> str | None:
 def _weights_finite(model, ctx) -> bool:
     """Whether every parameter and buffer is finite on every rank (one small collective per epoch)."""
     net = unwrap(model)
-    bad = sum(int(not torch.isfinite(t).all()) for t in (*net.parameters(), *net.buffers()) if t.is_floating_point())
+    tensors = map(sharding.local, (*net.parameters(), *net.buffers()))   # FSDP: this rank's shards
+    bad = sum(int(not torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
     flag = torch.tensor([float(bad)], device=ctx.device)
     return distributed.all_reduce_sum(flag, ctx).item() == 0
 
@@ -558,7 +568,7 @@ def evaluate_only(job) -> dict:
     """Evaluate the weights of ``job.state`` (rank 0's checkpoint, sent to all ranks)."""
     settings, ctx, data, model, logger, resume = job.settings, job.ctx, job.data, job.model, job.logger, job.resume
     _wait_for_the_others("evaluating", job)
-    unwrap(model).load_state_dict(job.state["model"])
+    sharding.load_model_state(unwrap(model), job.state["model"])
     val = evaluate(model, data.val, settings, ctx)
     logger.info(f"evaluated {resume} on {val['count']} images: loss {val['loss']:.4f} "
                 f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}")

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from . import linkprobe, powersgd
+from . import linkprobe, powersgd, sharding
 from .commtime import CommTimer
-from ..model import ddp_of
+from ..model import ddp_of, unwrap
 from ..optim import precision_name
 
 CHOICES = ("none", "fp16", "bf16", "powersgd", "localsgd")
@@ -61,6 +61,8 @@ def gradient_communication(model, settings, ctx, num_classes: int, image_size: i
     the resumed run continues the same run (and stays bit-exact)."""
     if not ctx.distributed:
         return Communication(reason="one process: nothing to send")
+    if sharding.is_fsdp(unwrap(model)):   # no DDP to hook into, no gradient all-reduce to probe
+        return Communication(reason="fsdp: FSDP reduce-scatters the gradients itself")
     probe = linkprobe.probe(model, settings, ctx, num_classes, image_size, log)
     if ddp_of(model) is None:   # --build-ddp: your own DDP; the loop times its finish_gradient_sync()
         return Communication(CommTimer(ctx.device), probe, "none", "your DDP (lab/build_ddp): no comm hook")
@@ -123,10 +125,15 @@ ALGORITHMS = {"none": "DDP", "fp16": "DDP, fp16 gradients", "bf16": "DDP, bf16 g
               "powersgd": "DDP, PowerSGD gradients", "localsgd": "local SGD (not DDP)"}
 
 
-def algorithm(choice: str, world_size: int) -> str:
+def algorithm(choice: str, world_size: int, parallel: str = "ddp") -> str:
     """What trains, in words, for the epoch line, results.json and the report: DDP's algorithm (one model, the
-    gradients averaged at every step; how they travel) or local SGD, which is another one."""
-    return "one process" if world_size == 1 else ALGORITHMS.get(choice, choice)
+    gradients averaged at every step; how they travel) or local SGD, which is another one; ``parallel`` zero1
+    (DDP's, the optimizer state sharded) or fsdp (parameters, gradients and optimizer state sharded)."""
+    if world_size == 1:
+        return "one process"
+    if parallel == "fsdp":
+        return "FSDP (fully sharded)"
+    return ALGORITHMS.get(choice, choice) + (" + ZeRO-1" if parallel == "zero1" else "")
 
 
 def hook_for(choice: str, settings, backend: str | None = None):
