@@ -20,6 +20,7 @@ from ddp_utils.model import build_model, describe_parallel, parallel_mode
 from ddp_utils.robust import compat
 from ddp_utils.settings import Settings
 from ddp_utils.speed import sharding
+from ddp_utils.tools.report import MODE_NAMES
 from tests.procs import base_env, describe, free_port, python, run_all
 from tests.test_gpu_paths import gpu_only, one_rank_group
 from tests.test_training import FAST, run_ranks, weights
@@ -213,7 +214,28 @@ def test_a_run_stopped_on_two_ranks_continues_on_three(tmp_path, demo_dir, stopp
     assert len(done["memory"]["per_rank"]) == 3
 
 
-# -- memory per rank: measured and predicted ------------------------------------------------------------
+# -- memory per rank: measured, predicted, in the report ------------------------------------------------
+@pytest.mark.slow
+def test_the_report_shows_each_ranks_memory_against_ddps(tmp_path, runs):
+    from ddp_utils.tools.report import write_report
+    write_report(list(runs.values()), tmp_path / "report")
+    text = (tmp_path / "report" / "results.md").read_text()
+    table = text.split("## Memory per rank: DDP, ZeRO-1, FSDP\n\n")[1].split("\n\n")[0].splitlines()
+    rows = {line.split(" | ")[1]: line.split(" | ") for line in table[2:]}
+    assert set(rows) == {MODE_NAMES[mode] for mode in runs}   # DDP, ZeRO-1 and (where it runs) FSDP
+    assert "not measured on CPU" in rows["DDP"][7] or torch.cuda.is_available()
+    ddp, zero = results(runs["ddp"])["memory"], results(runs["zero1"])["memory"]
+    assert zero["per_rank"][0]["params_bytes"] == ddp["per_rank"][0]["params_bytes"] == 4 * ddp["params"]
+    ratio = max(r["optimizer_bytes"] for r in zero["per_rank"]) / ddp["per_rank"][0]["optimizer_bytes"]
+    assert 0.45 <= ratio <= 0.6, ratio   # about half: ZeRO gives whole parameters, by size, to 2 ranks
+    assert f"{ratio:.2f}x DDP" in rows["ZeRO-1"][5]
+    if "fsdp" in runs:
+        fsdp = results(runs["fsdp"])["memory"]
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert max(r[key] for r in fsdp["per_rank"]) == pytest.approx(ddp["per_rank"][0][key] / 2, rel=0.02)
+        assert "0.50x DDP" in rows["FSDP"][3] and rows["FSDP"][6] != "-"   # and its working copy, predicted
+
+
 def test_the_formula_is_the_zero_papers():
     p, n = 1000, 4
     assert sharding.predicted_bytes("ddp", p, n) == {"params": 4000, "grads": 4000, "optimizer": 4000,

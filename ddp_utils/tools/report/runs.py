@@ -117,13 +117,14 @@ def _differing_settings(runs: list[dict]) -> list[str]:
 
 
 def parallel_mode(run: dict) -> str:
-    """``none``, ``dp`` or ``ddp``: results.json's ``parallel``, else ddp with several ranks, else none.
+    """``none``, ``dp``, ``ddp``, ``zero1`` or ``fsdp``: results.json's ``parallel``, else ddp with several ranks,
+    else none.
     One process with DDP's name is plain one-process training: none."""
     mode = run.get("parallel") or ("ddp" if run["world_size"] > 1 else "none")
     return "none" if mode == "ddp" and run["world_size"] == 1 else mode
 
 
-MODE_NAMES = {"none": "single", "dp": "DataParallel", "ddp": "DDP"}
+MODE_NAMES = {"none": "single", "dp": "DataParallel", "ddp": "DDP", "zero1": "ZeRO-1", "fsdp": "FSDP"}
 
 
 def _gpus(run: dict):

@@ -11,6 +11,7 @@ from pathlib import Path
 from .runs import _load_all, group_runs, hardware_caption, parallel_mode
 from .tables import baseline_index, compare_table, lr_notes, results_table, seed_table
 from .bounds import bottleneck_sentence
+from .memory import memory_table, shows_memory
 from .figures import DPI, plot_curves, plot_throughput, plot_time_breakdown
 from ..sweep import beside_probe
 from .grid import grid_table, is_grid, plot_grid
@@ -120,6 +121,8 @@ def report_markdown(run_dirs, baseline=None, report_cmd: str | None = None) -> s
                   "data wait, compute, communication and idle; throughput or scaling efficiency](grid.png)", ""]
     if len({parallel_mode(run) for run in runs}) > 1:
         lines += ["## Single vs DataParallel vs DDP", "", compare_table(dirs), ""]
+    if shows_memory(runs):
+        lines += ["## Memory per rank: DDP, ZeRO-1, FSDP", "", memory_table(runs), ""]
     lines += ["## Learning rate and global batch", "", *[f"- {note}" for note in lr_notes(runs)], "",
               f"**{hardware_caption(runs)}**", "",
               "Runs made with (rebuilt from each run's settings.json):", "",
