@@ -138,7 +138,9 @@ def test_validation_tensors_match_the_classic_paths_within_2_of_255_levels(photo
         b, b_labels = map(torch.cat, zip(*old))
         assert torch.equal(a_labels, b_labels) and a.shape == b.shape == (len(old.sampler), 3, image_size, image_size)
         diff = levels(a, b)
-        assert diff.max() <= LEVELS + 1e-3 and diff.mean() < 0.1
+        # mean: torchvision's bundled libjpeg-turbo and Pillow's round the decode differently by build and CPU
+        # (torch 2.6's torchvision 0.21 on this VM: 1 level on ~15 % of pixels; 0.29: on under 0.3 %)
+        assert diff.max() <= LEVELS + 1e-3 and diff.mean() < 0.2
         seen += list(fast.sampler)
     assert sorted(seen) == list(range(9))                  # every validation image once across the ranks
 
