@@ -336,3 +336,16 @@ def test_setup_and_teardown_again_and_again_never_hang():
     results = run_all([scenario("cycles", r, port) for r in range(2)], timeout=120, env=base_env())
     for r in results:
         assert r.returncode == 0 and checks(r).get("cycles") == 15, describe(results)
+
+
+def test_an_ngc_pre_release_of_the_release_that_brought_a_change_counts_as_the_release_before():
+    """Issue 37: NGC's 2.8.0a0 / 2.9.0a0 are snapshots that may predate their release's changes; the checks take the
+    safe side for them (gloo's timeout not trusted to change after init, FSDP refused on CPUs), and final releases,
+    later pre-releases and the floor's own 2.6.0a0 are read as before."""
+    assert not compat.has((2, 9), "2.9.0a0+5228986c39.nv25.09") and compat.has((2, 9), "2.9.0")
+    assert compat.has((2, 9), "2.10.0a0+abc.nv25.11") and not compat.has((2, 9), "2.8.0")
+    assert not compat.timeout_changes_after_init("gloo", "2.9.0a0+5228986c39.nv25.09")
+    assert compat.timeout_changes_after_init("gloo", "2.9.1") and compat.timeout_changes_after_init("nccl", "2.6.0a0")
+    assert compat.fsdp_refusal("cpu", "gloo", "2.7.0a0+7c8ec84dab.nv25.03") is not None
+    assert compat.fsdp_refusal("cpu", "gloo", "2.7.1") is None
+    assert compat.below_floor(NGC_25_01) is None   # the floor itself is an NGC pre-release

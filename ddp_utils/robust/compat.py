@@ -47,6 +47,17 @@ def release(version: str | None = None) -> tuple[int, int]:
     return int(found[1]), int(found[2])
 
 
+def has(since: tuple[int, int], version: str | None = None) -> bool:
+    """Whether this torch has a change that came in release ``since``. NGC builds of that release are pre-release
+    snapshots (``2.8.0a0+...``) that may predate the change: they count as the release before, the safe side of
+    every check that asks (a moment's wait, a timeout not trusted to change, a mode refused)."""
+    version = str(version or torch.__version__)
+    now = release(version)
+    if now != since:
+        return now > since
+    return not re.match(r"\d+\.\d+\.\d+(a|b|rc|\.dev)", version)
+
+
 def below_floor(version: str | None = None) -> str | None:
     """A paragraph when this torch is older than the kit's floor, else None."""
     version = str(version or torch.__version__)
@@ -125,13 +136,13 @@ def destroy_process_group(backend: str) -> None:
     tensors needs the GIL to free them: both then wait forever (seen on torch 2.6 in about 1 of 25 two-rank
     setups that stopped right after a collective, on a loaded machine). A moment with the GIL free first lets
     the workers finish."""
-    if backend == "gloo" and release() < GLOO_DESTROY_RELEASES_GIL:
+    if backend == "gloo" and not has(GLOO_DESTROY_RELEASES_GIL):
         time.sleep(SETTLE_S)
     dist.destroy_process_group()
 
 
 def destroy_path(backend: str) -> str:
-    if backend == "gloo" and release() < GLOO_DESTROY_RELEASES_GIL:
+    if backend == "gloo" and not has(GLOO_DESTROY_RELEASES_GIL):
         return f"after {SETTLE_S:g} s for gloo's workers (its destructor holds the GIL before torch 2.8)"
     return "at once"
 
@@ -139,7 +150,7 @@ def destroy_path(backend: str) -> str:
 # -- the collective timeout -------------------------------------------------------------------------
 def timeout_changes_after_init(backend: str, version: str | None = None) -> bool:
     """Whether collectives of ``backend`` honour a timeout set after the group was made."""
-    return backend == "nccl" or release(version) >= GLOO_NEW_TIMEOUT
+    return backend == "nccl" or has(GLOO_NEW_TIMEOUT, version)
 
 
 def timeout_at_init(settings, backend: str) -> float:
@@ -188,7 +199,7 @@ def fsdp_refusal(device_type: str, backend: str | None, version: str | None = No
     """One sentence when this torch cannot train ``--parallel fsdp`` on ``device_type`` over ``backend``, naming the
     version and what to do; None where it can."""
     version = str(version or torch.__version__)
-    if device_type != "cuda" and release(version) < FSDP_ON_CPU:
+    if device_type != "cuda" and not has(FSDP_ON_CPU, version):
         floor = ".".join(map(str, FSDP_ON_CPU))
         return (f"parallel=fsdp cannot train on a CPU with torch {version}: its FSDP2 (fully_shard) fails in the first "
                 f"forward there (gloo has the all-gather and reduce-scatter it needs; the CPU stream events came in "
