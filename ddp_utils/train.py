@@ -84,6 +84,7 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
     ``profiler`` (``--profile-steps A:B``, a ``profile.StepProfiler``) traces steps A to B-1.
     """
     stepper = stepper or ScaledStep(optimizer, scaler)
+    own = own_ddp.is_own(model)   # --build-ddp: your DDP, which the loop must ask to finish its all-reduces
     model.train()
     dtype = amp_dtype(settings, ctx.device)
     epoch_meter, window = Meter(ctx.device), Meter(ctx.device)
@@ -119,7 +120,7 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
                     loss = F.cross_entropy(logits, labels)
                 scaler.scale(loss if group == 1 else loss / group).backward()   # DDP: gradients are all-reduced
             if syncs:                             # (averaged) during the backward of the group's last batch
-                if own_ddp.is_own(model):         # --build-ddp: your DDP waits for its all-reduces here
+                if own:                           # --build-ddp: your DDP waits for its all-reduces here
                     started = comm.span()
                     model.finish_gradient_sync()
                     comm.end_span(started)

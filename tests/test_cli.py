@@ -205,7 +205,7 @@ def test_check_on_a_gpu_node_switches_on_nccls_own_log_so_step_5_can_read_its_in
     from ddp_utils.distributed import DistSetupError
     monkeypatch.delenv("NCCL_DEBUG", raising=False)
     monkeypatch.delenv("NCCL_DEBUG_SUBSYS", raising=False)
-    monkeypatch.setattr(check, "_wants_nccl", lambda: True)
+    monkeypatch.setattr(check, "resolve_backend", lambda settings: "nccl")   # a GPU node
     seen = {}
 
     def setup(settings, log):

@@ -819,7 +819,7 @@ def test_report_prints_the_checks_all_reduce_sweep_beside_the_runs_link_probe(tm
     text = report.report_markdown([ddp, single])
     section = text.split("## The link between the ranks", 1)[1].split("##", 1)[0]
     assert "ddp2: the link probe before training measured 7.5 Gbit/s" in section, section
-    assert "moved 46.8 MB in 50.0 ms, busbw 7.48 Gbit/s" in section and "4.1 kB: 0.20 ms, the latency" in section
+    assert "moved 46.8 MB in 50.0 ms, busbw 7.48 Gbit/s" in section and "4.1 KB: 0.20 ms, the latency" in section
     assert "single" not in section
 
 

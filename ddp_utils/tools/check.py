@@ -17,7 +17,7 @@ from ..progress import interactive
 from ..distributed import DistSetupError
 from ..robust import compat
 from ..data import loader_for
-from ..robust.preflight import SMALL_SHM, hardware_report, preflight
+from ..robust.preflight import SMALL_SHM, hardware_report, preflight, resolve_backend
 from . import sweep
 
 
@@ -91,7 +91,7 @@ def hardware_problems(settings, report: dict) -> list[str]:
 def _prove_collective(settings, summary: dict | None, log) -> bool:
     """Join the real process group (as train does), all-reduce payloads up to the model's gradient size, leave.
     Rank 0 saves the sweep under the runs folder's ``check/`` for ``report``."""
-    if settings.backend != "gloo" and _wants_nccl():
+    if resolve_backend(settings) == "nccl":
         os.environ.setdefault("NCCL_DEBUG", "INFO")         # NCCL's own lines: which interface it uses (NET/Socket)
         os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
     try:
@@ -117,12 +117,6 @@ def _prove_collective(settings, summary: dict | None, log) -> bool:
         return False
     finally:
         distributed.teardown()
-
-
-def _wants_nccl() -> bool:
-    """Whether this rank would pick NCCL (a GPU and an NCCL build)."""
-    import torch
-    return torch.cuda.is_available() and torch.distributed.is_nccl_available()
 
 
 def _gradient_bytes(settings, summary: dict | None) -> int:

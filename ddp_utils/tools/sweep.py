@@ -13,6 +13,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from ..robust.files import atomic_write_text
+
 SMALLEST = 4 << 10     # 4 KiB
 REPEATS = 5            # timed rounds per size (after one warm-up); the median is kept
 
@@ -70,13 +72,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _size(nbytes: int) -> str:
-    for unit, scale in (("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes} B"
-
-
 def save(folder: Path, settings, backend: str, rows: list[dict]) -> Path:
     """Rank 0: the sweep as ``folder/allreduce-<YYYYmmdd-HHMMSS>.json`` (a new file each time, never replacing one)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -87,10 +82,7 @@ def save(folder: Path, settings, backend: str, rows: list[dict]) -> Path:
         path = folder / f"allreduce-{stamp}-{n}.json"
     data = {"when": datetime.now().isoformat(timespec="seconds"), "master": f"{settings.master_addr}:"
             f"{settings.master_port}", "world_size": settings.world_size, "backend": backend, "rows": rows}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def newest(folder: Path, world_size: int) -> dict | None:
@@ -104,23 +96,3 @@ def newest(folder: Path, world_size: int) -> dict | None:
             return {**data, "path": str(path)}
     return None
 
-
-def beside_probe(run: dict) -> str | None:
-    """One line for a multi-rank run: its link probe's bandwidth beside the newest sweep `check` saved next to it
-    (``<runs folder>/check/``) for the same number of ranks; None when there is neither."""
-    if run.get("world_size", 1) < 2:
-        return None
-    found = newest(Path(run["run_dir"]).parent / "check", run["world_size"])
-    probe = run.get("link_gbit_s")
-    said = [f"{run['name']}: the link probe before training measured {probe:.3g} Gbit/s"] if probe is not None \
-        else [f"{run['name']}: no link probe (--no-link-probe, or a kit without one)"]
-    if found:
-        top = found["rows"][-1]
-        said.append(f"`check`'s all-reduce sweep ({found['when']}, {found['backend']}, {Path(found['path']).name}) "
-                     f"moved {_size(top['bytes'])} in {1e3 * top['seconds']:.1f} ms, busbw "
-                     f"{top['busbw_gbit_s']:.3g} Gbit/s (the smallest payload, {_size(found['rows'][0]['bytes'])}: "
-                     f"{1e3 * found['rows'][0]['seconds']:.2f} ms, the latency)")
-    else:
-        said.append("no `check` sweep for this many ranks beside the run folder (run `python -m ddp_utils check` "
-                    "on every node before training)")
-    return "; ".join(said) + "."

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 
 
+from pathlib import Path
+
 from ...speed.gpu_monitor import describe_per_device
+from .. import sweep
+from .memory import size
 from .runs import parallel_mode
 from .tables import _seconds_per_epoch
 
@@ -152,3 +156,22 @@ def bottleneck_sentence(run: dict, baseline_run: dict | None = None) -> str:
     return f"{name}: {text}."
 
 
+def beside_probe(run: dict) -> str | None:
+    """One line for a multi-rank run: its link probe's bandwidth beside the newest sweep `check` saved next to it
+    (``<runs folder>/check/``) for the same number of ranks; None when there is neither."""
+    if run.get("world_size", 1) < 2:
+        return None
+    found = sweep.newest(Path(run["run_dir"]).parent / "check", run["world_size"])
+    probe = run.get("link_gbit_s")
+    said = [f"{run['name']}: the link probe before training measured {probe:.3g} Gbit/s"] if probe is not None \
+        else [f"{run['name']}: no link probe (--no-link-probe, or a kit without one)"]
+    if found:
+        top = found["rows"][-1]
+        said.append(f"`check`'s all-reduce sweep ({found['when']}, {found['backend']}, {Path(found['path']).name}) "
+                     f"moved {size(top['bytes'])} in {1e3 * top['seconds']:.1f} ms, busbw "
+                     f"{top['busbw_gbit_s']:.3g} Gbit/s (the smallest payload, {size(found['rows'][0]['bytes'])}: "
+                     f"{1e3 * found['rows'][0]['seconds']:.2f} ms, the latency)")
+    else:
+        said.append("no `check` sweep for this many ranks beside the run folder (run `python -m ddp_utils check` "
+                    "on every node before training)")
+    return "; ".join(said) + "."

@@ -10,10 +10,9 @@ from pathlib import Path
 
 from .runs import _load_all, group_runs, hardware_caption, parallel_mode
 from .tables import baseline_index, compare_table, lr_notes, results_table, seed_table
-from .bounds import bottleneck_sentence
+from .bounds import beside_probe, bottleneck_sentence
 from .memory import memory_table, shows_memory
 from .figures import DPI, plot_curves, plot_throughput, plot_time_breakdown
-from ..sweep import beside_probe
 from .grid import grid_table, is_grid, plot_grid
 
 
