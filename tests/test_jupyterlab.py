@@ -184,14 +184,44 @@ PROMPTS = "const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-Input
 
 def wait_until_done(page, timeout_ms: int = RUN_BOUND_MS) -> list[str]:
     """Wait until no cell is running or queued; the code cells' prompts (``[3]:`` ran, ``[ ]:`` did not)."""
-    page.wait_for_function("() => {" + PROMPTS + "return !prompts.some(p => p.includes('*')); }", timeout=timeout_ms)
+    wait_js(page, "() => {" + PROMPTS + "return !prompts.some(p => p.includes('*')); }", None, timeout_ms,
+            "every cell to finish")
     return page.evaluate("() => {" + PROMPTS + "return prompts; }")
 
 
 def wait_for_output(page, words: str, timeout_ms: int) -> None:
     """Wait until a cell's output shows ``words`` (widgets' padding read as spaces)."""
-    page.wait_for_function("""words => [...document.querySelectorAll('.jp-OutputArea-output')].some(
-        e => e.textContent.replace(/[\\u00a0\\u2007]/g, ' ').includes(words))""", arg=words, timeout=timeout_ms)
+    wait_js(page, """words => [...document.querySelectorAll('.jp-OutputArea-output')].some(
+        e => e.textContent.replace(/[\\u00a0\\u2007]/g, ' ').includes(words))""", words, timeout_ms,
+            f"an output showing {words!r}")
+
+
+def wait_js(page, js: str, arg, timeout_ms: int, what: str) -> None:
+    """Wait until ``js`` is true, in slices, answering a kernel question JupyterLab may ask meanwhile (seen under
+    load); at the bound, fail with what the page shows (prompts, kernel state, dialog, the last output), so that a
+    run that stopped in CI says where."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:
+        take_proposed_kernel(page)
+        try:
+            page.wait_for_function(js, arg=arg, timeout=max(1, min(5.0, deadline - time.monotonic())) * 1000)
+            return
+        except PlaywrightTimeout:
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"{page.url}: no {what} within {timeout_ms / 1000:.0f} s.\n"
+                                     + page_state(page)) from None
+
+
+def page_state(page) -> str:
+    """The notebook's state in a few lines, for a failure message."""
+    prompts = page.evaluate("() => {" + PROMPTS + "return prompts; }")
+    status = page.locator(".jp-Notebook-ExecutionIndicator").first
+    dialog = page.locator(".jp-Dialog")
+    return (f"prompts: {prompts}\nkernel: "
+            f"{status.get_attribute('data-status') if status.count() else 'no indicator'}\n"
+            f"dialog: {dialog.first.text_content() if dialog.count() else 'none'}\n"
+            f"the page's last output:\n{text(page)[-2500:]}")
 
 
 def text(page) -> str:
