@@ -13,9 +13,11 @@ process on one thread (DataLoader workers=0, DALI num_threads=1), each up to wha
 
   course             Pillow decodes the whole JPEG; RandomResizedCrop, flip, ToTensor, Normalize per image:
                      normalised float32 batches
-  kit workers        torchvision.io.decode_jpeg (libjpeg-turbo); v2 crop, resize and flip on uint8: uint8 batches,
-                     normalised afterwards on the GPU (what --loader workers does for ImageNet, ddp_utils/speed/fastjpeg.py)
-  ... + normalise    the same with the batch normalisation on this CPU too, as in a CPU-only run
+  kit workers        torchvision.io.decode_jpeg (libjpeg-turbo); crop, resize and flip on uint8 with v2's kernels:
+                     uint8 batches, normalised afterwards on the GPU (what --loader workers does for ImageNet,
+                     ddp_utils/speed/fastjpeg.py)
+  ... + normalise    the same with the batch normalisation on this CPU too, as in a CPU-only run (into memory
+                     reused from batch to batch: fastjpeg.ReusedBatches)
   Pillow draft       Pillow decodes at 1/2, 1/4 or 1/8 scale when the crop is still at least 224 px there (draft()),
                      crops and resizes with Pillow: uint8 batches
   DALI CPU           --loader dali's pipeline on the CPU (device_id=None; decodes only the crop's region):
@@ -51,9 +53,10 @@ from results import Recorder, add_out, busy_cpu_seconds  # noqa: E402  (benchmar
 
 LABELS = {   # what each path is, as the table says it
     "course": "course: Pillow decodes, RandomResizedCrop, ToTensor, Normalize per image (float32 batches)",
-    "kit workers": "**kit `--loader workers`**: `decode_jpeg`, v2 crop/resize/flip on uint8 (uint8 batches; the GPU "
-                   "normalises)",
-    "kit workers, normalised on the CPU": "the same with the normalisation on this CPU too (a CPU-only run)",
+    "kit workers": "**kit `--loader workers`**: `decode_jpeg`, crop/resize/flip with v2's kernels on uint8 (uint8 "
+                   "batches; the GPU normalises)",
+    "kit workers, normalised on the CPU": "the same with the normalisation on this CPU too (a CPU-only run; into "
+                                          "reused memory)",
     "Pillow draft": "Pillow `draft()` where the crop allows, Pillow crop and resize (uint8 batches)",
     "DALI CPU": "DALI's CPU pipeline, `--loader dali` without a GPU (float32 batches)",
     "kit workers, 288-px copy": "kit `--loader workers` on the 288-px copy from `resize_imagenet.py` (uint8 batches)",

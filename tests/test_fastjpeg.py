@@ -204,3 +204,60 @@ def test_an_unreadable_file_is_the_kits_paragraph_naming_it(imagenet):
     with pytest.raises(DataError, match="Pillow cannot read") as e:
         fastjpeg.decode_rgb(str(bad))
     assert str(bad) in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU's normalisation: ToTensor + Normalize's bits, into memory reused only when nothing holds it
+# ---------------------------------------------------------------------------------------------
+def test_cpu_normalisation_gives_to_tensor_and_normalize_bits_for_every_level_and_channel():
+    from torchvision import transforms as T
+    preset = load_preset("imagenet")
+    every = torch.arange(256, dtype=torch.uint8).view(16, 16).expand(3, 16, 16).contiguous()   # all 256 levels
+    images = torch.stack([every, torch.randint(0, 256, (3, 16, 16), dtype=torch.uint8)])
+    classic_bits = torch.stack([T.Normalize(preset.mean, preset.std)(T.ToTensor()(Image.fromarray(im.permute(1, 2, 0)
+                                                                                                  .numpy())))
+                                for im in images])
+    to_device = fastjpeg.DeviceNormalize(preset, "cpu")
+    for _ in range(3):   # a fresh buffer, then reused ones
+        (x, _), = to_device([(images, torch.tensor([0, 1]))])
+        assert torch.equal(x, classic_bits)
+        del x
+
+
+def test_cpu_batches_reuse_memory_only_once_nothing_holds_them():
+    preset = load_preset("imagenet")
+    batches = [(torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8), torch.arange(4)) for _ in range(6)]
+    expected = [normalize(x, fastjpeg.DeviceNormalize(preset).mean, fastjpeg.DeviceNormalize(preset).std)
+                for x, _ in batches]
+
+    kept = [x for x, _ in fastjpeg.DeviceNormalize(preset, "cpu")(batches)]   # a loop that keeps its batches
+    assert len({x.data_ptr() for x in kept}) == 6 and all(torch.equal(a, b) for a, b in zip(kept, expected))
+
+    to_device = fastjpeg.DeviceNormalize(preset, "cpu")
+    addresses = [x.data_ptr() for x, _ in to_device(batches)]   # a training loop: each batch dropped for the next
+    kept_memory = {s.data_ptr() for s in to_device.reuse.storages}
+    assert len(kept_memory) == 2 and set(addresses) == kept_memory   # two buffers serve all six batches
+
+    # a view of a batch, or a graph still to run backward, keeps that batch's memory out of reuse
+    conv = torch.nn.Conv2d(3, 2, 3)
+    losses, views = [], []
+    for i, (x, _) in enumerate(fastjpeg.DeviceNormalize(preset, "cpu")(batches)):
+        assert torch.equal(x, expected[i])
+        if i < 2:
+            losses.append(conv(x.requires_grad_(False)).sum())   # conv saves its input for the weight gradient
+        elif i < 4:
+            views.append(x[0])
+    sum(losses).backward()   # would fail ("modified by an inplace operation") had a saved input been overwritten
+    assert all(torch.equal(v, expected[2 + k][0]) for k, v in enumerate(views))
+
+
+def test_train_crops_are_the_classic_random_resized_crops_and_flips_for_the_same_draws(photos):
+    from torchvision import transforms as T
+    image = fastjpeg.decode_rgb(str(next((photos / "train").glob("*/*.JPEG"))))
+    fast = fastjpeg.train_transform(load_preset("imagenet"), 48)
+    v2_steps = T.v2.Compose([T.v2.RandomResizedCrop(48, antialias=True), T.v2.RandomHorizontalFlip()])
+    torch.manual_seed(5)
+    ours = [fast(image) for _ in range(20)]
+    torch.manual_seed(5)
+    assert all(torch.equal(a, v2_steps(image)) for a in ours)   # the same draws, the same kernels: the same bits
+    assert len({a.sum().item() for a in ours}) > 10             # and they are random crops

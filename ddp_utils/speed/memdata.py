@@ -126,13 +126,16 @@ def crop_flip(images: Tensor, pad: int, flip: bool, generator: torch.Generator) 
     return out
 
 
-def normalize(images: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+def normalize(images: Tensor, mean: Tensor, std: Tensor, out: Tensor | None = None) -> Tensor:
     """uint8 (B, 3, H, W) -> float32 (B, 3, H, W): x / 255, then (x - mean) / std per channel.
 
     The same operations in the same order as ToTensor + Normalize, so bit-identical results.
-    ``mean`` and ``std`` are float32 (3, 1, 1) on the images' device.
+    ``mean`` and ``std`` are float32 (3, 1, 1) on the images' device. ``out``: a float32 tensor of the images'
+    shape to write into (the uint8 -> float32 copy is exact, so the result is the same bits).
     """
-    return images.float().div_(255).sub_(mean).div_(std)
+    if out is None:
+        return images.float().div_(255).sub_(mean).div_(std)
+    return out.copy_(images).div_(255).sub_(mean).div_(std)
 
 
 def _stats(preset: Preset, device) -> tuple[Tensor, Tensor]:
