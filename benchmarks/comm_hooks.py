@@ -39,15 +39,34 @@ from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 COMMS = ("none", "localsgd", "auto", "powersgd", "none+acc4")
 
 
+EXTRAS = {"acc": ("accumulate", int), "avg": ("average_every", int), "wu": ("powersgd_warmup_steps", int),
+          "mc": ("powersgd_min_compression", float)}
+
+
 def setting(name: str) -> dict:
     """The settings of a compared name: ``fp16``; ``none+acc4`` (--accumulate 4: all-reduce every 4 batches);
-    ``localsgd+avg4`` (--average-every 4: average the weights every 4 steps)."""
+    ``localsgd+avg4`` (--average-every 4: average the weights every 4 steps); ``powersgd+wu20+mc2``
+    (--powersgd-warmup-steps 20, --powersgd-min-compression 2)."""
     comm, *extras = name.split("+")
     out = {"comm": comm}
     for extra in extras:
-        key = {"acc": "accumulate", "avg": "average_every"}[extra[:3]]
-        out[key] = int(extra[3:])
+        prefix = extra[:3] if extra[:3] in EXTRAS else extra[:2]
+        key, kind = EXTRAS[prefix]
+        out[key] = kind(extra[len(prefix):])
     return out
+
+
+def paired(row: list[float], base: list[float]) -> list[float]:
+    """Seed by seed: a run's figure minus the exact all-reduce's (none) on the same link and seed."""
+    return [a - b for a, b in zip(row, base)]
+
+
+def interval90(values: list[float]) -> tuple[float, float]:
+    """The 90 % t-interval of the mean of ``values`` (two or more)."""
+    from scipy import stats
+    mean, sem = statistics.mean(values), statistics.stdev(values) / len(values) ** 0.5
+    half = stats.t.ppf(0.95, len(values) - 1) * sem
+    return mean - half, mean + half
 
 
 def train(run_dir: Path, rank: int, world_size: int, addr: str, port: int, seed: int, name: str, args) -> list[str]:
@@ -117,8 +136,8 @@ def main() -> None:
     comms, rates = args.comms.split(","), args.rates.split(",")
     pairs = ([tuple(pair.split("/")) for pair in args.runs.split(",")] if args.runs else
              [(r, c) for r in rates for c in comms])
-    rows: dict[tuple, dict[str, list]] = {key: {"ips": [], "ratio": [], "late": [], "acc1": [], "chose": [], "comm": [],
-                                                "compute_ms": [], "comm_ms": []}
+    rows: dict[tuple, dict[str, list]] = {key: {"ips": [], "ratio": [], "late": [], "acc1": [], "val_loss": [],
+                                                "chose": [], "comm": [], "compute_ms": [], "comm_ms": []}
                                           for key in [("-", "1 rank"), *pairs]}
     with tempfile.TemporaryDirectory() as tmp, netns.two_hosts("10.213.10") as hosts:
         args.data = Path(tmp, "demo")
@@ -132,6 +151,7 @@ def main() -> None:
             alone["ratio"].append(0.5)
             alone["late"].append(0.5)
             alone["acc1"].append(one["acc1"])
+            alone["val_loss"].append(one["history"][-1]["val"]["loss"])
             alone["compute_ms"].append(per_step_ms(one, "compute_s"))
             for rate, comm in pairs:
                 shape(hosts, rate)
@@ -143,6 +163,7 @@ def main() -> None:
                 half = len(two["history"]) // 2
                 row["late"].append(throughput(two, half) / (2 * throughput(one, half)))
                 row["acc1"].append(two["acc1"])
+                row["val_loss"].append(two["history"][-1]["val"]["loss"])
                 row["chose"].append(two["comm"])
                 row["comm"].append(100 * two["comm_s"] / two["train_time_s"])
                 row["compute_ms"].append(per_step_ms(two, "compute_s"))
@@ -154,7 +175,8 @@ def main() -> None:
     fast = rows.get(("unshaped", "none"), {}).get("ips")   # the goal: a slow link as fast as this one
     table = ["| run | link | --comm (chosen) | img/s | of 2 x one rank | the same, second half of the run | of the "
              "unshaped link, none | comm waited (% of train time) | per step: compute / comm waited (ms) | final Acc@1 "
-             "(%) |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "(%) | Acc@1 vs none, paired (points) | val loss vs none, paired (90 % interval) |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for (rate, name), row in rows.items():
         chosen = "-" if name == "1 rank" else f"{name} ({'/'.join(sorted(set(row['chose'])))})"
         comm = pm(row["comm"], ".0f") if row["comm"] else "-"
@@ -163,8 +185,18 @@ def main() -> None:
         if fast and label == "2 ranks":
             row["of_unshaped"] = [a / b for a, b in zip(row["ips"], fast)]
         of_fast = pm(row["of_unshaped"], ".2f") if "of_unshaped" in row else "-"
+        exact = rows.get((rate, "none"))
+        vs_acc = vs_loss = "-"
+        if exact is not None and name != "none" and label == "2 ranks":
+            row["acc1_vs_none"] = paired(row["acc1"], exact["acc1"])
+            row["val_loss_vs_none"] = paired(row["val_loss"], exact["val_loss"])
+            vs_acc = pm(row["acc1_vs_none"], "+.2f")
+            vs_loss = pm(row["val_loss_vs_none"], "+.3f")
+            if len(seeds) > 1:
+                vs_loss += " ({:+.3f} .. {:+.3f})".format(*interval90(row["val_loss_vs_none"]))
         table.append(f"| {label} | {rate} | {chosen} | {pm(row['ips'], '.0f')} | {pm(row['ratio'], '.2f')} | "
-                     f"{pm(row['late'], '.2f')} | {of_fast} | {comm} | {step} | {pm(row['acc1'], '.2f')} |")
+                     f"{pm(row['late'], '.2f')} | {of_fast} | {comm} | {step} | {pm(row['acc1'], '.2f')} | "
+                     f"{vs_acc} | {vs_loss} |")
     print("\n".join(table))
     # figures["1gbit/localsgd"]["acc1"] = {"mean": ..., "std": ..., "values": [one a seed]}
     recorder.save({f"{rate}/{name}" if rate != "-" else name: {

@@ -38,7 +38,7 @@ MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_r
               "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
               "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps",
-              "comm_auto_share", "average_every", "localsgd_warmup_steps", "auto_local_sgd", "profile_steps", "build_ddp")
+              "powersgd_min_compression", "comm_auto_share", "average_every", "localsgd_warmup_steps", "auto_local_sgd", "profile_steps", "build_ddp")
 
 
 def _f(default, help: str, **kw):
@@ -137,8 +137,12 @@ class Settings:
     static_graph: bool = _f(False, "tell DDP the model runs the same layers every step (lets it skip per-step "
                                    "bookkeeping and overlap better); wrong for models with data-dependent branches")
     powersgd_rank: int = _f(4, "PowerSGD: rank of the low-rank approximation (higher = closer to exact, more bytes)")
-    powersgd_warmup_steps: int = _f(10, "PowerSGD: steps of exact fp32 all-reduce before compressing (lets the "
-                                        "error feedback start from sensible gradients)")
+    powersgd_warmup_steps: int = _f(0, "PowerSGD: steps of exact fp32 all-reduce before compressing (the start of "
+                                       "training is the most sensitive to inexact gradients); 0: a tenth of the run's "
+                                       "optimizer steps (PyTorch's guidance), at least 10 and at most 1000")
+    powersgd_min_compression: float = _f(4.0, "PowerSGD: send a gradient exact unless its approximation is at least "
+                                              "this many times smaller (PyTorch's min_compression_rate, 2 there): a "
+                                              "small classifier costs few bytes exact and loses the most compressed")
     average_every: int = _f(8, "localsgd: average the weights over the ranks every this many optimizer steps "
                                "(1/average_every of the traffic; the ranks drift apart in between)", type=int)
     localsgd_warmup_steps: int = _f(8, "localsgd: optimizer steps of plain DDP (gradients all-reduced) before the "
@@ -185,7 +189,8 @@ class Settings:
             if choices and getattr(self, f.name) not in choices:
                 out.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         positive = ("epochs", "batch_size", "lr_reference_batch", "init_timeout", "collective_timeout",
-                    "log_every", "bucket_mb", "powersgd_rank", "accumulate", "average_every")
+                    "log_every", "bucket_mb", "powersgd_rank", "powersgd_min_compression", "accumulate",
+                    "average_every")
         not_negative = ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr", "weight_decay",
                         "momentum", "local_rank", "threads", "patience", "powersgd_warmup_steps",
                         "localsgd_warmup_steps", "comm_auto_share", "price_per_hour")

@@ -277,8 +277,9 @@ def fit(job) -> dict:
         with heartbeat, GpuMonitor(devices_used(job.parallel, job.ctx), per_device=job.parallel == "dp") as gpu:
             if job.communication is None:   # DDP: how the gradients travel (all_reduce, or compressed), timed
                 kept = ((job.state or {}).get("comm") or {}).get("choice")   # a resume: comm=auto's choice at the start
+                steps = job.settings.epochs * optimizer_steps(len(job.data.train), job.settings.accumulate)
                 job.communication = gradient_communication(job.model, job.settings, job.ctx, job.data.num_classes,
-                                                           job.data.image_size, job.log, kept)
+                                                           job.data.image_size, job.log, kept, steps)
             comm = job.communication
             try:
                 return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,

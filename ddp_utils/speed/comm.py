@@ -9,8 +9,9 @@ all-reduce; PyTorch ships the ones used here:
   a rounding of the averaged gradient (fp16 keeps more digits, bf16 more range);
 - ``powersgd``: send a rank-``powersgd_rank`` approximation of each gradient matrix (Vogels et al.,
   2019), with error feedback (what the approximation missed is added to the next step's gradient)
-  and warm start; the first ``powersgd_warmup_steps`` steps use the exact all-reduce. Far fewer
-  bytes, some extra compute per step. Its memory (error feedback, warm start) is kept by parameter
+  and warm start; the first steps use the exact all-reduce (``powersgd_warmup``: a tenth of the run by
+  default), and a gradient that rank-r would shrink less than ``powersgd_min_compression`` times (a small
+  classifier) is always sent exact. Far fewer bytes, some extra compute per step. Its memory (error feedback, warm start) is kept by parameter
   (``powersgd.py``) and goes into the checkpoint: a resume is bit-exact;
 - ``localsgd``: no gradient all-reduce; each rank steps on its own gradients and the weights are averaged
   every ``average_every`` steps (``localsgd.py``);
@@ -41,6 +42,9 @@ CHOICES = ("none", "fp16", "bf16", "powersgd", "localsgd")
 # comm=auto takes local SGD while its averages are predicted to take at most this share of the time; beyond,
 # the link is so slow that PowerSGD's much smaller messages at every step win (measured: docs/benchmarks.md)
 LOCALSGD_LIMIT = 0.5
+# PowerSGD's exact warm-up when powersgd_warmup_steps is 0: PyTorch's guidance for start_powerSGD_iter is to start
+# from 10 % of the training steps; at least 10 (short runs), at most 1000 (PyTorch's default)
+WARMUP_SHARE, WARMUP_MIN, WARMUP_MAX = 0.1, 10, 1000
 
 
 @dataclass
@@ -53,12 +57,13 @@ class Communication:
 
 
 def gradient_communication(model, settings, ctx, num_classes: int, image_size: int, log=print,
-                           kept: str | None = None) -> Communication:
+                           kept: str | None = None, total_steps: int = 0) -> Communication:
     """Probe the link, choose the hook (``settings.comm``, ``auto`` from the probe) and register it,
     timed, on the DDP model. With one rank: nothing to send, nothing registered.
 
     ``kept``: the hook a resumed run's checkpoint names. comm=auto keeps it, whatever the probe says now:
-    the resumed run continues the same run (and stays bit-exact)."""
+    the resumed run continues the same run (and stays bit-exact). ``total_steps``: the run's optimizer steps
+    (PowerSGD's default warm-up is a share of them)."""
     if not ctx.distributed:
         return Communication(reason="one process: nothing to send")
     if sharding.is_fsdp(unwrap(model)):   # no DDP to hook into, no gradient all-reduce to probe
@@ -67,7 +72,11 @@ def gradient_communication(model, settings, ctx, num_classes: int, image_size: i
     if ddp_of(model) is None:   # --build-ddp: your own DDP; the loop times its finish_gradient_sync()
         return Communication(CommTimer(ctx.device), probe, "none", "your DDP (lab/build_ddp): no comm hook")
     choice, why = choose(settings, probe, kept, precision_name(settings, ctx.device))
-    hook, state = hook_for(choice, settings, ctx.backend)
+    hook, state = hook_for(choice, settings, ctx.backend, total_steps)
+    if choice == "powersgd":
+        why += (f";\n  exact for the first {powersgd_warmup(settings, total_steps)} of {total_steps} steps, and for "
+                f"the gradients rank {settings.powersgd_rank} would shrink less than "
+                f"{settings.powersgd_min_compression:g}x")
     if isinstance(state, powersgd.Memory):
         state.attach(ddp_of(model))   # its memory is kept by parameter name
     timer = CommTimer(ctx.device)
@@ -136,9 +145,9 @@ def algorithm(choice: str, world_size: int, parallel: str = "ddp") -> str:
     return ALGORITHMS.get(choice, choice) + (" + ZeRO-1" if parallel == "zero1" else "")
 
 
-def hook_for(choice: str, settings, backend: str | None = None):
-    """``(hook, state)`` to register on a DDP model for ``choice``."""
-    hook, state = _hook_for(choice, settings)
+def hook_for(choice: str, settings, backend: str | None = None, total_steps: int = 0):
+    """``(hook, state)`` to register on a DDP model for ``choice`` (``total_steps``: the run's optimizer steps)."""
+    hook, state = _hook_for(choice, settings, total_steps)
     if choice == "powersgd" and backend == "gloo":
         hook = one_bucket_at_a_time(hook)
     return hook, state
@@ -170,7 +179,15 @@ def forget_overflow(state) -> None:
         state.forget()
 
 
-def _hook_for(choice: str, settings):
+def powersgd_warmup(settings, total_steps: int) -> int:
+    """Optimizer steps of exact all-reduce before PowerSGD compresses: ``powersgd_warmup_steps`` when set, else
+    a tenth of ``total_steps`` within 10..1000; never under 2 (DDP rebuilds its buckets after step 1)."""
+    if settings.powersgd_warmup_steps:
+        return max(2, settings.powersgd_warmup_steps)
+    return max(2, WARMUP_MIN, min(WARMUP_MAX, round(WARMUP_SHARE * total_steps)))
+
+
+def _hook_for(choice: str, settings, total_steps: int = 0):
     if choice in ("none", "localsgd"):   # localsgd: its warm-up steps are plain DDP (localsgd.py does the rest)
         return default_hooks.allreduce_hook, None
     if choice == "fp16":
@@ -180,8 +197,8 @@ def _hook_for(choice: str, settings):
     if choice == "powersgd":
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=settings.powersgd_rank,
-            # PyTorch needs 2+ exact steps first (DDP rebuilds its buckets after step 1)
-            start_powerSGD_iter=max(2, settings.powersgd_warmup_steps),
+            start_powerSGD_iter=powersgd_warmup(settings, total_steps),
+            min_compression_rate=settings.powersgd_min_compression,
             use_error_feedback=True, warm_start=True, random_seed=settings.seed)
         return powersgd.hook, powersgd.Memory(state, settings.seed)
     raise ValueError(f"comm={choice!r} is not one of {', '.join(CHOICES)}")
