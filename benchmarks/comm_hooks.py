@@ -112,7 +112,7 @@ def per_step_ms(results: dict, key: str, first: int = 1) -> float:
 def pm(values: list[float], fmt: str) -> str:
     if len(values) < 2:
         return format(values[0], fmt)
-    return f"{format(statistics.mean(values), fmt)} +- {format(statistics.stdev(values), fmt)}"
+    return f"{format(statistics.mean(values), fmt)} +- {format(statistics.stdev(values), fmt.lstrip('+'))}"
 
 
 def main() -> None:
