@@ -243,6 +243,21 @@ def test_launch_refuses_the_flags_it_sets_itself():
     assert "Traceback" not in res.output
 
 
+def test_launch_gives_its_ranks_the_nccl_error_handling_that_lets_the_kits_watch_speak_first(tmp_path):
+    """Issue 37, finding 1: torchrun gives its workers the agent's TORCH_NCCL_ASYNC_ERROR_HANDLING or else 1
+    (SIGABRT of every survivor when NCCL sees a dead peer, before the kit's watch names it). launch starts torchrun
+    with the kit's 2 unless the user chose a value; checked in a worker torchrun started with that environment."""
+    var = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    script = tmp_path / "show.py"
+    script.write_text(f"import os; print('seen', os.environ.get({var!r}))\n")
+    user = {k: v for k, v in base_env().items() if k != var}
+    for environ, expected in ((user, "2"), ({**user, var: "3"}, "3")):
+        env = launch_module.child_env(environ)
+        [res] = run_all([python("-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+                                str(free_port()), str(script))], timeout=120, env=env)
+        assert res.returncode == 0 and f"seen {expected}" in res.output, res.output
+
+
 # -- the notebook function ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_notebook_function_streams_rank_0s_lines_as_they_come_and_returns_its_results(tmp_path):

@@ -126,8 +126,14 @@ def torchrun_argv(plans: list, train: list[str], log_dir: Path, max_restarts: in
 
 
 def child_env(environ=None) -> dict:
-    """The launcher's environment, without the variables that would give a child another identity."""
+    """The launcher's environment, without the variables that would give a child another identity, and with the
+    kit's NCCL error handling unless the user chose one: torchrun gives its workers the agent's value of
+    TORCH_NCCL_ASYNC_ERROR_HANDLING or else 1, which SIGABRTs every survivor of a dead peer before the kit's watch
+    can name it (distributed.NCCL_ENV)."""
+    from ..distributed import NCCL_ENV
     env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in IDENTITY_VARS}
+    for var, value in NCCL_ENV.items():
+        env.setdefault(var, value)
     env["PYTHONUNBUFFERED"] = "1"     # lines arrive as they are printed, not in 8 KB blocks
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
     env[PARENT_VAR] = str(os.getpid())
