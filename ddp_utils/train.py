@@ -311,12 +311,12 @@ def fit(job) -> dict:
         broken = (job.ctx.distributed and isinstance(exc, RuntimeError)
                   and not isinstance(exc, distributed.PeerLost))   # a collective that broke, maybe for a peer
         failure = distributed.peer_failure(job.ctx) if broken else None   # a store call: asked once
-        if broken and (failure or distributed.lost_a_peer(exc)):
+        quiet = heartbeat.describe() if broken and not failure and distributed.lost_a_peer(exc) else ""
+        if failure or quiet:   # another rank reported why it stopped, or went quiet: that is the cause to name
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)
-            quiet = None if failure else heartbeat.describe()
-            what = failure or (f"another rank stopped answering ({quiet})" if quiet else None)
+            what = failure or f"another rank stopped answering ({quiet})"
             raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, kept, exc, what=what)) from None
-        raise
+        raise   # this rank's own error (every peer still beats): Job.fail reports it to the others
 
 
 def _wait_for_the_others(what: str, job) -> None:

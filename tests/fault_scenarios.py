@@ -15,6 +15,8 @@ The rank prepares and trains on fake data (2 ranks, gloo, loopback). What the sc
   watch (heartbeat.py) can stop a rank whose peer went silent within seconds.
 - ``stuck_loader``: rank 1's data loader blocks for good at the 5th batch (a stuck worker, a hung file system)
   while its beat thread goes on; collective timeout 24 s (the watch names it after 12 s).
+- ``own_error``: once rank 0 has saved epoch 1, rank 1's next forward pass raises a RuntimeError whose text names
+  NCCL (a fault of its own GPU, emulated), while rank 0 is alive and well.
 Prints ``CHECK name=value`` lines the tests read.
 """
 from __future__ import annotations
@@ -70,6 +72,8 @@ def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") 
             signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a kernel (see "interrupt")
             if rank == 1:
                 stick_the_loader(job.data.train, at=5)
+        if name == "own_error" and rank == 1:
+            fail_after_epoch_1(job.model, os.path.join(folder, "run0", "last.pt"))
         with job:
             fit(job)
         print("CHECK finished=true", flush=True)
@@ -117,6 +121,21 @@ def stick_the_loader(loader, at: int) -> None:
                 time.sleep(600)
             yield batch
     loader.epoch = epoch
+
+
+def fail_after_epoch_1(model, last: str) -> None:
+    """The first forward pass after ``last`` exists raises an NCCL-worded error of this rank's own."""
+    from ddp_utils.model import unwrap
+    net = unwrap(model)
+    inner = net.forward
+
+    def forward(*args, **kwargs):
+        if os.path.exists(last):
+            print(f"CHECK failed_at={time.time()}", flush=True)
+            raise RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1936, unhandled cuda error (run with "
+                               "NCCL_DEBUG=INFO for details): an emulated fault of this rank's own GPU")
+        return inner(*args, **kwargs)
+    net.forward = forward
 
 
 def slow_compile(rank: int) -> None:

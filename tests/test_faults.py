@@ -60,6 +60,23 @@ def test_an_error_on_one_rank_reaches_the_other_with_its_true_cause(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_nccl_worded_error_of_a_ranks_own_is_reported_as_its_own_within_seconds(tmp_path):
+    """Issue 37, finding 9: an error whose text names NCCL (or a timeout, a connection) read as "another rank
+    stopped answering" after a 19 s wait, and the other ranks never heard of it. Every peer still beats: it is this
+    rank's own error, said as it is, and the other rank names it."""
+    port = free_port()
+    rank0, rank1 = run_all([scenario("own_error", 0, port, tmp_path), scenario("own_error", 1, port, tmp_path)],
+                           timeout=150, env=base_env())
+    assert [rank0.returncode, rank1.returncode] == [2, 2], describe([rank0, rank1])
+    assert "another rank stopped answering" not in rank0.output + rank1.output, describe([rank0, rank1])
+    assert "ERROR RuntimeError: NCCL error in" in rank1.output and "emulated fault" in rank1.output
+    assert "rank 0: training stopped because rank 1 stopped: RuntimeError: NCCL error in" in rank0.output, \
+        describe([rank0, rank1])
+    waited = float(checks(rank1)["stopped_at"]) - float(checks(rank1)["failed_at"])
+    assert waited < 12, f"rank 1 stopped {waited:.1f} s after its own error"
+
+
+@pytest.mark.slow
 def test_rank_0s_slow_start_does_not_trip_the_other_ranks_collective_timeout(tmp_path):
     """W&B (or a slow disk) keeps rank 0 busy longer than a collective may wait: the others wait explicitly."""
     port = free_port()

@@ -107,14 +107,23 @@ class Heartbeat:
                          if age >= oldest - self.every)
 
     def name_the_lost(self, timeout: float) -> str:
-        """After a collective broke because a peer went away: wait (up to ``timeout`` s; the watch goes on) until
-        the watch has a verdict, a peer's reported failure or a peer that stopped beating, and return the quiet
-        ones ("" if none). A rank far from the lost one (rank 1 of 16 when rank 7 died) gets only its neighbour's
-        broken connection from the collective: this names the rank that died, not the neighbour."""
-        deadline = time.monotonic() + timeout
+        """After a collective broke, maybe because a peer went away: wait (up to ``timeout`` s; the watch goes on)
+        until the watch has a verdict, a peer's reported failure or a peer that stopped beating, and return the
+        quiet ones ("" if none). A rank far from the lost one (rank 1 of 16 when rank 7 died) gets only its
+        neighbour's broken connection from the collective: this names the rank that died, not the neighbour.
+        Returns "" as soon as every peer has beaten again since the break: then none went away, and the error
+        (an NCCL or connection error of this rank's own) is this rank's to report."""
+        start = time.monotonic()
+        deadline = start + timeout
         while time.monotonic() < deadline and not (self.verdict or self._failure or self.describe()):
+            if self._everyone_beat_since(start):
+                return ""
             time.sleep(0.2)
         return self.describe()
+
+    def _everyone_beat_since(self, start: float) -> bool:
+        """Whether the store answered and every peer's beat changed (or it finished) after ``start``."""
+        return self._store_ok > start and all(beat == "done" or seen > start for beat, seen in self.seen.values())
 
     # -- the beat thread: all the store calls (any of them may block while a link is down) --------
     def _beat(self) -> None:
