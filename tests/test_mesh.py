@@ -68,6 +68,34 @@ def test_the_other_ranks_failures_are_named_on_every_rank():
     assert "rank 1 -> rank 0 at 10.0.0.1:41234 (no answer within 5 s (packets dropped))" in str(err.value)
 
 
+def test_a_blocked_rank_says_so_when_rank_0_left_with_its_store_before_the_results_were_read():
+    """Rank 0 (the store's host) read every result, stopped and exited: rank 1's read of the results then fails
+    with the store's connection error (seen in CI under load: "Failed to recv, got 0 bytes"). Its own blocked
+    connection is reason enough: the same Blocked paragraph, not a store error."""
+    class StoreOfARank0ThatLeft:
+        def __init__(self):
+            self.store = dist.HashStore()
+
+        def set(self, key, value):
+            self.store.set(key, value)
+
+        def check(self, keys):
+            if any(k.startswith("mesh/result") for k in keys):
+                raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+            return self.store.check(keys)
+
+        def get(self, key):
+            return self.store.get(key)
+    keys = StoreOfARank0ThatLeft()
+    with socket.socket() as gone:
+        gone.bind(("127.0.0.1", 0))
+        dead_port = gone.getsockname()[1]
+    keys.set("mesh/addr/0", json.dumps(["127.0.0.1", dead_port]))
+    with pytest.raises(mesh.Blocked) as err:
+        mesh.probe(keys, 1, 2, "127.0.0.1", 29500)
+    assert f"rank 1 -> rank 0 at 127.0.0.1:{dead_port} (Connection refused)" in str(err.value)
+
+
 def test_a_rank_that_never_publishes_is_left_to_init_process_group(monkeypatch):
     """A rank that died after the rendezvous publishes nothing: the probe gives up on it after RESULTS_S without a
     verdict (init_process_group's bounded wait and the setup watch name it)."""
