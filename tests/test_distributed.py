@@ -9,6 +9,7 @@ import json
 import os
 import re
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from ddp_utils import distributed
 from ddp_utils.robust import rendezvous
 from ddp_utils.settings import Settings
 from tests import netns
-from tests.procs import base_env, describe, free_port, python, run_all
+from tests.procs import REPO, base_env, describe, free_port, python, run_all
 
 
 def scenario(name, rank, world, port, addr="127.0.0.1", init_timeout=30):
@@ -317,6 +318,27 @@ def test_rank_0s_store_listens_on_master_addr_only_not_on_every_interface():
         rendezvous.open_store(settings, log=lambda *_: None)   # a re-run setup reuses the same store
     finally:
         del keys
+
+
+def test_torchruns_store_listens_on_every_interface_as_the_faults_page_says():
+    """Issue 37, finding 7: under launch and torchrun the store is torchrun's, a TCPStore made as its rendezvous
+    makes it (is_master, host master_addr): it listens on every interface, whatever master_addr says. The faults
+    page says so beside the kit's own store, which listens on master_addr only (the test above)."""
+    import datetime
+
+    import psutil
+    import torch.distributed as dist
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=5))
+    try:
+        listening = {c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert listening and listening <= {"0.0.0.0", "::"}, listening
+    finally:
+        del store
+    page = " ".join((Path(REPO) / "docs" / "faults.md").read_text().split())
+    assert "torchrun's, under `launch` and under `torchrun` with static or c10d rendezvous, listens on **every " \
+           "interface**" in page and "unpickles" in page
 
 
 def test_a_rank_that_makes_no_step_says_so_and_names_the_silent_peer(monkeypatch):
