@@ -459,6 +459,23 @@ def test_a_peer_whose_beats_stopped_is_silent_not_stuck_in_its_loader(watched):
     assert beat.stall().startswith("rank 1") and beat.stalled == 1
 
 
+def test_every_rank_slow_to_get_its_batch_is_no_stall_when_none_waits_in_a_collective(watched):
+    """Issue 37, finding 5: cold storage makes every rank wait 30 s for its first batch. No rank is in a collective,
+    so no collective timeout can strike and nobody holds anybody up: the watch must not abort a healthy run. As soon
+    as one rank waits in a collective (its beat says it is not fetching), the slowest loader is the stall."""
+    import time as _time
+
+    from ddp_utils.robust.heartbeat import Heartbeat
+    ctx, _ = watched   # rank 0 of 3
+    beat = Heartbeat(ctx, log=lambda *_: None, every=1.0, stall_after=lambda: 20.0)   # not entered: no threads
+    now = _time.monotonic()
+    beat.progress_at = beat.fetching_since = now - 30   # this rank: no step yet, waiting 30 s for its batch
+    beat.seen = {1: ("0|0|29.5", now), 2: ("0|0|30.0", now)}   # fresh beats: both fetching for ~30 s too
+    assert beat.stall() is None
+    beat.seen[2] = ("0|0|-1.0", now)   # rank 2 got its batch and waits in the all-reduce for the others
+    assert beat.stall().startswith("rank 0") and beat.stalled == 0
+
+
 def test_a_rank_that_lost_the_store_names_the_store_even_when_rank_0s_last_beat_is_older_than_its_last_answer(
         watched):
     """Rank 1 reads the beats every 2 s; rank 0's value may not have changed at the last read, so its beat looks up

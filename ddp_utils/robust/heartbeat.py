@@ -49,6 +49,7 @@ class Heartbeat:
         self.stalled: int | None = None   # the rank the judge found stuck waiting for its next batch
         self.interrupted = False   # this rank's stalled main thread was interrupted by its own watch
         self._main = None          # the thread that trains (the judge interrupts it only if it is the main one)
+        self._sigint = None        # SIGINT's handler before the watch made it raise KeyboardInterrupt (ignored at start)
         self.seen: dict[int, tuple[str, float]] = {}   # rank -> (its last beat, when we saw it change)
         self.verdict: str | None = None   # why the judge aborted the process group; None while all is well
         self._store_ok = 0.0     # when the beat thread last finished a round with the store
@@ -64,6 +65,11 @@ class Heartbeat:
             self._keys = distributed.watch_store()   # this fit's own keys: a re-run fit starts clean
             start = self._store_ok = self.progress_at = time.monotonic()
             self._main = threading.current_thread()
+            if self._main is threading.main_thread() and signal.getsignal(signal.SIGINT) in (signal.SIG_IGN,
+                                                                                          signal.SIG_DFL, None):
+                # started with SIGINT ignored (`cmd &` from a script, ssh without a terminal): the self-interrupt of
+                # a stalled loop below would do nothing and the rank would hang while its peers leave
+                self._sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
             self.seen = {r: ("", start) for r in range(self.ctx.world_size) if r != self.ctx.rank}
             for thread in self._threads:
                 thread.start()
@@ -75,6 +81,9 @@ class Heartbeat:
     def __exit__(self, exc_type, *exc) -> None:
         self._finished = exc_type is None   # a finished rank says "done": its silence is no failure
         self._stop.set()
+        if self._sigint is not None:        # SIGINT as this process was started with
+            signal.signal(signal.SIGINT, self._sigint)
+            self._sigint = None
         if self._finished and self._threads[0].is_alive():
             self._threads[0].join(timeout=2.0)   # the "done" is written before the others can miss a beat
 
@@ -219,6 +228,8 @@ class Heartbeat:
         fresh = 2.5 * self.every
         waits = {r: self._fetching(beat, seen, now) for r, (beat, seen) in self.seen.items() if now - seen <= fresh}
         waits[self.ctx.rank] = None if self.fetching_since is None else now - self.fetching_since
+        if all(w is not None for w in waits.values()):
+            return None   # every rank waits for its own data (cold storage): none waits in a collective for another
         stuck = sorted((r for r, w in waits.items() if w is not None and w >= limit), key=lambda r: -waits[r])
         if not stuck:
             return None
