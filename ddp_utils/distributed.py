@@ -507,12 +507,25 @@ def _try(call, *args):
         return False, e
 
 
+REPORT_S = 5.0   # seconds the main thread gives its failure report before it goes on without it
+
+
 def report_failure(ctx: DistContext, text: str) -> None:
-    """Leave this rank's reason for stopping in the store, where the others read it (best effort)."""
-    if ctx.distributed and _store is not None:
+    """Leave this rank's reason for stopping in the store, where the others read it (best effort, bounded: over a
+    link that just went down a store call blocks far longer than any timeout set on the store, and the client is
+    shared with the watch's beat thread, so the writes run on a thread the caller waits for REPORT_S at most;
+    Stop pressed then must not hang the cell for minutes)."""
+    if not (ctx.distributed and _store is not None):
+        return
+    store = _store
+
+    def write():
         with contextlib.suppress(Exception):
-            _store.set(f"failed/{ctx.rank}", text)
-            _store.add("failures", 1)   # what the others poll: one request each, whatever the number of ranks
+            store.set(f"failed/{ctx.rank}", text)
+            store.add("failures", 1)   # what the others poll: one request each, whatever the number of ranks
+    thread = threading.Thread(target=write, daemon=True, name="report-failure")
+    thread.start()
+    thread.join(REPORT_S)
 
 
 def describe_failure(exc: BaseException) -> str:

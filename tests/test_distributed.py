@@ -459,6 +459,31 @@ def test_a_peer_whose_beats_stopped_is_silent_not_stuck_in_its_loader(watched):
     assert beat.stall().startswith("rank 1") and beat.stalled == 1
 
 
+def test_a_failure_report_over_a_store_that_blocks_returns_within_its_bound(monkeypatch):
+    """Issue 37, finding 4: Stop pressed just after the link died: the report's store write blocks (a dead link, or
+    the beat thread holding the shared client's lock) far longer than any store timeout; the cell must go on."""
+    import threading
+    import time as _time
+
+    class Blocking:
+        def __init__(self):
+            self.release = threading.Event()
+
+        def set(self, key, value):
+            self.release.wait(60)
+
+        def add(self, key, n):
+            return 1
+    store = Blocking()
+    monkeypatch.setattr(distributed, "_store", store)
+    monkeypatch.setattr(distributed, "REPORT_S", 0.5)
+    ctx = distributed.DistContext(rank=1, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    start = _time.monotonic()
+    distributed.report_failure(ctx, "rank 1 stopped: KeyboardInterrupt")
+    assert _time.monotonic() - start < 2.0
+    store.release.set()
+
+
 def test_every_rank_slow_to_get_its_batch_is_no_stall_when_none_waits_in_a_collective(watched):
     """Issue 37, finding 5: cold storage makes every rank wait 30 s for its first batch. No rank is in a collective,
     so no collective timeout can strike and nobody holds anybody up: the watch must not abort a healthy run. As soon
