@@ -320,6 +320,35 @@ def test_rank_0s_store_listens_on_master_addr_only_not_on_every_interface():
         del keys
 
 
+def test_a_restarted_rank_never_joins_a_generation_that_formed_but_whose_rank_0_died_before_closing_it():
+    """Issue 37, finding 3: under torchrun the store outlives the attempts. Attempt 1's ranks all arrived in
+    generation 5 and its rank 0 was killed before it closed it; restarted, rank 1 joined 5 again, read the old
+    arrivals as the new ones and went on with the old attempt's peers. It must wait for the generation the
+    restarted rank 0 opens (6)."""
+    import datetime
+    import threading
+    import time as _time
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False)
+    server.set(rendezvous.GENERATION, "4")
+    server.add(rendezvous.GENERATION, 1)   # generation 5: attempt 1's
+    for r in range(2):
+        server.set(f"ddp_utils/5/arrived/{r}", json.dumps({"rank": r}))
+    settings = Settings(world_size=2, rank=1, master_addr="127.0.0.1", master_port=port, init_timeout=20, workers=0)
+    got = {}
+    thread = threading.Thread(target=lambda: got.update(keys=rendezvous.open_store(settings, log=lambda *_: None)))
+    thread.start()
+    _time.sleep(1.0)
+    assert "keys" not in got, "rank 1 joined the generation attempt 1 formed"
+    server.add(rendezvous.GENERATION, 1)   # the restarted rank 0 opens generation 6 (and closes 5)
+    server.set("ddp_utils/5/closed", "1")
+    thread.join(15)
+    assert got["keys"].prefix == "ddp_utils/6"
+    del server
+
+
 def test_torchruns_store_listens_on_every_interface_as_the_faults_page_says():
     """Issue 37, finding 7: under launch and torchrun the store is torchrun's, a TCPStore made as its rendezvous
     makes it (is_master, host master_addr): it listens on every interface, whatever master_addr says. The faults
