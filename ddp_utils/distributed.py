@@ -522,7 +522,8 @@ def report_failure(ctx: DistContext, text: str) -> None:
     def write():
         with contextlib.suppress(Exception):
             store.set(f"failed/{ctx.rank}", text)
-            store.add("failures", 1)   # what the others poll: one request each, whatever the number of ranks
+            nth = store.add("failures", 1)   # what the others poll: one request each, whatever the number of ranks
+            store.set(f"failed/order/{nth}", str(ctx.rank))   # the store counts: who reported first, second, ...
     thread = threading.Thread(target=write, daemon=True, name="report-failure")
     thread.start()
     thread.join(REPORT_S)
@@ -563,10 +564,18 @@ def peer_failure(ctx: DistContext) -> str | None:
 
 
 def _failure_in_store(ctx: DistContext) -> str | None:
-    """Another rank's reported failure, or None. One store request while none failed (the ranks poll it)."""
-    if not int(_store.add("failures", 0)):
+    """The first failure another rank reported, or None. One store request while none failed (the ranks poll it).
+    First reported, not lowest rank: a rank stopped as a consequence (its connections cut, a launcher's SIGTERM)
+    reports after the rank that caused it."""
+    count = int(_store.add("failures", 0))
+    if not count:
         return None
-    for r in range(ctx.world_size):
+    for nth in range(1, count + 1):
+        if _store.check([f"failed/order/{nth}"]):
+            r = int(_store.get(f"failed/order/{nth}"))
+            if r != ctx.rank:
+                return _store.get(f"failed/{r}").decode()
+    for r in range(ctx.world_size):   # a report whose place is not written yet
         if r != ctx.rank and _store.check([f"failed/{r}"]):
             return _store.get(f"failed/{r}").decode()
     return None

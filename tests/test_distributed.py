@@ -488,6 +488,20 @@ def test_a_peer_whose_beats_stopped_is_silent_not_stuck_in_its_loader(watched):
     assert beat.stall().startswith("rank 1") and beat.stalled == 1
 
 
+def test_the_failure_named_is_the_first_reported_not_the_lowest_ranks(monkeypatch):
+    """Issue 37, finding 2: rank 2 failed and reported; rank 1, stopped as a consequence (its launcher's SIGTERM),
+    reported after it. Rank 0 names rank 2, the cause; rank 2 itself reads rank 1's (the first that is not its own)."""
+    monkeypatch.setattr(distributed, "_store", dist.HashStore())
+
+    def ctx(rank):
+        return distributed.DistContext(rank=rank, world_size=3, local_rank=0, device=torch.device("cpu"),
+                                       backend="gloo")
+    distributed.report_failure(ctx(2), "rank 2 stopped: DataError: /data/bad.JPEG ...")
+    distributed.report_failure(ctx(1), "rank 1 stopped: SIGTERM (the process was told to stop)")
+    assert distributed._failure_in_store(ctx(0)).startswith("rank 2 stopped: DataError")
+    assert distributed._failure_in_store(ctx(2)).startswith("rank 1 stopped: SIGTERM")
+
+
 def test_a_failure_report_over_a_store_that_blocks_returns_within_its_bound(monkeypatch):
     """Issue 37, finding 4: Stop pressed just after the link died: the report's store write blocks (a dead link, or
     the beat thread holding the shared client's lock) far longer than any store timeout; the cell must go on."""
