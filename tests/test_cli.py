@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -152,6 +153,25 @@ def test_ci_types_the_quick_start_as_printed_then_runs_the_tests_sections_comman
     assert at == sorted(at) and at[0] > run_quick, (tests, ci_lines)
     assert tests[0] == ". .venv/bin/activate" and tests[-1] == "tests/floor.sh"
     assert not any(line.rstrip().endswith("|| true") for line in ci_lines), "an install that may fail silently"
+
+
+def test_in_ci_a_skip_for_a_missing_tool_fails_with_its_reason_and_one_for_a_missing_gpu_stays_a_skip(tmp_path):
+    """Issue 37: with chromium or slurmd missing, CI went green with the browser or SLURM tests skipped. .ci/run sets
+    CI=true; tests/conftest.py then fails a skip whose reason is not a GPU's (or a torch release's known limit)."""
+    assert "export CI=true" in Path(REPO, ".ci", "run").read_text()
+    (tmp_path / "conftest.py").write_text(f"import sys; sys.path.insert(0, {REPO!r})\n"
+                                          "from tests.conftest import pytest_runtest_makereport  # noqa: F401\n")
+    (tmp_path / "test_skips.py").write_text(
+        "import pytest\n"
+        "def test_browser():\n    pytest.skip('no Chromium on this machine: apt-get install chromium')\n"
+        "def test_gpu():\n    pytest.skip('needs a CUDA GPU')\n")
+    for ci in ("true", ""):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", str(tmp_path)],
+                              cwd=tmp_path, env={**base_env(), "CI": ci}, capture_output=True, text=True, timeout=120)
+        said = done.stdout + done.stderr
+        assert ("1 failed, 1 skipped" if ci else "2 skipped") in said, said
+        if ci:
+            assert "skipped in CI" in said and "no Chromium on this machine" in said, said
 
 
 @pytest.mark.slow
