@@ -179,8 +179,9 @@ def test_a_model_without_a_saved_parameter_is_refused_with_its_name():
 
 @pytest.mark.slow
 def test_three_ranks_resume_each_with_its_own_error_feedback_sent_to_it_alone(tmp_path):
-    """Rank 0 writes every rank's error feedback (fetched one rank at a time); the resume sends each rank its own,
-    not the whole list to everyone (ResNet-50 at 64 ranks: 6.5 GB to every rank)."""
+    """Rank 0 writes every rank's error feedback (fetched one rank at a time); the resume gives each rank its own,
+    one buffer at a time, never the whole list to everyone (ResNet-50 at 64 ranks: 6.5 GB to every rank); both ways
+    by broadcasts on the group the ranks share, never send/recv (tests/powersgd_ranks.py forbids them)."""
     port = free_port()
     results = run_all([python("-m", "tests.powersgd_ranks", str(r), str(port), str(tmp_path)) for r in range(3)],
                       timeout=120, env=base_env())

@@ -136,15 +136,15 @@ class Memory:
         if not names:
             return saved
         error = torch.cat([pieces[n]["error"].view(-1) for n in names])
-        if not ctx.distributed:
-            saved["errors"] = [error.cpu()]
-        elif not ctx.is_main:
-            dist.send(error, dst=0)   # DDP: rank 0 writes the file
-        else:
-            saved["errors"], buffer = [error.to("cpu", copy=True)], torch.empty_like(error)
-            for rank in range(1, ctx.world_size):   # one rank's at a time: one buffer on the device
-                dist.recv(buffer, src=rank)
-                saved["errors"].append(buffer.to("cpu", copy=True))
+        saved["errors"] = [error.to("cpu", copy=True)] if ctx.is_main else []   # DDP: rank 0 writes the file
+        if ctx.distributed:
+            buffer = torch.empty_like(error)
+            for rank in range(1, ctx.world_size):   # one rank's at a time: one buffer on the device (_one_by_one)
+                if ctx.rank == rank:
+                    buffer.copy_(error)
+                dist.broadcast(buffer, src=rank)
+                if ctx.is_main:
+                    saved["errors"].append(buffer.to("cpu", copy=True))
         return saved
 
     def load_state_dict(self, saved: dict, ctx) -> str:
@@ -196,13 +196,21 @@ class Memory:
                                                                                              device=device)
             dist.broadcast(mean, src=0)
             return mean.cpu()
-        if not ctx.is_main:
-            own = torch.empty(numel, dtype=dtype, device=device)
-            dist.recv(own, src=0)
-            return own.cpu()
-        for rank in range(1, ctx.world_size):
-            dist.send(errors[rank].to(device), dst=rank)
-        return errors[0]
+        own, buffer = errors[0] if ctx.is_main else None, torch.empty(numel, dtype=dtype, device=device)
+        for rank in range(1, ctx.world_size):   # one rank's at a time, a broadcast on the group all share (_one_by_one)
+            if ctx.is_main:
+                buffer.copy_(errors[rank])
+            dist.broadcast(buffer, src=0)
+            if ctx.rank == rank:
+                own = buffer.to("cpu", copy=True)   # the buffer takes the next rank's (on gloo .cpu() is no copy)
+        return own
+
+
+# _one_by_one: every rank's error feedback moves between rank 0 and each rank as a broadcast on the default group,
+# one rank at a time, not as send/recv: on NCCL a send/recv pair builds a communicator of its own for each pair of
+# ranks, one after the other, through a store client whose timeout the kit sets to 10 s, so at 3+ GPU ranks on a
+# slow link the epoch-end checkpoint could fail (issue 37, finding 10). A broadcast also reaches the ranks that do
+# not need it: one buffer's bytes more on their link per rank, for no new communicator.
 
 
 def _plan(bucket, names: list[str], state) -> list:
