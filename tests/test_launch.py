@@ -213,6 +213,31 @@ def test_the_processes_stop_cleanly_when_the_launcher_itself_is_killed_hard(tmp_
 
 
 @pytest.mark.slow
+def test_when_torchrun_itself_is_killed_hard_the_launcher_stops_its_orphaned_processes(tmp_path):
+    """Issue 37, finding 8: torchrun's agent SIGKILLed (out of memory, kill -9): its workers run in sessions of their
+    own, which no signal to torchrun reaches; they trained on as orphans holding the GPU and the port. The launcher
+    remembers them while torchrun runs and stops them (SIGTERM: the kit's clean stop, then SIGKILL)."""
+    marker = str(tmp_path)
+    proc = start_long_run(tmp_path)
+    try:
+        wait_for(tmp_path / "run" / "last.pt", 120)
+        [agent] = [pid for pid in ours_still_running(marker) if "torch.distributed.run" in cmdline(pid)]
+        time.sleep(1.5)   # the launcher looks at torchrun's processes every second
+        killed = time.monotonic()
+        os.kill(agent, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 2, out
+        deadline = time.monotonic() + 10
+        while ours_still_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not ours_still_running(marker), [cmdline(p) for p in ours_still_running(marker)]
+        assert time.monotonic() - killed < 40
+        assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] >= 0   # whole
+    finally:
+        kill_all(proc, marker)
+
+
+@pytest.mark.slow
 @pytest.mark.floor   # torchrun's flags, logs and summary, as this torch has them
 def test_with_max_restarts_a_killed_rank_is_restarted_and_the_run_continues_from_its_checkpoint(tmp_path):
     """torchrun's agent under launch: rank 1 killed after the first checkpoint, both processes restarted, the run

@@ -23,6 +23,7 @@ notebook's Stop) or the launcher's death sends SIGTERM to torchrun, which stops 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import queue
 import re
@@ -39,6 +40,7 @@ from .. import settings as settings_module
 
 TERM_S = 40.0    # after SIGTERM to torchrun: how long before SIGKILL (torchrun gives its processes 30 s)
 TAIL_LINES = 15  # lines of a failed rank's output shown in the error
+ORPHAN_TERM_S = 15.0   # torchrun gone, its workers still running: SIGTERM, this long, then SIGKILL
 PARENT_VAR = "DDP_UTILS_LAUNCHER_PID"
 # Variables that would tell a child another place in the job than the flags the launcher gives it.
 IDENTITY_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -232,6 +234,7 @@ class Launcher:
         self.reader: threading.Thread | None = None
         self.termed_at: float | None = None
         self.timed_out = False
+        self.workers: dict = {}   # pid -> psutil.Process: torchrun's processes and theirs, seen while it ran
 
     def describe(self) -> list[str]:
         first = self.plans[0]
@@ -282,6 +285,8 @@ class Launcher:
                 except queue.Empty:
                     pass
                 now = time.monotonic()
+                if now - self._looked_at >= 1.0:
+                    self.remember_workers()
                 if deadline is not None and now > deadline and self.termed_at is None:
                     self.timed_out = True
                     self.terminate()
@@ -291,6 +296,38 @@ class Launcher:
             yield from self.drain()
         finally:
             self.stop()
+
+    _looked_at = 0.0
+
+    def remember_workers(self) -> None:
+        """Note torchrun's processes and theirs (DataLoader workers), each worker in a session of its own that no
+        signal to torchrun's group reaches: kept while torchrun lives, so that ``stop`` can end them even when
+        torchrun itself was killed (they would train on as orphans, holding the GPU and the port)."""
+        import psutil
+        self._looked_at = time.monotonic()
+        try:
+            for child in psutil.Process(self.popen.pid).children(recursive=True):
+                self.workers.setdefault(child.pid, child)
+        except psutil.Error:   # torchrun has exited: what was seen is all there is
+            pass
+
+    def _end_workers(self, patience: float = 0.0) -> None:
+        """End every remembered process still running (psutil checks it is the same process, not a reused pid):
+        SIGTERM first when ``patience`` allows (the kit's clean stop: each rank says why, last.pt stays whole),
+        then SIGKILL to what is left and to its process group (a worker leads its session's: its loaders too)."""
+        import psutil
+        alive = [c for c in self.workers.values() if c.is_running()]
+        if alive and patience > 0:
+            for child in alive:
+                with contextlib.suppress(psutil.Error):
+                    child.terminate()
+            _, alive = psutil.wait_procs(alive, timeout=patience)
+        for child in alive:
+            with contextlib.suppress(psutil.Error, OSError):
+                if child.is_running():
+                    if os.getpgid(child.pid) == child.pid:
+                        _send(child.pid, signal.SIGKILL, group=True)
+                    child.kill()
 
     def drain(self) -> list[str]:
         """The streamed lines not yet taken."""
@@ -307,12 +344,15 @@ class Launcher:
 
     def kill(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
+            self.remember_workers()
             _send(self.popen.pid, signal.SIGKILL, group=True)
+        self._end_workers()   # torchrun's SIGKILL ends torchrun only: its workers run in sessions of their own
 
     def stop(self, patience: float = TERM_S) -> None:
         """Leave nothing behind: SIGTERM to torchrun, up to ``patience`` s, then SIGKILL; then the logs."""
         if self.popen is None:
             return
+        self.remember_workers()
         if self.popen.poll() is None:
             self.terminate()
             try:
@@ -320,6 +360,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 self.kill()
         _send(self.popen.pid, signal.SIGKILL, group=True)   # anything torchrun left in its session
+        self._end_workers(ORPHAN_TERM_S)   # and in their own sessions (torchrun killed from outside left them)
         try:
             self.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
