@@ -130,12 +130,14 @@ def test_a_frozen_peer_stops_the_other_rank_within_30_s_naming_it(name, tmp_path
 
 
 @pytest.mark.slow
-def test_a_rank_stuck_in_its_data_loader_is_named_by_every_rank_before_the_collective_timeout(tmp_path):
+@pytest.mark.parametrize("name", ["stuck_loader", "stuck_loader_ignoring_sigint"])
+def test_a_rank_stuck_in_its_data_loader_is_named_by_every_rank_before_the_collective_timeout(name, tmp_path):
     """Rank 1 still beats, but its main thread waits for a batch that never comes: rank 0 waits for it in a
     collective. Both stop after the watch's 12 s (not the collective timeout's 24 s, not its raw error), naming
-    rank 1's data loader; rank 1 says where its thread is."""
+    rank 1's data loader; rank 1 says where its thread is. Also in ranks that ignore SIGINT (started by `cmd &`
+    from a script; issue 37, finding 6), where the watch's self-interrupt did nothing and rank 1 hung for good."""
     port = free_port()
-    results = run_all([scenario("stuck_loader", r, port, tmp_path) for r in range(2)], timeout=120, env=base_env())
+    results = run_all([scenario(name, r, port, tmp_path) for r in range(2)], timeout=120, env=base_env())
     assert [r.returncode for r in results] == [2, 2], describe(results)
     stuck = float(checks(results[1])["stuck_at"])
     for rank, result in enumerate(results):
