@@ -138,8 +138,9 @@ class Settings:
                                    "bookkeeping and overlap better); wrong for models with data-dependent branches")
     powersgd_rank: int = _f(4, "PowerSGD: rank of the low-rank approximation (higher = closer to exact, more bytes)")
     powersgd_warmup_steps: int = _f(0, "PowerSGD: steps of exact fp32 all-reduce before compressing (the start of "
-                                       "training is the most sensitive to inexact gradients); 0: a tenth of the run's "
-                                       "optimizer steps (PyTorch's guidance), at least 10 and at most 1000")
+                                       "training is the most sensitive to inexact gradients); 0: a quarter of the "
+                                       "run's optimizer steps (PyTorch advises a tenth and more until the accuracy "
+                                       "is kept: a quarter kept it here), at least 10 and at most 1000")
     powersgd_min_compression: float = _f(4.0, "PowerSGD: send a gradient exact unless its approximation is at least "
                                               "this many times smaller (PyTorch's min_compression_rate, 2 there): a "
                                               "small classifier costs few bytes exact and loses the most compressed")

@@ -93,10 +93,11 @@ def test_powersgd_needs_two_exact_steps_first_whatever_the_setting():
     assert state.state.start_powerSGD_iter == 2   # state: a powersgd.Memory around PyTorch's PowerSGDState
 
 
-@pytest.mark.parametrize("total, warmup", [(64, 10), (400, 40), (5000, 500), (90 * 5000, 1000)])
-def test_powersgd_warms_up_exact_for_a_tenth_of_the_run_within_10_to_1000_steps(total, warmup):
-    """PyTorch's guidance for start_powerSGD_iter: start from 10 % of the training steps (a fixed 10 was 0.2 %
-    of an ImageNet run); an explicit --powersgd-warmup-steps is taken as it is."""
+@pytest.mark.parametrize("total, warmup", [(24, 10), (64, 16), (400, 100), (5000, 1000), (90 * 5000, 1000)])
+def test_powersgd_warms_up_exact_for_a_quarter_of_the_run_within_10_to_1000_steps(total, warmup):
+    """PyTorch's guidance for start_powerSGD_iter: start from 10 % of the training steps and raise it until the
+    accuracy is kept (a quarter kept it in the kit's 8-seed study; a fixed 10 was 0.2 % of an ImageNet run); an
+    explicit --powersgd-warmup-steps is taken as it is."""
     _, state = comm.hook_for("powersgd", Settings(comm="powersgd"), total_steps=total)
     assert state.state.start_powerSGD_iter == warmup
     _, state = comm.hook_for("powersgd", Settings(comm="powersgd", powersgd_warmup_steps=25), total_steps=total)
