@@ -213,31 +213,6 @@ def test_the_processes_stop_cleanly_when_the_launcher_itself_is_killed_hard(tmp_
 
 
 @pytest.mark.slow
-def test_when_torchrun_itself_is_killed_hard_the_launcher_stops_its_orphaned_processes(tmp_path):
-    """Issue 37, finding 8: torchrun's agent SIGKILLed (out of memory, kill -9): its workers run in sessions of their
-    own, which no signal to torchrun reaches; they trained on as orphans holding the GPU and the port. The launcher
-    remembers them while torchrun runs and stops them (SIGTERM: the kit's clean stop, then SIGKILL)."""
-    marker = str(tmp_path)
-    proc = start_long_run(tmp_path)
-    try:
-        wait_for(tmp_path / "run" / "last.pt", 120)
-        [agent] = [pid for pid in ours_still_running(marker) if "torch.distributed.run" in cmdline(pid)]
-        time.sleep(1.5)   # the launcher looks at torchrun's processes every second
-        killed = time.monotonic()
-        os.kill(agent, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=90)
-        assert proc.returncode == 2, out
-        deadline = time.monotonic() + 10
-        while ours_still_running(marker) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not ours_still_running(marker), [cmdline(p) for p in ours_still_running(marker)]
-        assert time.monotonic() - killed < 40
-        assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] >= 0   # whole
-    finally:
-        kill_all(proc, marker)
-
-
-@pytest.mark.slow
 @pytest.mark.floor   # torchrun's flags, logs and summary, as this torch has them
 def test_with_max_restarts_a_killed_rank_is_restarted_and_the_run_continues_from_its_checkpoint(tmp_path):
     """torchrun's agent under launch: rank 1 killed after the first checkpoint, both processes restarted, the run
@@ -398,6 +373,42 @@ def test_two_hosts_with_two_processes_each_train_like_one_process_with_four_time
     assert single.returncode == 0, describe([single])
     assert_same_training(tmp_path / "ddp", tmp_path / "single", world_size=4)
     assert "as rank 3 of 4" in (tmp_path / "logs-h1" / "rank3.log").read_text()
+
+
+@pytest.mark.slow
+def test_when_a_nodes_torchrun_is_killed_hard_its_launcher_stops_the_orphaned_processes(two_hosts, tmp_path):
+    """Issue 37, finding 8: node 1's torchrun agent SIGKILLed (out of memory, kill -9) while node 0's, which holds the
+    store, lives on: node 1's worker runs in a session of its own, which no signal to torchrun reaches, and nothing
+    in the job broke, so it trained on as an orphan holding its GPU and the port while `launch` exited. Node 1's
+    launcher remembers it while torchrun runs and stops it (SIGTERM: the kit's clean stop, then SIGKILL); node 0's
+    ranks then stop too, naming it."""
+    marker, port = str(tmp_path), free_port()
+    common = ["--nnodes", 2, "--nproc-per-node", 1, "--master-addr", two_hosts.addrs[0], "--master-port", port,
+              *tiny(), "--epochs", 50, "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run"]
+    nodes = [start([*two_hosts.exec_prefix(n), *launch_cmd("--node-rank", n, *common,
+                                                            "--log-dir", tmp_path / f"logs{n}")]) for n in (0, 1)]
+    try:
+        wait_for(tmp_path / "run" / "last.pt", 120)
+        [agent] = [pid for pid in ours_still_running(f"{tmp_path}/logs1") if "torch.distributed.run" in cmdline(pid)]
+        [worker] = rank_process(marker, 1)
+        time.sleep(1.5)   # the launcher looks at torchrun's processes every second
+        killed = time.monotonic()
+        os.kill(agent, signal.SIGKILL)
+        out1, _ = nodes[1].communicate(timeout=90)
+        assert nodes[1].returncode == 2, out1
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{worker}").exists() and " Z " not in Path(f"/proc/{worker}/stat").read_text()[-60:] \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not rank_process(marker, 1), "node 1's worker trains on as an orphan"
+        out0, _ = nodes[0].communicate(timeout=90)
+        assert nodes[0].returncode == 2 and "rank 1" in out0, out0
+        assert time.monotonic() - killed < 60
+        assert not ours_still_running(marker), [cmdline(p) for p in ours_still_running(marker)]
+        assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] >= 0   # whole
+    finally:
+        for node in nodes:
+            kill_all(node, marker)
 
 
 @pytest.mark.slow
