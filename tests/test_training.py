@@ -149,6 +149,36 @@ def test_interrupted_then_resumed_run_ends_with_the_weights_of_an_uninterrupted_
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.slow
+def test_compile_trains_for_real_and_resumes_from_an_eager_checkpoint_to_the_eager_runs_weights(tmp_path):
+    """Issues 36/37: --compile had only run with torch.compile stubbed. For real on the CPU (inductor and the
+    machine's C++ compiler): a compiled run ends with the eager run's weights within float rounding, and a compiled
+    run resumed from the eager run's checkpoint (plain parameter names, no `_orig_mod.`) with the eager resume's."""
+    common = ["--dataset", "fake", "--image-size", "32", "--arch", "convnet_gn", "--workers", "0", "--threads", "1",
+              "--wandb", "disabled", "--progress", "off", "--max-steps-per-epoch", "3", "--batch-size", "8"]
+
+    inductor = tmp_path / "inductor"   # its own cache: the code inductor generates shows that it compiled
+
+    def run(name, *extra):
+        [done] = run_all([python("-m", "ddp_utils", "train", *common, "--run-dir", str(tmp_path / name), *extra)],
+                         timeout=300, env=base_env(TORCHINDUCTOR_CACHE_DIR=str(inductor)))
+        assert done.returncode == 0, describe([done])
+        return done.output
+    run("eager", "--epochs", "2")
+    run("compiled", "--epochs", "2", "--compile")
+    assert list(inductor.rglob("*.py")), "inductor generated no code: the run did not compile"
+    resumed = str(tmp_path / "eager" / "last.pt")
+    run("eager-resumed", "--epochs", "3", "--resume", resumed)
+    said = run("compiled-resumed", "--epochs", "3", "--resume", resumed, "--compile")
+    assert "continuing at epoch 3" in said, said
+    for compiled, eager in (("compiled", "eager"), ("compiled-resumed", "eager-resumed")):
+        a, b = weights(tmp_path / compiled / "last.pt"), weights(tmp_path / eager / "last.pt")
+        assert a.keys() == b.keys() and not any(k.startswith("_orig_mod") for k in a)
+        for name in a:
+            assert torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-5), (compiled, name)
+    assert json.loads((tmp_path / "compiled" / "settings.json").read_text())["compile"] is True
+
+
 # A process killed (SIGKILL) right after it wrote last.pt of a best epoch, before best.pt.
 KILLED_BETWEEN_THE_WRITES = """
 import os, signal, sys
