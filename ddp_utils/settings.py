@@ -38,7 +38,8 @@ MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_r
               "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
               "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps",
-              "powersgd_min_compression", "comm_auto_share", "average_every", "localsgd_warmup_steps", "auto_local_sgd", "profile_steps", "build_ddp")
+              "powersgd_min_compression", "comm_auto_share", "average_every", "localsgd_warmup_steps",
+              "auto_local_sgd", "profile_steps", "build_ddp")
 
 
 def _f(default, help: str, **kw):

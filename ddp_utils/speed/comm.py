@@ -11,8 +11,8 @@ all-reduce; PyTorch ships the ones used here:
   2019), with error feedback (what the approximation missed is added to the next step's gradient)
   and warm start; the first steps use the exact all-reduce (``powersgd_warmup``: a quarter of the run by
   default), and a gradient that rank-r would shrink less than ``powersgd_min_compression`` times (a small
-  classifier) is always sent exact. Far fewer bytes, some extra compute per step. Its memory (error feedback, warm start) is kept by parameter
-  (``powersgd.py``) and goes into the checkpoint: a resume is bit-exact;
+  classifier) is always sent exact. Far fewer bytes, some extra compute per step. Its memory (error
+  feedback, warm start) is kept by parameter (``powersgd.py``) and goes into the checkpoint: a resume is bit-exact;
 - ``localsgd``: no gradient all-reduce; each rank steps on its own gradients and the weights are averaged
   every ``average_every`` steps (``localsgd.py``);
 - ``auto``: decided from the link probe (``linkprobe.py``): when communication is predicted to

@@ -24,10 +24,10 @@ transforms draw the same torch random numbers as the classic ones, seeded per (s
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Iterable, Iterator
 
-import numpy as np
 import torch
 from torch import Tensor
 from torchvision import transforms as T
@@ -75,17 +75,17 @@ class RandomCropFlip:
     """
 
     def __init__(self, size: int, hflip: bool = True):
-        self.size, self.hflip = [size, size], hflip
+        self.crop, self.hflip = T.RandomResizedCrop(size), hflip   # the classic one: its scale, ratio and draws
 
     def __call__(self, image: Tensor) -> Tensor:
-        top, left, height, width = T.RandomResizedCrop.get_params(image, (0.08, 1.0), (3 / 4, 4 / 3))
-        out = v2.functional.resized_crop(image, top, left, height, width, self.size, antialias=True)
+        top, left, height, width = self.crop.get_params(image, self.crop.scale, self.crop.ratio)
+        out = v2.functional.resized_crop(image, top, left, height, width, list(self.crop.size), antialias=True)
         if self.hflip and torch.rand(1) < 0.5:
             out = v2.functional.horizontal_flip(out)
         return out
 
     def __repr__(self) -> str:
-        return f"RandomCropFlip(size={self.size[0]}, hflip={self.hflip})"
+        return f"RandomCropFlip(size={self.crop.size[0]}, hflip={self.hflip})"
 
 
 def eval_transform(preset: Preset, image_size: int = 0) -> v2.Compose:
@@ -139,11 +139,11 @@ class ReusedBatches:
         self.keep, self.storages = keep, []
 
     def take(self, shape) -> Tensor:
-        nbytes = 4 * int(np.prod(shape))
+        nbytes = 4 * math.prod(shape)
         for storage in self.storages:
             if storage.nbytes() == nbytes and self._unused(storage):
-                return torch.empty(0).set_(storage, 0, tuple(shape))
-        out = torch.empty(tuple(shape))
+                return torch.empty(0, dtype=torch.float32).set_(storage, 0, tuple(shape))
+        out = torch.empty(tuple(shape), dtype=torch.float32)   # float32 whatever the default dtype
         if len(self.storages) < self.keep:
             self.storages.append(out.untyped_storage())
         return out

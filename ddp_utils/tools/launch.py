@@ -235,6 +235,7 @@ class Launcher:
         self.termed_at: float | None = None
         self.timed_out = False
         self.workers: dict = {}   # pid -> psutil.Process: torchrun's processes and theirs, seen while it ran
+        self._looked_at = 0.0      # when remember_workers last looked
 
     def describe(self) -> list[str]:
         first = self.plans[0]
@@ -296,8 +297,6 @@ class Launcher:
             yield from self.drain()
         finally:
             self.stop()
-
-    _looked_at = 0.0
 
     def remember_workers(self) -> None:
         """Note torchrun's processes and theirs (DataLoader workers), each worker in a session of its own that no
