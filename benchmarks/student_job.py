@@ -18,7 +18,8 @@ Every part runs in this one script, in this order, each timed and each recording
   kit runs    python -m ddp_utils train --dataset imagenet --data-dir <the folder> --arch resnet18 --epochs 1
               --max-steps-per-epoch --steps --batch-size --batch-size --wandb disabled --no-link-probe, one process,
               under taskset -c on the first 4, 8, 16 CPUs (--cores), with --loader workers and --workers = cores - 1
-              (one core left to the training process; at least 1), then the same with --loader dali where DALI is
+              (one core left to the training process; at least 1), then the same with --loader nvjpeg (the workers
+              read the files, nvJPEG decodes and crops on the GPU), then --loader dali where DALI is
               importable (its --workers = DALI's CPU threads, the same count); else one line saying why it was
               skipped. Read from each run folder's results.json: images/s (the kit's figure, first step included,
               and steady = after the first step), the share of the time spent waiting for data, GPU utilisation
@@ -343,7 +344,7 @@ def main() -> int:
                    help="--max-steps-per-epoch of each kit run (at most --images / --batch-size steps happen)")
     p.add_argument("--batch-size", type=int, default=256, help="per step, in the kit's runs and the ceiling")
     p.add_argument("--cores", default="4,8,16", help="CPU counts the kit's runs are pinned to (taskset -c)")
-    p.add_argument("--loaders", default="workers,dali",
+    p.add_argument("--loaders", default="workers,nvjpeg,dali",
                    help="the kit's --loader values to run (dali only where it imports)")
     p.add_argument("--ceiling-steps", type=int, default=30, help="timed steps of each ceiling (after the warm-up)")
     p.add_argument("--compile-backend", default="inductor",

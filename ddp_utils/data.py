@@ -13,12 +13,13 @@ rank=rank, seed=seed, drop_last=True)``: each epoch it shuffles the whole split 
 shares are disjoint and of equal size. ``set_epoch(epoch)`` picks the epoch's shuffle; without it
 every epoch would repeat the first one. ``datasets.TrainLoader`` does both, once for every loader.
 
-It checks the folders (``datasets.check_data``), then picks one of three loader pairs with the same
+It checks the folders (``datasets.check_data``), then picks one of four loader pairs with the same
 shards and steps: ``workers`` (DataLoader worker processes decode each epoch, any preset; for ImageNet
 they send uint8 crops that are normalised batched on the device, ``fastjpeg.py``), ``memory`` (decode
-once into a uint8 tensor, ``memdata.py``; cinic10 and demo) or ``dali`` (NVIDIA DALI decodes and
-augments, fed the kit's own sampler indices, ``dali.py``; imagenet). The pieces live in ``datasets.py``,
-``fastjpeg.py``, ``memdata.py`` and ``dali.py``; this module only decides and assembles.
+once into a uint8 tensor, ``memdata.py``; cinic10 and demo), ``dali`` (NVIDIA DALI decodes and
+augments, fed the kit's own sampler indices, ``dali.py``; imagenet) or ``nvjpeg`` (workers read the files,
+torchvision's nvJPEG decodes and crops on the GPU, ``nvjpeg.py``; imagenet). The pieces live in ``datasets.py``,
+``fastjpeg.py``, ``memdata.py``, ``dali.py`` and ``nvjpeg.py``; this module only decides and assembles.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from .speed import fastjpeg
 from .speed.dali import build_dali_data, check_dali_dataset
 from .robust.threads import set_threads
 from .speed.memdata import MEMORY_DATASETS, build_memory_data, check_memory_dataset
+from .speed.nvjpeg import build_nvjpeg_data, check_nvjpeg_dataset
 
 __all__ = ["build_data", "build_loaders"]
 
@@ -82,6 +84,8 @@ def build_loaders(settings, rank: int, world_size: int, device: torch.device | s
         check_memory_dataset(settings.dataset)   # ImageNet: fail before scanning its folders
     if loader == "dali":
         check_dali_dataset(settings.dataset)     # and DALI installed: fail before scanning the folders
+    if loader == "nvjpeg":
+        check_nvjpeg_dataset(settings.dataset)
     found = check_data(settings)
     preset = load_preset(settings.dataset, settings.data_dir)
     size = settings.image_size or preset.image_size
@@ -95,6 +99,10 @@ def build_loaders(settings, rank: int, world_size: int, device: torch.device | s
         return build_dali_data(root, preset, size, val_split, found["classes"], settings.batch_size, settings.seed,
                                settings.max_steps_per_epoch, settings.workers, rank, world_size, device,
                                settings.channels_last)
+    if loader == "nvjpeg":
+        return build_nvjpeg_data(root, preset, size, val_split, found["classes"], settings.batch_size, settings.seed,
+                                 settings.max_steps_per_epoch, settings.workers, rank, world_size, device,
+                                 settings.channels_last)
     # ImageNet: the workers decode with libjpeg-turbo and send uint8 crops, normalised here per batch.
     uint8 = preset.crop == "resized"
     if uint8:

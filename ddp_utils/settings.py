@@ -25,7 +25,7 @@ DATASETS = tuple(PRESETS)
 BACKENDS = ("auto", "gloo", "nccl")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
-LOADERS = ("auto", "workers", "memory", "dali")
+LOADERS = ("auto", "workers", "memory", "dali", "nvjpeg")
 COMM_MODES = ("auto", "none", "fp16", "bf16", "powersgd", "localsgd")
 PROGRESS_MODES = ("auto", "steps", "bar", "off")
 PARALLEL_MODES = ("ddp", "dp", "none", "zero1", "fsdp")
@@ -64,7 +64,9 @@ class Settings:
                                 "split once into a uint8 tensor kept in memory "
                                 "(on the GPU when there is one), batched augmentation, no worker processes "
                                 "(cinic10 and demo only); dali: NVIDIA DALI decodes and augments (on the GPU "
-                                "with a GPU, its CPU pipeline otherwise; imagenet)", choices=LOADERS)
+                                "with a GPU, its CPU pipeline otherwise; imagenet); nvjpeg: the workers read the "
+                                "files, torchvision's nvJPEG decodes and crops on the GPU (imagenet)",
+                       choices=LOADERS)
     # -- model --------------------------------------------------------------------------------
     arch: str = _f(None, "convnet (small, fast on CPU; convnet_gn with GroupNorm), resnet18_cifar "
                          "(32 px stem) or any torchvision classifier name such as resnet18, resnet50; "

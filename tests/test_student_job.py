@@ -50,6 +50,8 @@ def test_student_job_runs_every_part_on_the_cpu_and_writes_its_figures(tmp_path)
     assert set(run["time_split"]) == {"train_time_s", "data_s", "compute_s", "comm_s", "idle_s", "startup_s"}
     assert "gpu_util" in run and "steady_images_per_s" in run
     assert "CPUs" in f["kit"]["workers-4096"]["skipped"]   # more cores than the machine has: said, not run
+    nvjpeg = f["kit"]["nvjpeg-1"]                           # the kit's own GPU decode path, on the CPU here
+    assert "--loader nvjpeg" in nvjpeg["command"] and nvjpeg["steps"] == 2 and nvjpeg["images_per_s"] > 0, nvjpeg
     dali = f["kit"]["dali-1"]
     assert dali.get("images_per_s", 0) > 0 or "DALI does not import" in dali["skipped"], dali
     assert r["table"] and all(line.startswith("|") and line.endswith("|") for line in r["table"])

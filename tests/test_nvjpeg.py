@@ -1,0 +1,167 @@
+"""ddp_utils.speed.nvjpeg: loader='nvjpeg' decodes and crops on the device (the CPU here) with the workers path's
+shards, steps, crops and validation tensors, within the one level of 255 that path's rounding to uint8 adds.
+
+Both paths decode with libjpeg-turbo on the CPU and draw the crops with the classic RandomResizedCrop's draws
+from the same (seed, rank, epoch) stream (the workers path without worker processes); this path resizes in
+float32 and keeps the fractions, that one rounds to uint8. On a GPU nvJPEG decodes instead (the gpu-marked test).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from ddp_utils.data import build_loaders
+from ddp_utils.datasets import DataError
+from ddp_utils.settings import Settings
+from ddp_utils.speed import nvjpeg
+from ddp_utils.speed.nvjpeg import DECODED, BYTES, JpegBytes, NvjpegEvalLoader, NvjpegTrainLoader, jpeg_components
+from tests.test_data import WNIDS, make_cinic, make_imagenet
+from tests.test_fastjpeg import levels, make_photo_imagenet, pillow
+
+
+def settings(path, **kw) -> Settings:
+    return Settings(**{"dataset": "imagenet", "data_dir": str(path), "workers": 0, "batch_size": 4,
+                       "loader": "nvjpeg", "image_size": 48, **kw})
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    return make_photo_imagenet(tmp_path_factory.mktemp("nvjpeg") / "imagenet")   # 12 train, 9 val, 70-150 px
+
+
+def test_train_batches_are_the_workers_paths_crops_within_its_rounding(photos):
+    for rank in (0, 1):
+        for epoch in (0, 1):
+            mine = build_loaders(settings(photos, seed=5), rank, 2).train
+            workers = build_loaders(settings(photos, seed=5, loader="workers"), rank, 2).train
+            assert isinstance(mine, NvjpegTrainLoader) and len(mine) == len(workers) == 12 // 2 // 4
+            assert mine.indices(epoch) == workers.indices(epoch)         # the DistributedSampler's shard
+            pairs = list(zip(mine.epoch(epoch), workers.epoch(epoch)))
+            assert len(pairs) == len(mine)
+            for (a, ya), (b, yb) in zip(*zip(*pairs)):
+                assert a.shape == (4, 3, 48, 48) and a.dtype == torch.float32 and ya.dtype == torch.int64
+                assert torch.equal(ya, yb)
+                assert levels(a, b).max() <= 1.001                       # same crop and flip, unrounded
+            assert a.std() > 0.2                                          # photos, not a constant
+
+
+def test_crops_depend_on_seed_rank_and_epoch_only_and_workers_change_nothing(photos):
+    def draw(rank, epoch, seed=0, workers=0):
+        loader = build_loaders(settings(photos, seed=seed, workers=workers), rank, 2).train
+        return torch.cat([x for x, _ in loader.epoch(epoch)])
+    torch.manual_seed(123)
+    first = draw(1, 1)
+    torch.manual_seed(456)                                   # the training's own random state plays no part
+    assert torch.equal(first, draw(1, 1))
+    assert torch.equal(first, draw(1, 1, workers=2))         # the workers only read files: the same batches
+    assert not torch.equal(first, draw(0, 1))                # every rank its own crops
+    assert not torch.equal(first, draw(1, 0))                # and every epoch
+    assert not torch.equal(first, draw(1, 1, seed=1))
+
+
+def test_drawing_crops_leaves_the_trainings_random_state_alone(photos):
+    loader = build_loaders(settings(photos), 0, 1).train
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    for _ in loader.epoch(0):
+        pass
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_validation_is_the_workers_paths_exactly_once_across_ranks(photos):
+    seen = []
+    for rank in (0, 1):
+        mine = build_loaders(settings(photos, workers=1), rank, 2).val
+        workers = build_loaders(settings(photos, loader="workers"), rank, 2).val
+        assert isinstance(mine, NvjpegEvalLoader) and list(mine.sampler) == list(range(rank, 9, 2))
+        for _ in range(2):   # persistent workers: a second pass gives the same batches
+            batches = list(mine)
+            assert len(batches) == len(mine) and [len(y) for _, y in batches] == ([4, 1] if rank == 0 else [4])
+            for (a, ya), (b, yb) in zip(batches, workers):
+                assert torch.equal(ya, yb) and levels(a, b).max() <= 1.001
+        seen += list(mine.sampler)
+    assert sorted(seen) == list(range(9))
+
+
+def test_max_steps_per_epoch_is_respected(photos):
+    capped = build_loaders(settings(photos, batch_size=2, max_steps_per_epoch=2), 0, 1).train
+    assert len(capped) == 2 == len(list(capped.epoch(0)))
+
+
+# ---------------------------------------------------------------------------------------------
+# What nvJPEG is given, and what the CPU decodes instead
+# ---------------------------------------------------------------------------------------------
+def test_jpeg_components_reads_the_frame_header(photos, tmp_path):
+    jpeg = next((photos / "train" / WNIDS[0]).iterdir())
+    image = Image.open(jpeg).convert("RGB")
+    image.save(tmp_path / "progressive.jpg", progressive=True)
+    image.convert("L").save(tmp_path / "grey.jpg")
+    image.convert("CMYK").save(tmp_path / "cmyk.jpg")
+    image.save(tmp_path / "png.JPEG", format="PNG")
+    found = {p.name: jpeg_components(p.read_bytes()) for p in tmp_path.iterdir()}
+    assert found == {"progressive.jpg": 3, "grey.jpg": 1, "cmyk.jpg": 0, "png.JPEG": 0}
+    assert jpeg_components(jpeg.read_bytes()) == 3
+    assert jpeg_components(jpeg.read_bytes()[:20]) == 0            # cut before its frame header
+    assert jpeg_components(b"") == 0
+
+
+def test_files_nvjpeg_is_not_given_are_decoded_in_the_worker_with_pillows_pixels(photos, tmp_path):
+    jpeg = next((photos / "train" / WNIDS[0]).iterdir())
+    image = Image.open(jpeg).convert("RGB")
+    image.save(tmp_path / "png.JPEG", format="PNG")              # ImageNet has a PNG named .JPEG
+    image.convert("CMYK").save(tmp_path / "cmyk.JPEG")           # and CMYK JPEGs
+    samples = [(str(jpeg), 0), (str(tmp_path / "png.JPEG"), 1), (str(tmp_path / "cmyk.JPEG"), 2)]
+    items = [JpegBytes(samples)[i] for i in range(3)]
+    assert [kind for _, _, kind, _ in items] == [BYTES, DECODED, DECODED]
+    assert torch.equal(items[0][0], torch.frombuffer(bytearray(jpeg.read_bytes()), dtype=torch.uint8))
+    for (tensor, _, _, _), (path, _) in zip(items[1:], samples[1:]):
+        assert torch.equal(tensor, pillow(path))
+    crops = nvjpeg.DeviceCrops(samples, build_loaders(settings(photos), 0, 1).preset, 48)
+    (images, labels), = crops([nvjpeg.collate(items)])            # a batch of all three kinds
+    assert images.shape == (3, 3, 48, 48) and labels.tolist() == [0, 1, 2]
+
+
+def test_a_broken_jpeg_is_the_kits_paragraph_naming_it(tmp_path):
+    imagenet = make_imagenet(tmp_path / "imagenet", train_per_class=4)
+    bad = imagenet / "train" / WNIDS[2] / "broken.JPEG"
+    good = (imagenet / "val" / WNIDS[2] / "ILSVRC2012_val_00000006.JPEG").read_bytes()
+    bad.write_bytes(good)
+    loader = build_loaders(settings(imagenet, batch_size=13), 0, 1).train   # checked whole, broken after
+    bad.write_bytes(good[:300])
+    assert jpeg_components(bad.read_bytes()) == 3                # its header is whole: nvJPEG is given it
+    with pytest.raises(DataError, match="Pillow cannot read") as e:
+        list(loader.epoch(0))
+    assert str(bad) in str(e.value)
+
+
+def test_the_loader_serves_imagenet_only(tmp_path):
+    with pytest.raises(DataError, match="loader='nvjpeg' is for imagenet"):
+        build_loaders(settings(make_cinic(tmp_path / "cinic"), dataset="cinic10"), 0, 1)
+
+
+def test_without_torchvisions_decoder_the_loader_says_what_to_do(photos, monkeypatch):
+    monkeypatch.setattr(nvjpeg, "decode_jpeg", None)
+    with pytest.raises(DataError, match="--loader workers"):
+        build_loaders(settings(photos), 0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: nvJPEG, the side stream, CUDA batches
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_nvjpeg_gives_cuda_batches_with_the_cpus_crops(photos):
+    """The GPU suite: the same crops and validation tensors as on the CPU, within nvJPEG's own rounding of the
+    decode (its IDCT is not libjpeg-turbo's), batch after batch from the side stream, channels_last when asked."""
+    cpu = build_loaders(settings(photos, seed=2), 0, 1, torch.device("cpu"))
+    gpu = build_loaders(settings(photos, seed=2, workers=2, channels_last=True), 0, 1, torch.device("cuda", 0))
+    for data in (cpu, gpu):
+        data.cpu_batches = [(x.cpu(), y.cpu()) for x, y in data.train.epoch(1)]   # each copied as it arrives
+        data.cpu_val = [(x.cpu(), y.cpu()) for x, y in data.val]
+    x, _ = next(iter(gpu.train.epoch(0)))
+    assert x.is_cuda and x.is_contiguous(memory_format=torch.channels_last)
+    for (a, ya), (b, yb) in [*zip(cpu.cpu_batches, gpu.cpu_batches), *zip(cpu.cpu_val, gpu.cpu_val)]:
+        assert torch.equal(ya, yb)
+        assert levels(a, b).mean() <= 3 and levels(a, b).max() <= 40    # nvJPEG's IDCT, the same crops
