@@ -15,7 +15,7 @@ from ddp_utils.data import build_loaders
 from ddp_utils.datasets import DataError
 from ddp_utils.settings import Settings
 from ddp_utils.speed import nvjpeg
-from ddp_utils.speed.nvjpeg import DECODED, BYTES, JpegBytes, NvjpegEvalLoader, NvjpegTrainLoader, jpeg_components
+from ddp_utils.speed.nvjpeg import DECODED, BYTES, JpegBytes, NvjpegEvalLoader, NvjpegTrainLoader, jpeg_header
 from tests.test_data import WNIDS, make_cinic, make_imagenet
 from tests.test_fastjpeg import levels, make_photo_imagenet, pillow
 
@@ -30,14 +30,15 @@ def photos(tmp_path_factory):
     return make_photo_imagenet(tmp_path_factory.mktemp("nvjpeg") / "imagenet")   # 12 train, 9 val, 70-150 px
 
 
-def test_train_batches_are_the_workers_paths_crops_within_its_rounding(photos):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_train_batches_are_the_workers_paths_crops_within_its_rounding(photos, workers):
     for rank in (0, 1):
         for epoch in (0, 1):
-            mine = build_loaders(settings(photos, seed=5), rank, 2).train
-            workers = build_loaders(settings(photos, seed=5, loader="workers"), rank, 2).train
-            assert isinstance(mine, NvjpegTrainLoader) and len(mine) == len(workers) == 12 // 2 // 4
-            assert mine.indices(epoch) == workers.indices(epoch)         # the DistributedSampler's shard
-            pairs = list(zip(mine.epoch(epoch), workers.epoch(epoch)))
+            mine = build_loaders(settings(photos, seed=5, workers=workers), rank, 2).train
+            workers_path = build_loaders(settings(photos, seed=5, workers=workers, loader="workers"), rank, 2).train
+            assert isinstance(mine, NvjpegTrainLoader) and len(mine) == len(workers_path) == 12 // 2 // 4
+            assert mine.indices(epoch) == workers_path.indices(epoch)    # the DistributedSampler's shard
+            pairs = list(zip(mine.epoch(epoch), workers_path.epoch(epoch)))
             assert len(pairs) == len(mine)
             for (a, ya), (b, yb) in zip(*zip(*pairs)):
                 assert a.shape == (4, 3, 48, 48) and a.dtype == torch.float32 and ya.dtype == torch.int64
@@ -54,7 +55,6 @@ def test_crops_depend_on_seed_rank_and_epoch_only_and_workers_change_nothing(pho
     first = draw(1, 1)
     torch.manual_seed(456)                                   # the training's own random state plays no part
     assert torch.equal(first, draw(1, 1))
-    assert torch.equal(first, draw(1, 1, workers=2))         # the workers only read files: the same batches
     assert not torch.equal(first, draw(0, 1))                # every rank its own crops
     assert not torch.equal(first, draw(1, 0))                # and every epoch
     assert not torch.equal(first, draw(1, 1, seed=1))
@@ -93,18 +93,19 @@ def test_max_steps_per_epoch_is_respected(photos):
 # ---------------------------------------------------------------------------------------------
 # What nvJPEG is given, and what the CPU decodes instead
 # ---------------------------------------------------------------------------------------------
-def test_jpeg_components_reads_the_frame_header(photos, tmp_path):
+def test_jpeg_header_reads_the_frame_header(photos, tmp_path):
     jpeg = next((photos / "train" / WNIDS[0]).iterdir())
     image = Image.open(jpeg).convert("RGB")
     image.save(tmp_path / "progressive.jpg", progressive=True)
     image.convert("L").save(tmp_path / "grey.jpg")
     image.convert("CMYK").save(tmp_path / "cmyk.jpg")
     image.save(tmp_path / "png.JPEG", format="PNG")
-    found = {p.name: jpeg_components(p.read_bytes()) for p in tmp_path.iterdir()}
-    assert found == {"progressive.jpg": 3, "grey.jpg": 1, "cmyk.jpg": 0, "png.JPEG": 0}
-    assert jpeg_components(jpeg.read_bytes()) == 3
-    assert jpeg_components(jpeg.read_bytes()[:20]) == 0            # cut before its frame header
-    assert jpeg_components(b"") == 0
+    found = {p.name: jpeg_header(p.read_bytes()) for p in tmp_path.iterdir()}
+    size = (image.height, image.width)
+    assert found == {"progressive.jpg": (3, *size), "grey.jpg": (1, *size), "cmyk.jpg": None, "png.JPEG": None}
+    assert jpeg_header(jpeg.read_bytes()) == (3, *size)
+    assert jpeg_header(jpeg.read_bytes()[:20]) is None            # cut before its frame header
+    assert jpeg_header(b"") is None
 
 
 def test_files_nvjpeg_is_not_given_are_decoded_in_the_worker_with_pillows_pixels(photos, tmp_path):
@@ -114,13 +115,18 @@ def test_files_nvjpeg_is_not_given_are_decoded_in_the_worker_with_pillows_pixels
     image.convert("CMYK").save(tmp_path / "cmyk.JPEG")           # and CMYK JPEGs
     samples = [(str(jpeg), 0), (str(tmp_path / "png.JPEG"), 1), (str(tmp_path / "cmyk.JPEG"), 2)]
     items = [JpegBytes(samples)[i] for i in range(3)]
-    assert [kind for _, _, kind, _ in items] == [BYTES, DECODED, DECODED]
+    assert [kind for _, _, kind, _, _ in items] == [BYTES, DECODED, DECODED]
     assert torch.equal(items[0][0], torch.frombuffer(bytearray(jpeg.read_bytes()), dtype=torch.uint8))
-    for (tensor, _, _, _), (path, _) in zip(items[1:], samples[1:]):
-        assert torch.equal(tensor, pillow(path))
-    crops = nvjpeg.DeviceCrops(samples, build_loaders(settings(photos), 0, 1).preset, 48)
-    (images, labels), = crops([nvjpeg.collate(items)])            # a batch of all three kinds
-    assert images.shape == (3, 3, 48, 48) and labels.tolist() == [0, 1, 2]
+    for (tensor, _, _, _, box), (path, _) in zip(items[1:], samples[1:]):
+        assert torch.equal(tensor, pillow(path)) and box == (0, 0, image.height, image.width, 0)
+    preset = build_loaders(settings(photos), 0, 1).preset
+    batch = nvjpeg.collate(items)                                  # a batch of all three kinds
+    assert batch.sizes == [jpeg.stat().st_size] and len(batch.decoded) == 2
+    for train in (False, True):
+        (images, labels), = nvjpeg.DeviceCrops(samples, preset, 48, train=train)([batch])
+        assert images.shape == (3, 3, 48, 48) and labels.tolist() == [0, 1, 2]
+        assert levels(images[:1], images[1:2]).max() < 0.01       # the PNG holds the JPEG's decoded pixels
+        assert levels(images[1:2], images[2:3]).mean() <= 3       # the CMYK file: another lossy encoding of them
 
 
 def test_a_broken_jpeg_is_the_kits_paragraph_naming_it(tmp_path):
@@ -130,7 +136,7 @@ def test_a_broken_jpeg_is_the_kits_paragraph_naming_it(tmp_path):
     bad.write_bytes(good)
     loader = build_loaders(settings(imagenet, batch_size=13), 0, 1).train   # checked whole, broken after
     bad.write_bytes(good[:300])
-    assert jpeg_components(bad.read_bytes()) == 3                # its header is whole: nvJPEG is given it
+    assert jpeg_header(bad.read_bytes())                          # its header is whole: nvJPEG is given it
     with pytest.raises(DataError, match="Pillow cannot read") as e:
         list(loader.epoch(0))
     assert str(bad) in str(e.value)
@@ -155,7 +161,7 @@ def test_without_torchvisions_decoder_the_loader_says_what_to_do(photos, monkeyp
 def test_on_a_gpu_nvjpeg_gives_cuda_batches_with_the_cpus_crops(photos):
     """The GPU suite: the same crops and validation tensors as on the CPU, within nvJPEG's own rounding of the
     decode (its IDCT is not libjpeg-turbo's), batch after batch from the side stream, channels_last when asked."""
-    cpu = build_loaders(settings(photos, seed=2), 0, 1, torch.device("cpu"))
+    cpu = build_loaders(settings(photos, seed=2, workers=2), 0, 1, torch.device("cpu"))   # the same worker seeds
     gpu = build_loaders(settings(photos, seed=2, workers=2, channels_last=True), 0, 1, torch.device("cuda", 0))
     for data in (cpu, gpu):
         data.cpu_batches = [(x.cpu(), y.cpu()) for x, y in data.train.epoch(1)]   # each copied as it arrives

@@ -5,18 +5,20 @@ them there; the DataLoader workers only read the files.
 
 Why: on the workers path every image is decoded on a CPU core (~1 ms for an ImageNet photo here), so a GPU node
 with few cores (a g4dn.xlarge has 4 vCPUs) waits for its data. DALI moves the decode to the GPU but is a separate
-420 MB install; torchvision's CUDA builds carry nvJPEG already. Per batch, in the training process:
+420 MB install; torchvision's CUDA builds carry nvJPEG already (on an A100, H100 or H200 its hardware decoder).
 
-- the workers send the batch's file bytes (a ~110 KB JPEG is less than the 150 KB uint8 crop the workers path
-  sends). A file nvJPEG is not given is decoded in the worker instead (``fastjpeg.decode_rgb``: libjpeg-turbo,
-  Pillow for the rest): not a JPEG (ImageNet has a PNG named .JPEG), CMYK (22 ImageNet files), arithmetic-coded;
-- ``decode_jpeg(list of byte tensors, device=...)`` decodes the batch at once; if nvJPEG refuses the batch, each
-  image alone, and the one it refuses on the CPU, where a broken file gets the kit's DataError naming it;
-- train: the classic RandomResizedCrop draws (area 8-100 %, aspect 3/4-4/3) then the flip draw, image by image,
-  from a stream of its own seeded per (seed, rank, epoch) (``datasets.augmentation_seed``): the very draws the
-  workers path makes without worker processes. The crop is a view, resized antialiased in float32 (kept in float:
-  no rounding back to 255 levels), flipped, stacked and normalised. Validation: short side to S * 256/224,
-  centre S x S, as the workers path (within one of 255 levels of it: that path rounds to uint8 after resizing);
+- in the workers, per image: read the file, its size from the JPEG header, and the train crop's draws (the classic
+  RandomResizedCrop's: area 8-100 %, aspect 3/4-4/3, then the flip's, RandomCropFlip's order), seeded per
+  (seed, rank, epoch) exactly as the workers path seeds its own: the same crops as that path. A file nvJPEG is not
+  given is decoded there instead (``fastjpeg.decode_rgb``): not a JPEG (ImageNet has a PNG named .JPEG), CMYK
+  (22 ImageNet files), arithmetic-coded. A batch goes as one byte tensor (a ~110 KB JPEG is less than the
+  150 KB uint8 crop the workers path sends), not one tensor per image: one shared-memory block and one pinned
+  copy per batch (per image, those cost more than the GPU's decode on the first H200 run);
+- in the training process, ``decode_jpeg(list of byte tensors, device=...)`` decodes the batch at once; if nvJPEG
+  refuses it, each image alone, and the one it refuses on the CPU, where a broken file gets the kit's DataError;
+- each crop is a view, resized antialiased in float32 (kept in float: no rounding back to 255 levels), the batch
+  flipped where drawn and normalised. Validation: short side to S * 256/224, centre S x S. Both within one of 255
+  levels of the workers path (it rounds to uint8 after resizing);
 - on a GPU, batch k + 1 is decoded and cropped on a side CUDA stream while step k trains on the default one.
 
 Without a GPU the same code runs on the CPU (how the tests check it), slower than the workers path: for rehearsals.
@@ -25,10 +27,9 @@ EvalShardSampler).
 """
 from __future__ import annotations
 
-import itertools
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +38,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms as T
 from torchvision.transforms import v2
 
-from ..datasets import (Data, DataError, EpochLoader, EvalShardSampler, ImageFolderDataset, Preset, augmentation_seed,
-                        check_batch_fits, close_inherited_listeners, train_sampler, worker_context)
+from ..datasets import (Data, DataError, EpochLoader, EvalShardSampler, ImageFolderDataset, Preset, check_batch_fits,
+                        close_inherited_listeners, train_sampler, worker_context)
 from . import fastjpeg
 from .memdata import normalize
 
@@ -47,7 +48,7 @@ try:
 except ImportError:       # a torchvision built without its image decoders
     decode_jpeg = None
 
-__all__ = ["NVJPEG_DATASETS", "check_nvjpeg_dataset", "jpeg_components", "JpegBytes", "DeviceCrops",
+__all__ = ["NVJPEG_DATASETS", "check_nvjpeg_dataset", "jpeg_header", "JpegBytes", "RawBatch", "DeviceCrops",
            "NvjpegTrainLoader", "NvjpegEvalLoader", "build_nvjpeg_data"]
 
 NVJPEG_DATASETS = ("imagenet",)   # JPEG photos; the 32 px PNG presets are decoded once by the memory loader
@@ -65,36 +66,43 @@ def check_nvjpeg_dataset(dataset: str) -> None:
                         "with --loader workers, or install the torchvision built for your torch.")
 
 
-def jpeg_components(data: bytes) -> int:
-    """The colour components of a JPEG nvJPEG decodes (1 grey, 3 YCbCr) from its frame header, else 0: not a
-    JPEG, CMYK or YCCK (4), or a frame type it is not given (arithmetic-coded, lossless, hierarchical)."""
+def jpeg_header(data: bytes) -> tuple[int, int, int] | None:
+    """(components, height, width) of a JPEG nvJPEG decodes (1 grey or 3 YCbCr components) from its frame header,
+    else None: not a JPEG, CMYK or YCCK (4), a frame type it is not given (arithmetic-coded, lossless,
+    hierarchical) or a height only a later marker gives."""
     if data[:2] != b"\xff\xd8":
-        return 0
+        return None
     i = 2
     while i + 9 < len(data):
         if data[i] != 0xFF:
-            return 0                        # lost in the markers: let the CPU decide
+            return None                      # lost in the markers: let the CPU decide
         marker = data[i + 1]
-        if marker == 0xFF:                  # a fill byte before a marker
+        if marker == 0xFF:                   # a fill byte before a marker
             i += 1
         elif marker == 0x01 or 0xD0 <= marker <= 0xD7:   # markers without a length
             i += 2
-        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):   # a frame header (SOFn)
-            components = data[i + 9]         # FF Cn, length (2), precision (1), height (2), width (2), components
-            return components if marker in NVJPEG_FRAMES and components in (1, 3) else 0
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):   # a frame header (SOFn):
+            height, width = data[i + 5] << 8 | data[i + 6], data[i + 7] << 8 | data[i + 8]   # FF Cn, length (2),
+            components = data[i + 9]                                    # precision, height, width, components
+            ok = marker in NVJPEG_FRAMES and components in (1, 3) and height > 0 and width > 0
+            return (components, height, width) if ok else None
         elif marker == 0xDA:                 # the scan began without a frame header
-            return 0
+            return None
         else:
             i += 2 + (data[i + 2] << 8 | data[i + 3])
-    return 0
+    return None
 
 
 class JpegBytes(Dataset):
-    """``dataset[i]`` -> (tensor, label, kind, i): a JPEG nvJPEG decodes as its bytes (uint8, 1-D, kind BYTES),
-    any other image decoded here to uint8 (3, H, W) (kind DECODED). ``samples`` are ImageFolder's (path, label)."""
+    """``dataset[i]`` -> (tensor, label, kind, i, box): a JPEG nvJPEG decodes as its bytes (uint8, 1-D, kind
+    BYTES), any other image decoded here to uint8 (3, H, W) (kind DECODED). ``samples`` are ImageFolder's
+    (path, label). ``box`` (top, left, height, width, flip): with ``crop`` (train) the classic RandomResizedCrop
+    draws on the image's size from its header, then the flip draw when ``hflip``, in RandomCropFlip's order, so
+    the DataLoader seeds them as it seeds the workers path's; without ``crop`` the whole image, no flip.
+    """
 
-    def __init__(self, samples: list[tuple[str, int]]):
-        self.samples = samples
+    def __init__(self, samples: list[tuple[str, int]], crop: T.RandomResizedCrop | None = None, hflip: bool = False):
+        self.samples, self.crop, self.hflip = samples, crop, hflip
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -105,46 +113,71 @@ class JpegBytes(Dataset):
             data = Path(path).read_bytes()
         except OSError as e:
             raise DataError(f"{path}: cannot read this file ({e}).") from None
-        if jpeg_components(data):
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8), label, BYTES, index
-        return fastjpeg.decode_rgb(path), label, DECODED, index
+        header = jpeg_header(data)
+        if header:
+            tensor, kind, (height, width) = torch.frombuffer(bytearray(data), dtype=torch.uint8), BYTES, header[1:]
+        else:
+            tensor, kind = fastjpeg.decode_rgb(path), DECODED
+            height, width = tensor.shape[-2:]
+        return tensor, label, kind, index, self._box(height, width)
+
+    def _box(self, height: int, width: int) -> tuple[int, int, int, int, int]:
+        if self.crop is None:
+            return 0, 0, height, width, 0
+        shape_only = torch.empty(1, dtype=torch.uint8).expand(3, height, width)   # get_params reads the size
+        top, left, h, w = self.crop.get_params(shape_only, self.crop.scale, self.crop.ratio)
+        return top, left, h, w, int(bool(self.hflip and torch.rand(1) < 0.5))
 
 
-def collate(items):
-    """A batch of JpegBytes items: (list of tensors, labels int64, kinds, indices); the tensors differ in size."""
-    tensors, labels, kinds, indices = zip(*items)
-    return list(tensors), torch.tensor(labels, dtype=torch.int64), list(kinds), list(indices)
+class RawBatch(NamedTuple):
+    """What the workers send: the batch's JPEG files as one byte tensor (``sizes`` cut it into files: one shared
+    memory block and one pinned copy per batch, not one per image), the images decoded on the CPU, labels, each
+    image's kind (BYTES or DECODED), index into the split and box (B, 5)."""
+    jpegs: Tensor
+    sizes: list[int]
+    decoded: list[Tensor]
+    labels: Tensor
+    kinds: list[int]
+    indices: list[int]
+    boxes: Tensor
+
+
+def collate(items) -> RawBatch:
+    """A batch of JpegBytes items as one RawBatch."""
+    tensors, labels, kinds, indices, boxes = zip(*items)
+    jpegs = [t for t, kind in zip(tensors, kinds) if kind == BYTES]
+    return RawBatch(torch.cat(jpegs) if jpegs else torch.empty(0, dtype=torch.uint8), [len(t) for t in jpegs],
+                    [t for t, kind in zip(tensors, kinds) if kind == DECODED], torch.tensor(labels, dtype=torch.int64),
+                    list(kinds), list(indices), torch.tensor(boxes, dtype=torch.int64))
 
 
 class DeviceCrops:
-    """Batches of file bytes in, normalised float32 (B, 3, S, S) batches on ``device`` out.
+    """RawBatches in, normalised float32 (B, 3, S, S) batches on ``device`` out.
 
-    ``train``: RandomResizedCrop + flip with the classic draws from the stream seeded ``seed``; else Resize(S *
-    256/224) + CenterCrop(S). ``samples`` name the files in errors. On a GPU each batch is made on a side stream,
-    one batch ahead of the one the training uses.
+    ``train``: each image's box cut as a view, resized to S x S antialiased in float32, flipped where its box says
+    so; else Resize(S * 256/224) + CenterCrop(S). ``samples`` name the files in errors. On a GPU each batch is made
+    on a side stream, one batch ahead of the one the training uses.
     """
 
-    def __init__(self, samples, preset: Preset, size: int, device=None, channels_last: bool = False):
-        self.samples, self.size, self.hflip = samples, size, preset.hflip
+    def __init__(self, samples, preset: Preset, size: int, device=None, channels_last: bool = False,
+                 train: bool = False):
+        self.samples, self.size, self.train = samples, size, train
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.channels_last = channels_last and self.cuda
         self.mean, self.std = (torch.tensor(v, dtype=torch.float32, device=self.device).view(-1, 1, 1)
                                for v in (preset.mean, preset.std))
-        self.crop = T.RandomResizedCrop(size)   # the classic one: its scale, ratio and draws
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
 
-    def __call__(self, batches, seed: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
-        state = None if seed is None else torch.Generator().manual_seed(seed).get_state()
+    def __call__(self, batches: Iterable[RawBatch]) -> Iterator[tuple[Tensor, Tensor]]:
         if not self.cuda:
             for batch in batches:
-                images, labels, state = self._make(batch, state)
-                yield images, labels
+                yield self._make(batch)
             return
         pending = None
         for batch in batches:
             with torch.cuda.stream(self.side):    # queued behind nothing of the training's: runs beside its step
-                images, labels, state = self._make(batch, state)
+                images, labels = self._make(batch)
                 done = torch.cuda.Event()
                 done.record(self.side)
             if pending is not None:
@@ -160,32 +193,32 @@ class DeviceCrops:
         labels.record_stream(stream)
         return images, labels
 
-    def _make(self, batch, state):
-        tensors, labels, kinds, indices = batch
-        images = self._decode(tensors, kinds, indices)
-        if state is None:
-            crops = [self._centre(image) for image in images]
+    def _make(self, batch: RawBatch) -> tuple[Tensor, Tensor]:
+        images = self._decode(batch)
+        if self.train:
+            crops = [self._resized(image[:, top:top + h, left:left + w])
+                     for image, (top, left, h, w, _) in zip(images, batch.boxes.tolist())]
+            out = torch.cat(crops)
+            flips = batch.boxes[:, 4].to(self.device, non_blocking=True).bool().view(-1, 1, 1, 1)
+            out = torch.where(flips, out.flip(-1), out)   # one pass for the batch, not one per flipped image
         else:
-            with torch.random.fork_rng(devices=[]):   # the draws from this loader's stream, the training's kept
-                torch.set_rng_state(state)
-                crops = [self._random(image) for image in images]
-                state = torch.get_rng_state()
-        out = normalize(torch.stack(crops), self.mean, self.std)
+            out = torch.stack([self._centre(image) for image in images])
+        out = normalize(out, self.mean, self.std)
         if self.channels_last:
             out = out.contiguous(memory_format=torch.channels_last)
-        return out, labels.to(self.device, non_blocking=True), state
+        return out, batch.labels.to(self.device, non_blocking=True)
 
-    def _decode(self, tensors, kinds, indices) -> list[Tensor]:
+    def _decode(self, batch: RawBatch) -> list[Tensor]:
         """uint8 (3, H, W) images on the device, in the batch's order."""
-        images = [t.to(self.device, non_blocking=True) if kind == DECODED else None
-                  for t, kind in zip(tensors, kinds)]
-        todo = [i for i, kind in enumerate(kinds) if kind == BYTES]
-        if todo:
-            for i, image in zip(todo, self._nvjpeg([tensors[i] for i in todo], [indices[i] for i in todo])):
-                images[i] = image
-        return images
+        jpegs = iter(self._nvjpeg(list(batch.jpegs.split(batch.sizes)),
+                                  [i for i, kind in zip(batch.indices, batch.kinds) if kind == BYTES]))
+        decoded = iter(batch.decoded)
+        return [next(jpegs) if kind == BYTES else next(decoded).to(self.device, non_blocking=True)
+                for kind in batch.kinds]
 
     def _nvjpeg(self, data: list[Tensor], indices: list[int]) -> list[Tensor]:
+        if not data:
+            return []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)   # torchvision 0.29: see fastjpeg.decode_rgb
             try:
@@ -200,14 +233,9 @@ class DeviceCrops:
                     out.append(fastjpeg.decode_rgb(self.samples[index][0]).to(self.device))
             return out
 
-    def _random(self, image: Tensor) -> Tensor:
-        top, left, height, width = self.crop.get_params(image, self.crop.scale, self.crop.ratio)
-        crop = image[:, top:top + height, left:left + width].float()
-        out = F.interpolate(crop[None], size=(self.size, self.size), mode="bilinear", align_corners=False,
-                            antialias=True)[0]
-        if self.hflip and torch.rand(1) < 0.5:   # RandomCropFlip's order: the crop's draws, then the flip's
-            out = out.flip(-1)
-        return out
+    def _resized(self, crop: Tensor) -> Tensor:
+        return F.interpolate(crop[None].float(), size=(self.size, self.size), mode="bilinear", align_corners=False,
+                             antialias=True)
 
     def _centre(self, image: Tensor) -> Tensor:
         resized = v2.functional.resize(image.float(), round(self.size * 256 / 224), antialias=True)
@@ -223,8 +251,7 @@ class NvjpegTrainLoader(EpochLoader):
         self.crops = crops
 
     def _batches(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        raw = itertools.islice(self.loader, len(self))   # the workers draw nothing: no seeding of theirs needed
-        return self.crops(raw, augmentation_seed(self.seed, self.rank, epoch))
+        return self.crops(super()._batches(epoch))   # the draws seeded per (seed, rank, epoch) as the workers path's
 
 
 class NvjpegEvalLoader:
@@ -251,7 +278,8 @@ def build_nvjpeg_data(root: Path, preset: Preset, image_size: int, val_split: st
     for split in folders.values():
         if split.classes != list(classes):
             raise DataError(f"{split.root} has the class folders {split.classes}, expected {list(classes)}.")
-    train_set, val_set = JpegBytes(folders[preset.train_split].samples), JpegBytes(folders[val_split].samples)
+    train_set = JpegBytes(folders[preset.train_split].samples, T.RandomResizedCrop(image_size), preset.hflip)
+    val_set = JpegBytes(folders[val_split].samples)
     check_batch_fits(len(train_set), batch_size, world_size, f"in {root}")
     cuda = device is not None and torch.device(device).type == "cuda"
     args = dict(batch_size=batch_size, num_workers=workers, collate_fn=collate, pin_memory=cuda,
@@ -261,7 +289,7 @@ def build_nvjpeg_data(root: Path, preset: Preset, image_size: int, val_split: st
     val = DataLoader(val_set, sampler=EvalShardSampler(val_set, rank, world_size), drop_last=False,
                      persistent_workers=workers > 0, **args)
     return Data(train=NvjpegTrainLoader(train, DeviceCrops(train_set.samples, preset, image_size, device,
-                                                           channels_last), max_steps, seed, rank),
+                                                           channels_last, train=True), max_steps, seed, rank),
                 val=NvjpegEvalLoader(val, DeviceCrops(val_set.samples, preset, image_size, device, channels_last)),
                 num_classes=len(classes), classes=classes, train_size=len(train_set), val_size=len(val_set),
                 image_size=image_size, preset=preset, val_split=val_split)
