@@ -153,6 +153,8 @@ def script_flags(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
             flags |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "add_out":   # benchmarks/results.py's
+            flags.add("--out")
     return flags
 
 

@@ -57,6 +57,18 @@ def test_student_job_runs_every_part_on_the_cpu_and_writes_its_figures(tmp_path)
     assert r["table"] and all(line.startswith("|") and line.endswith("|") for line in r["table"])
     assert any("kit `--loader workers`, 1 core," in line for line in r["table"]), r["table"]
 
+    # benchmarks/loader_alone.py on the folder student_job made: what bounds a loader, nothing trained
+    alone = tmp_path / "loader_alone.json"
+    argv = [sys.executable, "benchmarks/loader_alone.py", "--data-dir", str(tmp_path / "data" / "imagenet"),
+            "--batch-size", "4", "--batches", "2", "--cores", "1,4096", "--out", str(alone)]
+    done = subprocess.run(argv, cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    a = json.loads(alone.read_text())
+    assert a["benchmark"] == "loader_alone" and set(a["figures"]) == {"nvjpeg-1", "workers-1"}   # 4096: skipped
+    for name, run in a["figures"].items():
+        assert run["images"] == 8 and run["img_s"] > 0 and run["inside_ms_per_batch"] > 0 and run["workers"] == 1
+    assert len(a["table"]) == 4 and "skipped, " in done.stdout
+
 
 def test_student_job_says_it_has_not_run_on_a_gpu_until_its_results_exist():
     """The page quotes no figure of it before benchmarks/results/student_job.json exists (tests/test_figures.py
