@@ -65,7 +65,7 @@ def _check_one_node(monkeypatch, shm_bytes, cuda=False, **settings):
     real = check.hardware_report
     monkeypatch.setattr(check, "hardware_report", lambda: {**real(), "cuda": cuda, "shm_bytes": shm_bytes})
     lines = []
-    ok = check.run_check(Settings(dataset="fake", **settings), log=lines.append)
+    ok = check.run_check(Settings(**{"dataset": "fake", **settings}), log=lines.append)
     return ok, "\n".join(lines)
 
 
@@ -99,6 +99,19 @@ def test_check_with_a_small_dev_shm_and_loader_workers_is_not_ready(monkeypatch)
     assert "--ipc=host" in text and "--workers 0" in text
     ok, text = _check_one_node(monkeypatch, 64 << 20, workers=0)   # no workers: /dev/shm is not used
     assert ok, text
+
+
+def test_check_with_loader_nvjpeg_says_where_it_decodes_and_refuses_a_png_preset(monkeypatch, tmp_path):
+    from tests.test_data import make_cinic, make_imagenet
+    imagenet = str(make_imagenet(tmp_path / "imagenet"))
+    for cuda, said in ((True, "torchvision decodes the JPEGs on the GPU (nvJPEG)"),
+                       (False, "no GPU here, so the CPU decodes")):
+        ok, text = _check_one_node(monkeypatch, 1 << 30, cuda=cuda, dataset="imagenet", data_dir=imagenet,
+                                   loader="nvjpeg")
+        assert f"loader nvjpeg: {said}" in text, text
+    ok, text = _check_one_node(monkeypatch, 1 << 30, dataset="cinic10", data_dir=str(make_cinic(tmp_path / "c")),
+                               loader="nvjpeg")
+    assert not ok and "NOT READY (data): loader='nvjpeg' is for imagenet" in text, text
 
 
 @pytest.mark.slow

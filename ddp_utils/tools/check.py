@@ -53,6 +53,11 @@ def run_check(settings, log=print, verify_images: bool = False) -> bool:
         if settings.loader == "dali":   # training would stop at its first batch without it
             from ..speed.dali import check_dali_dataset
             log(f"loader dali: NVIDIA DALI {check_dali_dataset(settings.dataset)}")
+        if settings.loader == "nvjpeg":   # the same: a PNG preset or a torchvision without decoders stops it
+            from ..speed.nvjpeg import check_nvjpeg_dataset
+            check_nvjpeg_dataset(settings.dataset)
+            log("loader nvjpeg: torchvision decodes the JPEGs on the GPU (nvJPEG)" if hardware_report()["cuda"] else
+                "loader nvjpeg: no GPU here, so the CPU decodes (a rehearsal: --loader workers is faster on a CPU)")
         if verify_images:
             checked, bad = datasets.verify_images(settings, progress=interactive())
             if bad:
