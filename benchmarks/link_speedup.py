@@ -109,8 +109,13 @@ def main() -> None:
              "| measured speed-up |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     table += [median_row(name, rounds[name]) for name in names]
     print("\n".join(table))
-    recorder.save({key: medians(rounds[name]) for key, name in zip(("one", "unshaped", "shaped"), names)}, table,
-                  rounds=rounds)
+    figs = {key: medians(rounds[name]) for key, name in zip(("one", "unshaped", "shaped"), names)}
+    # the prediction's error in each round, against the speed-up measured in that round: what a student sees
+    figs["errors"] = {key: [r["predicted"] / r["measured"] - 1 for r in rounds[name]]
+                      for key, name in (("unshaped", names[1]), ("shaped", names[2]))}
+    print("\nthe prediction's error per round: " + "; ".join(
+        f"{key} " + ", ".join(f"{100 * e:+.0f} %" for e in errs) for key, errs in figs["errors"].items()))
+    recorder.save(figs, table, rounds=rounds)
 
 
 if __name__ == "__main__":

@@ -274,15 +274,41 @@ def test_a_probed_step_is_the_median_of_its_rounds_so_one_slow_step_does_not_mov
 
 def test_the_predicted_speed_up_is_never_above_the_world_size(monkeypatch):
     """A step together that timed faster than one alone is noise: two ranks predict at most 2x."""
+    import types
     import torch
     from ddp_utils.distributed import DistContext
     from ddp_utils.settings import Settings
     from ddp_utils.speed import linkprobe
-    steps = iter([0.05, 0.10])   # together, then alone: 2 x 0.10 / (0.05 + 0.01) would be 3.33x
+    steps = iter([0.05, 0.10] * linkprobe.PAIRS)   # together, then alone: 2 x 0.10 / (0.05 + 0.01) would be 3.33x
     monkeypatch.setattr(linkprobe, "_time_allreduce", lambda grads, ctx: 0.01)
-    monkeypatch.setattr(linkprobe, "_time_compute", lambda *args, **kw: next(steps))
+    monkeypatch.setattr(linkprobe, "Stepper", lambda *args, **kw: types.SimpleNamespace(step=lambda: next(steps)))
     monkeypatch.setattr(linkprobe, "_slowest", lambda seconds, ctx: seconds)
     monkeypatch.setattr(linkprobe.distributed, "barrier", lambda ctx: None)
     ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
     result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, 3, 2, log=lambda line: None)
     assert result["predicted_speedup"] == 2.0
+
+
+def test_together_and_alone_are_timed_in_turn_so_a_machine_slowing_down_moves_both_alike(monkeypatch):
+    """Issue 36: the steps together and alone were timed one series after the other, so a neighbour that started
+    meanwhile slowed only one series (predictions of 0.87x and 1.36x for the same run). Now they alternate."""
+    import types
+    import torch
+    from ddp_utils.distributed import DistContext
+    from ddp_utils.settings import Settings
+    from ddp_utils.speed import linkprobe
+    calls = []
+
+    def step():   # alone takes 0.9 of a step together; from the fifth step on the machine runs at half speed
+        calls.append(len(calls))
+        together = len(calls) % 2 == 1
+        return (1.0 if together else 0.9) * (2 if len(calls) > 4 else 1)
+    monkeypatch.setattr(linkprobe, "_time_allreduce", lambda grads, ctx: 0.5)
+    monkeypatch.setattr(linkprobe, "Stepper", lambda *args, **kw: types.SimpleNamespace(step=step))
+    monkeypatch.setattr(linkprobe, "_slowest", lambda seconds, ctx: seconds)
+    monkeypatch.setattr(linkprobe.distributed, "barrier", lambda ctx: None)
+    ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
+    result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, 3, 2, log=lambda line: None)
+    assert len(calls) == 2 * linkprobe.PAIRS
+    assert result["compute_alone_s"] / result["compute_s"] == pytest.approx(0.9)   # in series: 1.8
+    assert result["predicted_speedup"] == pytest.approx(2 * 1.35 / (1.5 + 0.5))

@@ -7,10 +7,11 @@ Right after the model is built, every rank times
   size: the compute of one step, without communication. The real model, its statistics and the
   random number generators are left untouched.
 
-The compute is timed twice (each the median of three steps after a warm-up): on every rank at once (the step under DDP) and on rank 0 alone while
-the others wait (the step of a 1-rank baseline; slower together where ranks share a machine's
-cores or memory). From these: the link's bus bandwidth (nccl-tests' definition: a ring all-reduce
-of S bytes over n ranks moves 2 (n-1)/n S bytes through every rank's link), and a **predicted
+The compute is timed both on every rank at once (the step under DDP) and on rank 0 alone while the others wait (the
+step of a 1-rank baseline; slower together where ranks share a machine's cores or memory): four pairs of steps
+after a warm-up, together then alone in turn, so that a machine slower for a while slows both alike, and the median
+of each; the all-reduce, the median of a few rounds. From these: the link's bus bandwidth (nccl-tests' definition:
+a ring all-reduce of S bytes over n ranks moves 2 (n-1)/n S bytes through every rank's link), and a **predicted
 speed-up** over one rank with the same per-rank batch::
 
     predicted step     = compute + all-reduce           (no overlap: a pessimistic bound)
@@ -34,6 +35,7 @@ from ..model import unwrap
 from ..optim import amp_dtype, autocast
 
 BUDGET_S = 3.0   # time the all-reduce timing may take, after one warm-up round
+PAIRS = 4        # compute timings: this many steps on every rank, each followed by one on rank 0 alone
 
 
 def probe(model, settings, ctx, num_classes: int, image_size: int, log=print) -> dict | None:
@@ -45,12 +47,15 @@ def probe(model, settings, ctx, num_classes: int, image_size: int, log=print) ->
     numel = sum(p.numel() for p in params)
     grads = torch.zeros(numel, dtype=torch.float32, device=ctx.device)
     allreduce_s = _time_allreduce(grads, ctx)
-    compute_s = _slowest(_time_compute(model, settings, ctx, num_classes, image_size), ctx)
-    # One rank alone, the others waiting: what the 1-rank baseline computes per step. Where ranks share a
-    # machine (a rehearsal, or several GPUs of a node sharing its CPU) the step is slower together.
-    distributed.barrier(ctx)
-    alone_s = _time_compute(model, settings, ctx, num_classes, image_size) if ctx.is_main else 0.0
-    alone_s = _slowest(alone_s, ctx)
+    stepper = Stepper(model, settings, ctx, num_classes, image_size)   # its own copy, warmed up
+    together, alone = [], []
+    for _ in range(PAIRS):   # interleaved: a machine slower for a while (a neighbour, the clock) slows both alike
+        together.append(_slowest(stepper.step(), ctx))
+        # One rank alone, the others blocked in the collective below: what the 1-rank baseline computes per step.
+        # Where ranks share a machine (a rehearsal, or several GPUs of a node sharing its CPU) it is slower together.
+        distributed.barrier(ctx)
+        alone.append(_slowest(stepper.step() if ctx.is_main else 0.0, ctx))
+    compute_s, alone_s = statistics.median(together), statistics.median(alone)
     n = ctx.world_size
     moved = 2 * (n - 1) / n * grads.numel() * grads.element_size()
     result = {"allreduce_s": allreduce_s, "compute_s": compute_s, "compute_alone_s": alone_s,
@@ -86,38 +91,50 @@ def _time_allreduce(grads: torch.Tensor, ctx) -> float:
     dist.all_reduce(grads)
     _sync(ctx)
     rounds = max(1, min(5, int(BUDGET_S / max(_slowest(time.perf_counter() - start, ctx), 1e-6))))
-    start = time.perf_counter()
-    for _ in range(rounds):
+    times = []
+    for _ in range(rounds):   # each timed: their median, which one round slowed by something else does not move
+        start = time.perf_counter()
         dist.all_reduce(grads)
-    _sync(ctx)
-    return _slowest((time.perf_counter() - start) / rounds, ctx)
+        _sync(ctx)
+        times.append(time.perf_counter() - start)
+    return _slowest(statistics.median(times), ctx)
+
+
+class Stepper:
+    """Steps (forward, backward, SGD update) of a copy of the model on a random batch of the run's size: no DDP,
+    nothing communicated; the real model, its optimizer and the run's random numbers are not touched. Built with
+    one warm-up step (allocations, cuDNN's choices); ``step()`` times one more."""
+
+    def __init__(self, model, settings, ctx, num_classes: int, image_size: int):
+        self.ctx, self.dtype = ctx, amp_dtype(settings, ctx.device)
+        self.net = local_batchnorm(copy.deepcopy(unwrap(model))).train()
+        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=1e-3, momentum=settings.momentum)
+        devices = [ctx.device] if ctx.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):   # the run's random numbers stay as they were
+            self.images = torch.randn(settings.batch_size, 3, image_size, image_size, device=ctx.device)
+            self.labels = torch.randint(0, num_classes, (settings.batch_size,), device=ctx.device)
+        if settings.channels_last and ctx.device.type == "cuda":
+            self.images = self.images.contiguous(memory_format=torch.channels_last)
+        self.step()
+
+    def step(self) -> float:
+        """Seconds of one step."""
+        _sync(self.ctx)
+        start = time.perf_counter()
+        with autocast(self.dtype, self.ctx.device):
+            loss = F.cross_entropy(self.net(self.images), self.labels)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        _sync(self.ctx)
+        return time.perf_counter() - start
 
 
 def _time_compute(model, settings, ctx, num_classes: int, image_size: int, rounds: int = 3) -> float:
-    """Seconds per step (forward, backward, SGD update) of a copy of the model (no DDP: nothing is
-    communicated; the real model and its optimizer are not touched): the median of ``rounds`` steps after a
-    warm-up, so that one step slowed by something else on the machine does not move the prediction."""
-    net = local_batchnorm(copy.deepcopy(unwrap(model))).train()
-    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=settings.momentum)
-    dtype = amp_dtype(settings, ctx.device)
-    devices = [ctx.device] if ctx.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):   # the run's random numbers stay as they were
-        images = torch.randn(settings.batch_size, 3, image_size, image_size, device=ctx.device)
-        if settings.channels_last and ctx.device.type == "cuda":
-            images = images.contiguous(memory_format=torch.channels_last)
-        labels = torch.randint(0, num_classes, (settings.batch_size,), device=ctx.device)
-        times = []
-        for _ in range(rounds + 1):   # the first round warms up (allocations, cuDNN choices)
-            _sync(ctx)
-            start = time.perf_counter()
-            with autocast(dtype, ctx.device):
-                loss = F.cross_entropy(net(images), labels)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            _sync(ctx)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    """Seconds per step of a ``Stepper``: the median of ``rounds`` steps after its warm-up, so that one step slowed
+    by something else on the machine does not move the prediction."""
+    stepper = Stepper(model, settings, ctx, num_classes, image_size)
+    return statistics.median(stepper.step() for _ in range(rounds))
 
 
 class _LocalBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
