@@ -168,6 +168,22 @@ def test_ci_types_the_quick_start_as_printed_then_runs_the_tests_sections_comman
     assert not any(line.rstrip().endswith("|| true") for line in ci_lines), "an install that may fail silently"
 
 
+def test_the_newest_leg_runs_the_reviewed_torch_the_readme_names():
+    """Issue 37: the newest torch CI tested was whatever pip resolved, printed and asserted nowhere."""
+    from tests import newest_torch, readme_blocks
+    wanted = newest_torch.pinned()
+    assert set(wanted) == {"torch", "torchvision"}
+    assert f"to the newest, {wanted['torch']} today" in Path(REPO, "README.md").read_text()
+    install = next(c for c in readme_blocks.commands("tests") if "requirements-dev.txt" in c)
+    assert "-c tests/newest-constraints.txt" in install
+    ci = Path(REPO, ".ci", "run").read_text()
+    assert ci.index(install) < ci.index("python tests/newest_torch.py") < ci.index("python -m pytest")
+    assert newest_torch.mismatch({"torch": f"{wanted['torch']}+cu130", "torchvision": wanted["torchvision"]},
+                                 wanted) is None
+    said = newest_torch.mismatch({"torch": "2.15.0", "torchvision": wanted["torchvision"]}, wanted)
+    assert said and f"torch 2.15.0 (pinned {wanted['torch']})" in said and "run the whole suite on it" in said
+
+
 def test_in_ci_a_skip_for_a_missing_tool_fails_with_its_reason_and_one_for_a_missing_gpu_stays_a_skip(tmp_path):
     """Issue 37: with chromium or slurmd missing, CI went green with the browser or SLURM tests skipped. .ci/run sets
     CI=true; tests/conftest.py then fails a skip whose reason is not a GPU's (or a torch release's known limit)."""
