@@ -174,15 +174,19 @@ def _place(model: nn.Module, settings, ctx) -> nn.Module:
         # all-reduces (averages) the gradients in buckets, overlapped with the rest of the backward.
         # gradient_as_bucket_view lets gradients live inside the communication buffers (no copy).
         # static_graph: the same layers run every step, so DDP can skip per-step bookkeeping.
-        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True, bucket_cap_mb=settings.bucket_mb,
-                    static_graph=settings.static_graph)
+        model = wrap_ddp(model, settings, ctx)
     elif parallel_mode(settings, ctx) == "dp":
         # every visible GPU; outputs gathered on cuda:0; each replica computes in the run's precision
         model = nn.DataParallel(AutocastInReplicas(model, amp_dtype(settings, ctx.device)))
     if settings.compile:
         model = torch.compile(model)
     return model
+
+
+def wrap_ddp(model: nn.Module, settings, ctx) -> DDP:
+    """``model`` in DistributedDataParallel as the kit trains it (the link probe times a copy wrapped alike)."""
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+               gradient_as_bucket_view=True, bucket_cap_mb=settings.bucket_mb, static_graph=settings.static_graph)
 
 
 def ddp_of(model: nn.Module) -> DDP | None:

@@ -518,8 +518,11 @@ def epoch_line(settings, train: dict, val: dict, epoch: int, algorithm: str = ""
 def predicted_vs_measured(probe: dict, results: dict) -> str:
     """The link probe's prediction next to what the run measured, per step."""
     steps = results["steps"]
-    return (f"per step: predicted {1e3 * probe['predicted_step_s']:.0f} ms (compute {1e3 * probe['compute_s']:.0f} + "
-            f"all-reduce {1e3 * probe['allreduce_s']:.0f});\n  measured {1e3 * results['measured_step_s']:.0f} ms "
+    how = (f"a DDP step of a copy: compute {1e3 * probe['compute_s']:.0f}, all-reduce {1e3 * probe['allreduce_s']:.0f}"
+           if probe.get("ddp_step_s") is not None else
+           f"compute {1e3 * probe['compute_s']:.0f} + all-reduce {1e3 * probe['allreduce_s']:.0f}")
+    return (f"per step: predicted {1e3 * probe['predicted_step_s']:.0f} ms ({how});\n  measured "
+            f"{1e3 * results['measured_step_s']:.0f} ms "
             f"(data {1e3 * results['data_s'] / steps:.0f}, compute {1e3 * results['compute_s'] / steps:.0f}, "
             f"comm waited for {1e3 * results['comm_s'] / steps:.0f} of {1e3 * results['comm_total_s'] / steps:.0f} "
             f"in flight, idle {1e3 * results['idle_s'] / steps:.0f});\n  predicted speed-up over one rank "

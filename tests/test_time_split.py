@@ -71,12 +71,13 @@ def test_the_link_probe_reports_bandwidth_and_a_predicted_speed_up(two_ranks):
     assert results["link_gbit_s"] > 0
     assert 0 < results["predicted_speedup"] <= 2
     probe = results["probe"]
-    assert probe["predicted_step_s"] == pytest.approx(probe["compute_s"] + probe["allreduce_s"])
+    assert probe["predicted_step_s"] == probe["ddp_step_s"] > 0   # DDP's own step, timed on a copy (issue 36)
     # against one rank alone (the baseline), with the step the ranks make together
     assert results["predicted_speedup"] == pytest.approx(min(2, 2 * probe["compute_alone_s"] / probe["predicted_step_s"]))
     assert probe["link_gbit_s"] == pytest.approx(probe["grad_mb"] * 1e6 * 8 / probe["allreduce_s"] / 1e9)
     log = (two_ranks / "log.txt").read_text()
     assert "per step: predicted" in log and "measured" in log   # side by side after training
+    assert "per step: predicted" in log and "(a DDP step of a copy: compute" in log
 
 
 @pytest.mark.slow
@@ -312,3 +313,35 @@ def test_together_and_alone_are_timed_in_turn_so_a_machine_slowing_down_moves_bo
     assert len(calls) == 2 * linkprobe.PAIRS
     assert result["compute_alone_s"] / result["compute_s"] == pytest.approx(0.9)   # in series: 1.8
     assert result["predicted_speedup"] == pytest.approx(2 * 1.35 / (1.5 + 0.5))
+
+
+def test_with_torch_ddp_the_prediction_is_a_timed_ddp_step_of_a_copy_overlap_included(monkeypatch):
+    """Issue 36: on 1 Gbit the sum compute + all-reduce predicted 0.57x where DDP, hiding part of the all-reduce
+    behind the backward pass, measured 0.76x. The probe now times DDP's own step on a copy wrapped as the run's."""
+    import types
+    import torch
+    from ddp_utils.distributed import DistContext
+    from ddp_utils.settings import Settings
+    from ddp_utils.speed import linkprobe
+    made = []
+
+    def stepper(*args, ddp=False, **kw):
+        made.append(ddp)
+        seconds = iter([0.6] * 8) if ddp else iter([0.25, 0.23] * 8)   # DDP step; plain together, alone in turn
+        return types.SimpleNamespace(step=lambda: next(seconds))
+    monkeypatch.setattr(linkprobe, "Stepper", stepper)
+    monkeypatch.setattr(linkprobe, "ddp_of", lambda model: model)       # the run's model is torch's DDP
+    monkeypatch.setattr(linkprobe, "_time_allreduce", lambda grads, ctx: 0.5)
+    monkeypatch.setattr(linkprobe, "_slowest", lambda seconds, ctx: seconds)
+    monkeypatch.setattr(linkprobe.distributed, "barrier", lambda ctx: None)
+    ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
+    lines = []
+    result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, 3, 2, log=lines.append)
+    assert made == [False, True]
+    assert result["ddp_step_s"] == result["predicted_step_s"] == 0.6           # not 0.25 + 0.5
+    assert result["predicted_speedup"] == pytest.approx(2 * 0.23 / 0.6)
+    assert "a DDP step of a copy 600 ms (30 % of the all-reduce hidden behind the backward pass)" in lines[0], lines
+    monkeypatch.setattr(linkprobe, "ddp_of", lambda model: None)              # --build-ddp: your own DDP
+    made.clear()
+    result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, 3, 2, log=lines.append)
+    assert made == [False] and result["ddp_step_s"] is None and result["predicted_step_s"] == 0.75

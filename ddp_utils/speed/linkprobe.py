@@ -4,18 +4,21 @@ Right after the model is built, every rank times
 
 - a few all-reduces of a tensor as large as the model's gradients (what DDP sends every step), and
 - a few steps (forward, backward, SGD update) of a copy of the model on a random batch of the run's
-  size: the compute of one step, without communication. The real model, its statistics and the
-  random number generators are left untouched.
+  size: the compute of one step, without communication, and
+- as many steps of another copy wrapped in DDP as the run's model is: the step with its communication, the
+  all-reduces overlapping the backward pass as they will in training. The real model, its statistics and
+  the random number generators are left untouched.
 
 The compute is timed both on every rank at once (the step under DDP) and on rank 0 alone while the others wait (the
-step of a 1-rank baseline; slower together where ranks share a machine's cores or memory): four pairs of steps
-after a warm-up, together then alone in turn, so that a machine slower for a while slows both alike, and the median
-of each; the all-reduce, the median of a few rounds. From these: the link's bus bandwidth (nccl-tests' definition:
-a ring all-reduce of S bytes over n ranks moves 2 (n-1)/n S bytes through every rank's link), and a **predicted
-speed-up** over one rank with the same per-rank batch::
+step of a 1-rank baseline; slower together where ranks share a machine's cores or memory): four rounds of steps
+after a warm-up, together (plain, then DDP) and alone in turn, so that a machine slower for a while slows all
+alike, and the median of each; the all-reduce, the median of a few rounds. From these: the link's bus bandwidth
+(nccl-tests' definition: a ring all-reduce of S bytes over n ranks moves 2 (n-1)/n S bytes through every rank's
+link), and a **predicted speed-up** over one rank with the same per-rank batch::
 
-    predicted step     = compute + all-reduce           (no overlap: a pessimistic bound)
-    predicted speed-up = n x compute alone / predicted step   (at most n)
+    predicted step     = a DDP step of a copy of the model, timed   (compute + all-reduce where the run has no
+                                                                     torch DDP: --build-ddp; no overlap assumed)
+    predicted speed-up = n x compute alone / predicted step          (at most n)
 
 The probe takes a few seconds at most (``--no-link-probe`` skips it). Both numbers go into
 ``results.json``; after training the measured step is printed next to the predicted one.
@@ -31,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import distributed
-from ..model import unwrap
+from ..model import ddp_of, unwrap, wrap_ddp
 from ..optim import amp_dtype, autocast
 
 BUDGET_S = 3.0   # time the all-reduce timing may take, after one warm-up round
@@ -48,36 +51,51 @@ def probe(model, settings, ctx, num_classes: int, image_size: int, log=print) ->
     grads = torch.zeros(numel, dtype=torch.float32, device=ctx.device)
     allreduce_s = _time_allreduce(grads, ctx)
     stepper = Stepper(model, settings, ctx, num_classes, image_size)   # its own copy, warmed up
-    together, alone = [], []
-    for _ in range(PAIRS):   # interleaved: a machine slower for a while (a neighbour, the clock) slows both alike
+    # DDP's own step on another copy, wrapped as the run's model is: its all-reduces overlap the backward pass
+    # (and on a CPU take cores from it), which the sum compute + all-reduce cannot know. Not for a DDP of your own.
+    ddp = Stepper(model, settings, ctx, num_classes, image_size, ddp=True) if ddp_of(model) is not None else None
+    together, with_ddp, alone = [], [], []
+    for _ in range(PAIRS):   # interleaved: a machine slower for a while (a neighbour, the clock) slows all alike
         together.append(_slowest(stepper.step(), ctx))
+        if ddp is not None:
+            with_ddp.append(_slowest(ddp.step(), ctx))
         # One rank alone, the others blocked in the collective below: what the 1-rank baseline computes per step.
         # Where ranks share a machine (a rehearsal, or several GPUs of a node sharing its CPU) it is slower together.
         distributed.barrier(ctx)
         alone.append(_slowest(stepper.step() if ctx.is_main else 0.0, ctx))
     compute_s, alone_s = statistics.median(together), statistics.median(alone)
+    step_s = statistics.median(with_ddp) if with_ddp else compute_s + allreduce_s
     n = ctx.world_size
     moved = 2 * (n - 1) / n * grads.numel() * grads.element_size()
     result = {"allreduce_s": allreduce_s, "compute_s": compute_s, "compute_alone_s": alone_s,
               "grad_mb": grads.numel() * 4 / 1e6, "link_gbit_s": moved * 8 / allreduce_s / 1e9,
-              "predicted_step_s": compute_s + allreduce_s,
+              "ddp_step_s": step_s if with_ddp else None, "predicted_step_s": step_s,
               # never above n: a step together that timed faster than one alone is the timer's noise, not a gain
-              "predicted_speedup": min(float(n), n * alone_s / (compute_s + allreduce_s))}
+              "predicted_speedup": min(float(n), n * alone_s / step_s)}
     if ctx.is_main:
         log(describe(result, n))
     return result
 
 
 def describe(result: dict, world_size: int) -> str:
-    share = result["allreduce_s"] / result["predicted_step_s"]
+    compute, allreduce = result["compute_s"], result["allreduce_s"]
+    share = allreduce / (compute + allreduce)
     alone = result["compute_alone_s"]
     shared = (f" ({1e3 * alone:.0f} ms for one rank alone: these ranks share a machine)"
-              if result["compute_s"] > 1.1 * alone else "")
+              if compute > 1.1 * alone else "")
+    step = result.get("ddp_step_s")
+    if step is None:   # no DDP step timed (your own DDP): the sum, which assumes no overlap
+        measured = "\n  so"
+        bound = f"\n  (ideal {world_size}x; DDP's overlap with the backward pass can do better)"
+    else:
+        hidden = min(1.0, max(0.0, (compute + allreduce - step) / allreduce))
+        measured = (f";\n  a DDP step of a copy {1e3 * step:.0f} ms ({100 * hidden:.0f} % of the all-reduce hidden "
+                    f"behind the backward pass); so")
+        bound = f" (ideal {world_size}x)"
     return (f"link probe: all-reduce of the {result['grad_mb']:.1f} MB of gradients takes "
-            f"{1e3 * result['allreduce_s']:.0f} ms (link {result['link_gbit_s']:.2f} Gbit/s);\n  one step's compute "
-            f"{1e3 * result['compute_s']:.0f} ms{shared};\n  so communication is up to {100 * share:.0f} % of a step and "
-            f"{world_size} ranks should be about {result['predicted_speedup']:.2f}x one rank\n"
-            f"  (ideal {world_size}x; DDP's overlap with the backward pass can do better)")
+            f"{1e3 * allreduce:.0f} ms (link {result['link_gbit_s']:.2f} Gbit/s);\n  one step's compute "
+            f"{1e3 * compute:.0f} ms{shared}{measured} communication is up to {100 * share:.0f} % of a step and "
+            f"{world_size} ranks should be about {result['predicted_speedup']:.2f}x one rank{bound}")
 
 
 def _time_allreduce(grads: torch.Tensor, ctx) -> float:
@@ -105,9 +123,11 @@ class Stepper:
     nothing communicated; the real model, its optimizer and the run's random numbers are not touched. Built with
     one warm-up step (allocations, cuDNN's choices); ``step()`` times one more."""
 
-    def __init__(self, model, settings, ctx, num_classes: int, image_size: int):
+    def __init__(self, model, settings, ctx, num_classes: int, image_size: int, ddp: bool = False):
         self.ctx, self.dtype = ctx, amp_dtype(settings, ctx.device)
         self.net = local_batchnorm(copy.deepcopy(unwrap(model))).train()
+        if ddp:   # a collective: every rank makes its copy together (rank 0's weights are copied to the others)
+            self.net = wrap_ddp(self.net, settings, ctx)
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=1e-3, momentum=settings.momentum)
         devices = [ctx.device] if ctx.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):   # the run's random numbers stay as they were
