@@ -197,7 +197,7 @@ def test_the_steps_inside_prepare_are_tagged_too():
     ("distributed", "_init_process_group", "dist.init_process_group("),
     ("datasets", "train_sampler", "DistributedSampler("),
     ("datasets", "TrainLoader._shuffle", "set_epoch("),
-    ("model", "_place", "DDP(model"),
+    ("model", "wrap_ddp", "DDP(model"),
     ("metrics", "Meter.reduced", "all_reduce_sum("),
     ("distributed", "all_reduce_sum", "dist.all_reduce("),
     ("runlog", "make_logger", "NullLogger()"),

@@ -340,7 +340,8 @@ def test_with_torch_ddp_the_prediction_is_a_timed_ddp_step_of_a_copy_overlap_inc
     assert made == [False, True]
     assert result["ddp_step_s"] == result["predicted_step_s"] == 0.6           # not 0.25 + 0.5
     assert result["predicted_speedup"] == pytest.approx(2 * 0.23 / 0.6)
-    assert "a DDP step of a copy 600 ms (30 % of the all-reduce hidden behind the backward pass)" in lines[0], lines
+    assert "\n  a DDP step of a copy 600 ms, 30 % of its all-reduce hidden behind the backward pass;\n" in lines[0]
+    assert lines[0].endswith("2 ranks should be about 0.77x one rank (ideal 2x)"), lines
     monkeypatch.setattr(linkprobe, "ddp_of", lambda model: None)              # --build-ddp: your own DDP
     made.clear()
     result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, 3, 2, log=lines.append)

@@ -85,16 +85,15 @@ def describe(result: dict, world_size: int) -> str:
               if compute > 1.1 * alone else "")
     step = result.get("ddp_step_s")
     if step is None:   # no DDP step timed (your own DDP): the sum, which assumes no overlap
-        measured = "\n  so"
-        bound = f"\n  (ideal {world_size}x; DDP's overlap with the backward pass can do better)"
+        ddp, bound = "", f"\n  (ideal {world_size}x; DDP's overlap with the backward pass can do better)"
     else:
         hidden = min(1.0, max(0.0, (compute + allreduce - step) / allreduce))
-        measured = (f";\n  a DDP step of a copy {1e3 * step:.0f} ms ({100 * hidden:.0f} % of the all-reduce hidden "
-                    f"behind the backward pass); so")
+        ddp = (f"\n  a DDP step of a copy {1e3 * step:.0f} ms, {100 * hidden:.0f} % of its all-reduce hidden behind "
+               f"the backward pass;")
         bound = f" (ideal {world_size}x)"
     return (f"link probe: all-reduce of the {result['grad_mb']:.1f} MB of gradients takes "
             f"{1e3 * allreduce:.0f} ms (link {result['link_gbit_s']:.2f} Gbit/s);\n  one step's compute "
-            f"{1e3 * compute:.0f} ms{shared}{measured} communication is up to {100 * share:.0f} % of a step and "
+            f"{1e3 * compute:.0f} ms{shared};{ddp}\n  so communication is up to {100 * share:.0f} % of a step and "
             f"{world_size} ranks should be about {result['predicted_speedup']:.2f}x one rank{bound}")
 
 
