@@ -28,8 +28,12 @@ command line in /proc, so a test that looks for leftovers by command line sees t
 Notebook kernels (run_cells.py, run_notebook.py) start through the same shim (``kernel_from_fork_server``); such a
 client ends when the process that started it does, as ipykernel's parent poller ends a real kernel.
 The frozen-peer (SIGSTOP), SLURM and JupyterLab tests keep real processes, as does every test that starts its
-processes without ``procs.run_all`` / ``procs.popen`` / ``base_env``. One difference stays: forked ranks share the
-server's string-hash seed (fresh processes each draw one).
+processes without ``procs.run_all`` / ``procs.popen`` / ``base_env``. Two differences stay, both asserted by
+tests/test_zygote.py (which compares a probe run real and forked: argv, paths, folder, environment, streams, signal
+handlers, exit codes and signals, tracebacks, atexit, unflushed output): forked commands share the server's
+string-hash seed (fresh processes each draw one; a test that sets PYTHONHASHSEED gets a server of its own), and a
+signal sent to the client's process group reaches the command only, not what the command started (a terminal's
+Ctrl-C reaches a real command's DataLoader workers too).
 """
 from __future__ import annotations
 
@@ -377,9 +381,16 @@ def _become(request: dict, fds: list) -> int:
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
     else:
         script = os.path.abspath(args[0])
-        sys.argv = [args[0], *args[1:]]
+        sys.argv = [args[0], *args[1:]]   # as typed; __file__ and sys.path[0] absolute, as python makes them
         sys.path[0] = os.path.dirname(script)
-        runpy.run_path(script, run_name="__main__")
+        if hasattr(runpy, "_run_code"):   # run_path would set sys.argv[0] to the absolute path while it runs
+            import types
+            with io.open_code(script) as f:
+                code = compile(f.read(), script, "exec")
+            main = sys.modules["__main__"] = types.ModuleType("__main__")   # this child never returns to the server
+            runpy._run_code(code, main.__dict__, None, "__main__", None, None, script)
+        else:
+            runpy.run_path(script, run_name="__main__")
     return 0
 
 
