@@ -128,17 +128,18 @@ def stick_the_loader(loader, at: int) -> None:
 
 def fail_after_epoch_1(model, last: str) -> None:
     """The first forward pass after ``last`` exists raises an NCCL-worded error of this rank's own."""
+    import types
     from ddp_utils.model import unwrap
     net = unwrap(model)
-    inner = net.forward
 
-    def forward(*args, **kwargs):
+    def forward(self, *args, **kwargs):
         if os.path.exists(last):
             print(f"CHECK failed_at={time.time()}", flush=True)
             raise RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1936, unhandled cuda error (run with "
                                "NCCL_DEBUG=INFO for details): an emulated fault of this rank's own GPU")
-        return inner(*args, **kwargs)
-    net.forward = forward
+        return type(self).forward(self, *args, **kwargs)
+    # a method bound to the model: a copy of it (the link probe times copies) computes with its own weights
+    net.forward = types.MethodType(forward, net)
 
 
 def slow_compile(rank: int) -> None:

@@ -120,6 +120,11 @@ def _terminate(signum, frame):
     # One is enough. A second SIGTERM (the launcher's death signal and a scheduler's, say) must not cut the
     # clean stop short: telling the others and writing why to log.txt take a moment. main() sets it again.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A SIGTERM to the process group (scancel, a job's end, `kill -- -PGID`) ends this rank's DataLoader workers too,
+    # and torch's SIGCHLD handler would then raise "DataLoader worker ... is killed by signal" at any point of the
+    # clean stop, in place of its paragraph. Their end is part of this stop: the iterator's shutdown reaps them.
+    with contextlib.suppress(ValueError, OSError):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     raise Terminated("SIGTERM")
 
 

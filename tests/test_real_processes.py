@@ -1,0 +1,76 @@
+"""What users run, as they run it: fresh interpreters (not forked from tests/zygote.py's server), DataLoader workers
+on as in the notebooks (WORKERS = 2), and the signal a terminal sends: Ctrl-C reaches the whole process group, the
+rank and its workers at once (issue 37; a forked command gets a group signal on itself only, tests/test_zygote.py).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from ddp_utils import checkpoint
+from tests.procs import REPO, base_env, free_port, python, stop
+
+
+def gone(pgid: int, within: float) -> bool:
+    """Whether no process is left in the process group ``pgid`` within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+@pytest.mark.parametrize("rank, sig", [(0, signal.SIGINT), (1, signal.SIGTERM)], ids=["ctrl-c-rank0", "sigterm-rank1"])
+def test_a_group_signal_with_workers_on_stops_both_ranks_and_leaves_no_process(tmp_path, rank, sig):
+    """Two ranks as two terminals would start them, two DataLoader workers each. Ctrl-C in rank 0's terminal (SIGINT
+    to its process group: the rank and its workers), or SIGTERM to rank 1's group (what scancel and a job's end
+    send to every process of a step). Both ranks stop within the bound with their paragraphs, every process of
+    both groups is gone, and rank 0's last.pt is whole."""
+    port, run = free_port(), tmp_path / "run"
+    common = ["--dataset", "fake", "--image-size", "32", "--workers", "2", "--wandb", "disabled", "--batch-size",
+              "8", "--epochs", "50", "--max-steps-per-epoch", "3", "--world-size", "2", "--master-port", str(port),
+              "--init-timeout", "60", "--progress", "off"]
+    env = base_env()
+    env.pop("PYTHON_EXEC", None)   # torchrun's shim of the fork server: not for these
+    procs = [subprocess.Popen(python("-m", "ddp_utils", "train", *common, "--rank", str(rank), "--run-dir",
+                                     str(run if rank == 0 else tmp_path / "run1")),
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)   # each its own terminal: its own process group
+             for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "last.pt").exists() and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.3)
+        assert (run / "last.pt").exists(), "no checkpoint was written in time"
+        time.sleep(1.0)   # into the next epoch: its DataLoader workers are running
+        os.killpg(procs[rank].pid, sig)
+        stopped = time.monotonic()
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+        took = time.monotonic() - stopped
+    finally:
+        stop(procs)
+    signalled, other = outs[rank], outs[1 - rank]
+    said = {signal.SIGINT: ("interrupted: ", 130, "KeyboardInterrupt"), signal.SIGTERM: ("terminated (SIGTERM): ",
+                                                                                      143, "SIGTERM")}[sig]
+    # the signalled rank: its own paragraph, no traceback (a group SIGTERM ends its DataLoader workers too, whose
+    # deaths torch's SIGCHLD handler raised as "DataLoader worker ... is killed by signal", tracebacks and all)
+    assert procs[rank].returncode == said[1] and said[0] in signalled and "--resume" in signalled, signalled[-3000:]
+    assert "Traceback" not in signalled and "DataLoader worker" not in signalled, signalled[-3000:]
+    # the other rank names it and says how to resume
+    assert procs[1 - rank].returncode == 2, other[-3000:]
+    # (found here: a stop during the epoch-end save said why but not how to go on)
+    assert f"stopped because rank {rank} stopped: {said[2]}" in other and "--resume" in other, other[-3000:]
+    assert took < 60, f"the ranks took {took:.0f} s to stop"
+    for p in procs:   # the ranks' DataLoader workers too
+        assert gone(p.pid, within=15), f"a process of rank group {p.pid} is still running"
+    assert checkpoint.load_checkpoint(run / "last.pt")["epoch"] >= 0
+    assert not list(run.glob(".*.tmp"))
