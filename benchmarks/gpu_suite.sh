@@ -9,7 +9,9 @@ cd "$(dirname "$0")/.." || exit 1
 out="${1:-gpu-figures/$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.csv" 2>&1
-python -m pytest -m gpu -v -rs 2>&1 | tee "$out/gpu-tests.txt"
+# --continue-on-collection-errors: a GPU machine without the notebook tools (nbformat, papermill) cannot import
+# test modules that hold no gpu test; the gpu tests in the others still run
+python -m pytest -m gpu -v -rs --continue-on-collection-errors 2>&1 | tee "$out/gpu-tests.txt"
 tests=${PIPESTATUS[0]}
 python benchmarks/gpu_peak.py   # writes benchmarks/results/gpu_peak.json, which docs/benchmarks.md quotes
 peak=$?

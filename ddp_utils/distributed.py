@@ -467,9 +467,8 @@ def wait_for_all(what: str, ctx: DistContext, timeout: float, log=print) -> None
             raise PeerLost(f"rank {ctx.rank}: training stopped because {_aborted}")
         count, failure = _ask_store(ctx, what, lambda: (int(_store.add(key, 0)), _failure_in_store(ctx)))
         if failure:   # a stop during the epoch's save or evaluation is a stop in training: say how to go on
-            end = "" if failure.rstrip().endswith(".") else "."
-            raise PeerLost(f"rank {ctx.rank}: stopped because {failure.rstrip()}{end} Restart every rank (with "
-                           f"--resume pointing at rank 0's last.pt, if there is one; in the notebooks: RESUME).")
+            raise PeerLost(f"rank {ctx.rank}: stopped because {failure.rstrip().rstrip('.')}. Restart every rank "
+                           f"(with --resume pointing at rank 0's last.pt, if there is one; in the notebooks: RESUME).")
         now = time.monotonic()
         if count < ctx.world_size and now - start > timeout:
             raise PeerLost(f"rank {ctx.rank}: waited {timeout:g} s for the other ranks to {what} and "

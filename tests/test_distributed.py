@@ -649,3 +649,27 @@ def test_the_setup_watch_aborts_a_real_nccl_group(clean_env):
             torch.cuda.synchronize()
     finally:
         distributed.teardown()
+
+
+def test_a_peers_last_beat_seen_after_the_break_is_not_taken_for_a_sign_of_life():
+    """CI (issue 37, finding 9's early return): rank 1 was SIGKILLed just after it beat; on a busy machine rank 0's
+    watch saw that last beat change only after the collective broke, took it for "every peer beat since", and
+    reported gloo's raw error as its own instead of naming the lost rank. One change seen is no longer enough."""
+    import threading
+    import time as _time
+    from ddp_utils.robust.heartbeat import Heartbeat
+    beat = Heartbeat(distributed.DistContext(0, 2, 0, torch.device("cpu"), "gloo"), log=lambda *_: None,
+                     silent_after=60)
+    beat.seen, beat._store_ok = {1: ("7", _time.monotonic())}, _time.monotonic() + 60   # the store answers
+
+    def watch(changes):   # the beat thread: rank 1's beat seen to change `changes` times after the break
+        for n in range(changes):
+            _time.sleep(0.2)
+            beat.seen[1] = (str(8 + n), _time.monotonic())
+            beat.changes[1] = beat.changes.get(1, 0) + 1
+    for changes, early in ((1, False), (2, True)):
+        threading.Thread(target=watch, args=(changes,), daemon=True).start()
+        start = _time.monotonic()
+        assert beat.name_the_lost(timeout=1.5) == ""
+        took = _time.monotonic() - start
+        assert (took < 1.2) == early, (changes, took)   # alive only once it beat again after the break

@@ -51,6 +51,7 @@ class Heartbeat:
         self._main = None          # the thread that trains (the judge interrupts it only if it is the main one)
         self._sigint = None        # SIGINT's handler before the watch made it raise KeyboardInterrupt (ignored at start)
         self.seen: dict[int, tuple[str, float]] = {}   # rank -> (its last beat, when we saw it change)
+        self.changes: dict[int, int] = {}              # rank -> how many changes of its beat we have seen
         self.verdict: str | None = None   # why the judge aborted the process group; None while all is well
         self._store_ok = 0.0     # when the beat thread last finished a round with the store
         self._failure: str | None = None   # a failure another rank reported
@@ -124,15 +125,19 @@ class Heartbeat:
         (an NCCL or connection error of this rank's own) is this rank's to report."""
         start = time.monotonic()
         deadline = start + timeout
+        before = dict(self.changes)
         while time.monotonic() < deadline and not (self.verdict or self._failure or self.describe()):
-            if self._everyone_beat_since(start):
+            if self._everyone_beat_since(start, before):
                 return ""
             time.sleep(0.2)
         return self.describe()
 
-    def _everyone_beat_since(self, start: float) -> bool:
-        """Whether the store answered and every peer's beat changed (or it finished) after ``start``."""
-        return self._store_ok > start and all(beat == "done" or seen > start for beat, seen in self.seen.values())
+    def _everyone_beat_since(self, start: float, before: dict[int, int]) -> bool:
+        """Whether the store answered and every peer's beat changed twice (or it finished) after ``start``: the
+        first change seen after the break may be the last beat a peer wrote before it died (seen late on a busy
+        machine), a second one it wrote afterwards."""
+        return self._store_ok > start and all(
+            beat == "done" or self.changes.get(r, 0) - before.get(r, 0) >= 2 for r, (beat, _) in self.seen.items())
 
     # -- the beat thread: all the store calls (any of them may block while a link is down) --------
     def _beat(self) -> None:
@@ -168,6 +173,7 @@ class Heartbeat:
         for r, beat in zip(list(self.seen), beats):
             if beat and beat != self.seen[r][0]:
                 self.seen[r] = (beat, time.monotonic())
+                self.changes[r] = self.changes.get(r, 0) + 1
         self._failure = self._failure or distributed._failure_in_store(self.ctx)
         self._store_ok = time.monotonic()
 
