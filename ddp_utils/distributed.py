@@ -96,8 +96,7 @@ GROUP_FIELDS = tuple(dict.fromkeys(("master_addr", "master_port", "rank", "world
 
 # The settings the current context was built from: setup() compares against them (idempotency).
 _active: tuple | None = None  # (settings, DistContext)
-# The rendezvous store the ranks share: the failure channel and the explicit waits use it. Kept after
-# teardown, so that the other ranks can still read why this one stopped.
+# The rendezvous store the ranks share: the failure channel and the explicit waits use it, kept after teardown.
 _store = None
 _waits = 0   # explicit waits made in this process group (their keys in the store)
 _watches = 0  # training runs watched in this process group (heartbeat.py; their keys in the store)
@@ -105,6 +104,7 @@ _watches = 0  # training runs watched in this process group (heartbeat.py; their
 # the other ranks, as (fd, local address, remote address); and why it did, once it has.
 _group_sockets: set = set()
 _aborted: str | None = None
+stop_signal: str | None = None   # set by the CLI's SIGTERM handler: what stopped this process, whatever broke next
 _collective_s = 60.0   # how long a collective may wait now (the group's timeout, or set_collective_timeout's)
 _where: dict[int, str] = {}   # rank -> "host, address" (from the rendezvous)
 
@@ -532,8 +532,8 @@ def report_failure(ctx: DistContext, text: str) -> None:
 
 def describe_failure(exc: BaseException) -> str:
     """``KeyboardInterrupt (Stop pressed, or Ctrl-C)`` or ``DataError: /data/...`` (first line only)."""
-    if getattr(exc, "description", None):   # cli.Terminated says what it is itself
-        return exc.description
+    if stop_signal or getattr(exc, "description", None):   # cli.Terminated says what it is itself
+        return stop_signal or exc.description
     if isinstance(exc, KeyboardInterrupt):
         return "KeyboardInterrupt (Stop pressed in the notebook, or Ctrl-C)"
     first = (str(exc).strip().splitlines() or [""])[0][:300]

@@ -74,3 +74,24 @@ def test_a_group_signal_with_workers_on_stops_both_ranks_and_leaves_no_process(t
         assert gone(p.pid, within=15), f"a process of rank group {p.pid} is still running"
     assert checkpoint.load_checkpoint(run / "last.pt")["epoch"] >= 0
     assert not list(run.glob(".*.tmp"))
+
+
+def test_a_sigterm_whose_exception_python_ignored_is_still_the_cause_said_and_reported(monkeypatch, capsys):
+    """CI: the SIGTERM landed while a DataLoader was forking its workers; Python ignores an exception raised in an
+    at-fork handler, so the rank went on until the workers the same signal ended broke the loader, and reported
+    "DataLoader worker ... exited unexpectedly" (exit 2) to the user and the other ranks instead of the SIGTERM."""
+    from ddp_utils import distributed, job
+    from ddp_utils.tools import cli
+    monkeypatch.setattr(distributed, "stop_signal", None)
+    with pytest.raises(cli.Terminated):
+        cli._terminate(signal.SIGTERM, None)   # the handler: it also leaves the cause where it cannot be lost
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert distributed.stop_signal == cli.Terminated.description
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("DataLoader worker (pid(s) 8447, 8452) exited unexpectedly")
+    monkeypatch.setattr(job, "run_job", broken)
+    monkeypatch.setattr(cli, "run_job", broken, raising=False)
+    assert cli.main(["train", "--dataset", "fake"]) == 143
+    assert "terminated (SIGTERM): " in capsys.readouterr().err
+    assert distributed.describe_failure(RuntimeError("DataLoader worker exited")) == cli.Terminated.description

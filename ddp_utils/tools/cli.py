@@ -19,6 +19,7 @@ import signal
 import sys
 import traceback
 
+from .. import distributed
 from .. import settings as settings_module
 
 # Errors whose message already says what is wrong and what to do: no traceback for these.
@@ -125,6 +126,9 @@ def _terminate(signum, frame):
     # clean stop, in place of its paragraph. Their end is part of this stop: the iterator's shutdown reaps them.
     with contextlib.suppress(ValueError, OSError):
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # Raised inside an at-fork handler (a DataLoader starting its workers) Python ignores the exception, and what
+    # breaks next (the workers the same SIGTERM ended) would be reported instead: the flag keeps the cause.
+    distributed.stop_signal = Terminated.description
     raise Terminated("SIGTERM")
 
 
@@ -168,18 +172,24 @@ def main(argv=None) -> int:
             print(compare_table(args.run_dirs))
         return 0
     except KeyboardInterrupt as exc:
-        what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
-        with contextlib.suppress(OSError):   # the terminal (or the launcher reading our output) may be gone
-            print(f"\n{what}: the process group was torn down and the other ranks were told; the last completed "
-                  f"epoch's checkpoint (last.pt in the run folder) is intact. Continue with --resume "
-                  f"RUN_DIR/last.pt.", file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        return _stopped(exc)
     except CLEAR_ERRORS as exc:
+        if distributed.stop_signal:   # what broke after a SIGTERM whose exception Python ignored: the SIGTERM
+            return _stopped(Terminated("SIGTERM"))
         if not isinstance(exc, (ValueError, FileExistsError, FileNotFoundError)) and not _is_ours(exc):
             traceback.print_exc()
         print(f"\nerror: {exc}", file=sys.stderr)
         _tell_torchrun(exc)
         return 2
+
+
+def _stopped(exc: KeyboardInterrupt) -> int:
+    what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+    with contextlib.suppress(OSError):   # the terminal (or the launcher reading our output) may be gone
+        print(f"\n{what}: the process group was torn down and the other ranks were told; the last completed "
+              f"epoch's checkpoint (last.pt in the run folder) is intact. Continue with --resume "
+              f"RUN_DIR/last.pt.", file=sys.stderr)
+    return 143 if isinstance(exc, Terminated) else 130
 
 
 def _tell_torchrun(exc: BaseException) -> None:
