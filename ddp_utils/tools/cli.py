@@ -124,8 +124,10 @@ def _terminate(signum, frame):
     # A SIGTERM to the process group (scancel, a job's end, `kill -- -PGID`) ends this rank's DataLoader workers too,
     # and torch's SIGCHLD handler would then raise "DataLoader worker ... is killed by signal" at any point of the
     # clean stop, in place of its paragraph. Their end is part of this stop: the iterator's shutdown reaps them.
+    # A Python no-op, not SIG_DFL: a SIGCHLD already pending (a worker just ended) would then raise "Signal 17
+    # ignored due to race condition" at the next bytecode (seen on the floor torch's Python).
     with contextlib.suppress(ValueError, OSError):
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     # Raised inside an at-fork handler (a DataLoader starting its workers) Python ignores the exception, and what
     # breaks next (the workers the same SIGTERM ended) would be reported instead: the flag keeps the cause.
     distributed.stop_signal = Terminated.description
