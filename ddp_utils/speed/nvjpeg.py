@@ -41,7 +41,7 @@ from torchvision.transforms import v2
 from ..datasets import (Data, DataError, EpochLoader, EvalShardSampler, ImageFolderDataset, Preset, check_batch_fits,
                         close_inherited_listeners, train_sampler, worker_context)
 from . import fastjpeg
-from .memdata import normalize
+from .memdata import _stats, normalize
 
 try:
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -165,8 +165,7 @@ class DeviceCrops:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.channels_last = channels_last and self.cuda
-        self.mean, self.std = (torch.tensor(v, dtype=torch.float32, device=self.device).view(-1, 1, 1)
-                               for v in (preset.mean, preset.std))
+        self.mean, self.std = _stats(preset, self.device)
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
 
     def __call__(self, batches: Iterable[RawBatch]) -> Iterator[tuple[Tensor, Tensor]]:
