@@ -47,11 +47,12 @@ def base_env(**extra) -> dict:
 
 
 def run_all(argvs: list[list[str]], timeout: float, env: dict | None = None, cwd: str | None = None,
-            stagger: float = 0.0, prefix: list[list[str]] | None = None) -> list[Result]:
+            stagger: float = 0.0, prefix: list[list[str]] | None = None, real: bool = False) -> list[Result]:
     """Start every argv at once (optionally ``stagger`` seconds apart), wait at most ``timeout`` s.
 
     Each process gets its own session so that it and all its children can be killed together.
-    ``prefix`` (per process, e.g. ``["ip", "netns", "exec", "h1"]``) runs the command elsewhere.
+    ``prefix`` (per process, e.g. ``["ip", "netns", "exec", "h1"]``) runs the command elsewhere; ``real``
+    starts fresh interpreters instead of forking from the test fork server.
     """
     env = env or base_env()
     procs = []
@@ -59,7 +60,7 @@ def run_all(argvs: list[list[str]], timeout: float, env: dict | None = None, cwd
         for i, argv in enumerate(argvs):
             if i and stagger:
                 time.sleep(stagger)
-            procs.append(popen((prefix[i] if prefix else []) + argv, env, stdout=subprocess.PIPE,
+            procs.append(popen((prefix[i] if prefix else []) + argv, env, real=real, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, cwd=cwd or REPO, text=True))
         deadline = time.monotonic() + timeout
         outputs = []

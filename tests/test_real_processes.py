@@ -12,7 +12,7 @@ import time
 import pytest
 
 from ddp_utils import checkpoint
-from tests.procs import REPO, base_env, free_port, python, stop
+from tests.procs import REPO, base_env, describe, free_port, python, run_all, stop
 
 
 def gone(pgid: int, within: float) -> bool:
@@ -74,6 +74,40 @@ def test_a_group_signal_with_workers_on_stops_both_ranks_and_leaves_no_process(t
         assert gone(p.pid, within=15), f"a process of rank group {p.pid} is still running"
     assert checkpoint.load_checkpoint(run / "last.pt")["epoch"] >= 0
     assert not list(run.glob(".*.tmp"))
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_check_train_report_and_compare_as_fresh_interpreters_with_workers_on(tmp_path):
+    """The homework's commands in order, each a fresh interpreter that ends as a user's does (interpreter teardown,
+    destructors, gloo's goodbye: no os._exit): check on both ranks, a 2-rank train and a 1-rank train with two
+    DataLoader workers each, then report and compare over the two run folders."""
+    env = base_env()
+    env.pop("PYTHON_EXEC", None)
+    port, runs = free_port(), tmp_path / "runs"
+    net = ["--master-addr", "127.0.0.1", "--master-port", str(port), "--init-timeout", "60"]
+    data = ["--dataset", "fake", "--image-size", "32", "--batch-size", "8", "--wandb", "disabled", "--progress", "off"]
+    checks = run_all([python("-m", "ddp_utils", "check", *data, *net, "--world-size", "2", "--rank", str(r),
+                             "--run-dir", str(runs / "x")) for r in (0, 1)], timeout=180, env=env, real=True)
+    assert [r.returncode for r in checks] == [0, 0], describe(checks)
+    assert all(r.output.rstrip().splitlines()[-1] == "READY" for r in checks), describe(checks)
+    train = data + ["--workers", "2", "--epochs", "1", "--max-steps-per-epoch", "4"]
+    ddp = run_all([python("-m", "ddp_utils", "train", *train, *net, "--world-size", "2", "--rank", str(r),
+                          "--run-dir", str(runs / ("ddp" if r == 0 else "ddp-rank1"))) for r in (0, 1)],
+                  timeout=240, env=env, real=True)
+    single = run_all([python("-m", "ddp_utils", "train", *train, "--run-dir", str(runs / "single"))],
+                     timeout=180, env=env, real=True)
+    for r in ddp + single:   # a teardown fault prints after the last line the kit writes, so read it all
+        assert r.returncode == 0 and "Traceback" not in r.output and "terminate called" not in r.output, describe([r])
+    folders = [str(runs / "ddp"), str(runs / "single")]
+    report, compare = run_all([python("-m", "ddp_utils", "report", "--out", str(tmp_path / "report"), *folders),
+                               python("-m", "ddp_utils", "compare", *folders)], timeout=180, env=env, real=True)
+    assert report.returncode == 0 and (tmp_path / "report" / "results.md").exists(), describe([report])
+    table = (tmp_path / "report" / "results.md").read_text()
+    assert "| ddp |" in table and "| single |" in table, table
+    assert compare.returncode == 0 and "| single | 1 / 0 |" in compare.output and "| DDP | 2 / 0 |" in compare.output, \
+        describe([compare])
+    assert "`check`'s all-reduce sweep (" in table, table   # rank 0's check saved it where report looks
 
 
 def test_a_sigterm_whose_exception_python_ignored_is_still_the_cause_said_and_reported(monkeypatch, capsys):
