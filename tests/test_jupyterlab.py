@@ -34,7 +34,9 @@ pytestmark = [pytest.mark.slow,
 # What a student would type for a quick try; the worker tab must still be training when Stop is pressed.
 SINGLE = {"EPOCHS": 2, "MAX_STEPS": 0, "BATCH_SIZE": 32, "WORKERS": 0, "WANDB_MODE": "disabled",
           "TENSORBOARD": False}
-DDP = {**SINGLE, "EPOCHS": 3, "BACKEND": "gloo", "INIT_TIMEOUT": 120}
+# The two tabs load as ImageNet does on the GPU nodes, by two DataLoader workers: Jupyter's Stop signals the kernel's
+# whole process group, workers included (what a terminal's Ctrl-C does; tests/test_real_processes.py).
+DDP = {**SINGLE, "EPOCHS": 3, "BACKEND": "gloo", "INIT_TIMEOUT": 120, "WORKERS": 2, "LOADER": "workers"}
 WIDTH = 1280   # a laptop's browser window, JupyterLab's file browser open beside the notebook
 RUN_BOUND_MS = 240_000
 # Chromium as root in a container, with no network beyond loopback (its background connections only fail).
@@ -56,7 +58,8 @@ def set_parameters(notebook: Path, values: dict) -> None:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """JupyterLab on a copy of the kit's notebooks, started by docker/start-jupyter.sh; its URL and token."""
+    """JupyterLab on a copy of the kit's notebooks, started by docker/start-jupyter.sh; its URL, token, folder and
+    the server's pid."""
     kit = tmp_path_factory.mktemp("kit")
     shutil.copytree(Path(REPO) / "notebooks", kit / "notebooks")
     set_parameters(kit / "notebooks" / "single.ipynb", SINGLE)
@@ -78,7 +81,7 @@ def lab(tmp_path_factory):
             except OSError:
                 assert server.poll() is None and time.monotonic() < deadline, (kit / "jupyter.log").read_text()
                 time.sleep(0.5)
-        yield url, token, kit
+        yield url, token, kit, server.pid
     finally:
         stop_server(server, url, token)
         log.close()
@@ -107,6 +110,19 @@ def stop_server(server: subprocess.Popen, url: str, token: str) -> None:
             pass
 
 
+def kernel_children(lab) -> dict:
+    """Each notebook kernel the server started (pid) and the processes it has started: (pid, status) pairs."""
+    import psutil
+    found = {}
+    for kernel in psutil.Process(lab[3]).children(recursive=True):
+        try:
+            if "ipykernel" in " ".join(kernel.cmdline()) and "ipykernel" not in " ".join(kernel.parent().cmdline()):
+                found[kernel.pid] = [(c.pid, c.status()) for c in kernel.children()]
+        except psutil.Error:   # a process that ended meanwhile
+            pass
+    return found
+
+
 @pytest.fixture(scope="module")
 def browser(lab):
     from playwright.sync_api import sync_playwright
@@ -126,7 +142,7 @@ def shots(tmp_path_factory):
 # -- driving JupyterLab -------------------------------------------------------------------------
 def open_notebook(browser, lab, name: str):
     """A new tab (its own JupyterLab workspace) with notebooks/NAME.ipynb open and its kernel ready."""
-    url, token, _ = lab
+    url, token, *_ = lab
     page = browser.new_page(viewport={"width": WIDTH, "height": 900})
     page.goto(f"{url}/lab/workspaces/{name}/tree/notebooks/{name}.ipynb?token={token}")
     deadline, idle_since = time.monotonic() + 90, None
@@ -326,6 +342,10 @@ def test_stop_in_main_tells_the_worker_tab_why_its_training_stopped(tabs, lab, s
     run_all(main)
     run_all(worker)
     wait_for_output(worker, "rank 1 epoch 1/", RUN_BOUND_MS)   # the worker is training
+    deadline = time.monotonic() + 30
+    while sum(bool(kids) for kids in kernel_children(lab).values()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sum(bool(kids) for kids in kernel_children(lab).values()) == 2, "both kernels train with loader workers"
     main.locator("[data-command='notebook:interrupt-kernel']").first.click()   # the toolbar's Stop button
     stopped = time.monotonic()
     wait_for_output(worker, "training stopped because rank 0 stopped", 60_000)
@@ -339,3 +359,8 @@ def test_stop_in_main_tells_the_worker_tab_why_its_training_stopped(tabs, lab, s
     assert "rank 1: training stopped because rank 0 stopped: KeyboardInterrupt" in said, said[-3000:]
     assert "--resume" in said or "RESUME" in said, "the worker's message says how to continue"
     assert "KeyboardInterrupt" in text(main)
+    # Stop signalled main's kernel's process group, workers included; both kernels live on, their workers are gone
+    deadline = time.monotonic() + 15
+    while any(kernel_children(lab).values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(kernel_children(lab).values()), f"a kernel kept processes after Stop: {kernel_children(lab)}"
