@@ -122,6 +122,7 @@ EXTERNAL = {
     "gcloud": (r"\bgcloud compute\b", {"--network", "--allow", "--source-tags", "--target-tags", "--tags"}),
     "rsync": (r"\brsync\b", {"--exclude"}),
     "wsl": (r"\bwsl\b", {"--install"}),
+    "nvidia-ctk": (r"\bnvidia-ctk\b", {"--runtime"}),
 }
 
 
