@@ -82,6 +82,19 @@ def say(name: str, template: str, hang: int = 0, **more) -> None:
     _paragraph(fill(name, template, **more), hang)
 
 
+def run_on_a_gpu() -> None:
+    """Cog: the README's GPU bullet: the gpu suite's card and its ceiling on data on the GPU, then the student's
+    job from JPEG files (benchmarks/results/student_job.json) as shares of its own card's ceiling."""
+    shares = {loader: " / ".join(f"{{f[kit][{loader}-{c}][steady_of_eager_ceiling]:pc}}" for c in (4, 8, 16))
+              for loader in ("workers", "nvjpeg")}
+    jpeg = fill("student_job", "on an {f[gpu]}, from JPEG files, `--loader workers` gets " + shares["workers"]
+                + " of its ceiling on 4 / 8 / 16 cores, `--loader nvjpeg` " + shares["nvjpeg"]
+                + " ([figures](docs/benchmarks.md#the-students-job-on-one-gpu)).")
+    say("gpu_peak", "* **Run on a GPU**: the `gpu`-marked tests pass on an {f[gpu]}, where the kit's step trains "
+        "ResNet-18 at {f[models][resnet18][img_s]:.0f} img/s on data on the GPU "
+        "([figures](docs/benchmarks.md#one-gpu-against-its-peak)); {jpeg}", hang=2, jpeg=jpeg)
+
+
 def _paragraph(text: str, hang: int = 0) -> None:
     _out(textwrap.fill(" ".join(text.split()), WIDTH, subsequent_indent=" " * hang, break_on_hyphens=False,
                        break_long_words=False))
