@@ -40,7 +40,7 @@ _workers: list[dict] = []   # with pytest -n (xdist): each worker's fork-server 
 
 def _counts() -> dict:
     from tests import zygote
-    return {**zygote.stats, "servers": sum(1 for s in zygote._servers.values() if s)}
+    return {**zygote.stats, "servers": sum(1 for s in zygote._servers.values() if s)}   # "keys": a list
 
 
 def pytest_sessionfinish(session):
@@ -59,8 +59,10 @@ def pytest_terminal_summary(terminalreporter):
     counts = [_counts(), *_workers]
     total = {key: sum(c.get(key, 0) for c in counts) for key in ("forked", "real", "servers")}
     if total["forked"] + total["real"]:
+        keys = sorted({k for c in counts for k in c.get("keys", [])})
         terminalreporter.write_line(f"fork server (tests/zygote.py): {total['forked']} command(s) forked, "
-                                    f"{total['real']} run as real processes, {total['servers']} server(s)")
+                                    f"{total['real']} run as real processes, {total['servers']} server(s)"
+                                    + (f" (split by {', '.join(keys)})" if keys else ""))
     zygote.stop_servers()
 
 

@@ -54,6 +54,18 @@ def test_a_forked_command_starts_and_ends_as_a_real_one(how, code, probe):
         assert real[1].splitlines()[1] == "the last words, no newline, not flushedatexit ran", real[1]
 
 
+def test_servers_are_keyed_on_every_variable_but_those_a_child_reads_after_start():
+    """A variable nobody listed (a native library's, an allocator's, inductor's cache) gets a server of its own: the
+    server read its own value at start-up. What ranks, torchrun and pytest set per command does not."""
+    base = base_env()
+    later = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29555", "TORCHELASTIC_RUN_ID": "x", "NCCL_DEBUG": "INFO",
+             "PYTEST_CURRENT_TEST": "another test", "WANDB_MODE": "offline", "PATH": "/somewhere:" + base["PATH"]}
+    assert zygote._startup({**base, **later}) == zygote._startup(base)
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "MALLOC_ARENA_MAX", "OPENBLAS_NUM_THREADS", "KINETO_LOG_LEVEL",
+                "A_VARIABLE_NOBODY_LISTED", "PYTHONHASHSEED", "OMP_NUM_THREADS"):
+        assert zygote._startup({**base, var: "3"}) != zygote._startup(base), var
+
+
 def test_with_a_hash_seed_set_forked_commands_hash_as_real_ones():
     """PYTHONHASHSEED is read at start-up: a server of its own is started for it, so the one documented difference
     goes where a test pins the seed."""

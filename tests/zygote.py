@@ -12,9 +12,11 @@ the environment, ``sys.argv``, ``__main__``) and reports its pid and exit status
 it gets (SIGINT, SIGTERM, ...) to the child and exits as the child did (the same code, or killed by the same
 signal); if the client is killed (SIGKILL at a test's time bound), the server kills the child's process group.
 
-What a forked child cannot take from its environment, because the interpreter and the native libraries read it at
-start-up (PYTHON*, LD_*, OMP_*/MKL_*/KMP_* threads, CUDA_VISIBLE_DEVICES, TORCH_*): each distinct set of these gets
-a server of its own (up to MAX_SERVERS; beyond, the command runs as a real process). Commands with interpreter
+A forked child takes its environment whole, but what the interpreter and the native libraries read at start-up
+(PYTHON*, LD_*, OMP_* threads, CUDA_VISIBLE_DEVICES, TORCHINDUCTOR_*, ...) it has from its server. So servers are
+keyed on every variable but an allow-list of those read later (TAKEN_AFTER_START: the ranks' MASTER_*/RANK/...,
+pytest's, W&B's, NCCL's): each distinct set gets a server of its own (up to MAX_SERVERS; beyond, the command runs
+as a real process), and the session's summary names the variables that split them. Commands with interpreter
 options (``-c``, ``-X``) run as real processes, and every command does when ``DDP_KIT_ZYGOTE=0``. A command on a
 namespace host (``ip netns exec NAME python ...``) is forked into that host's network namespace (setns).
 
@@ -47,8 +49,17 @@ import struct
 import sys
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-READ_AT_START = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA_", "TORCH_", "NVIDIA_")
-NOT_READ = ("PYTHON_EXEC",)   # torchrun's, not the interpreter's
+# The variables a forked child takes as it is given them: read from os.environ after start-up (by the kit, torch's
+# distributed code, torchrun, pytest, a test's own script), and the child gets the client's environment whole
+# (_become). Every other variable keys a server of its own, so that whatever the interpreter or a native library
+# reads at start-up (PYTHON*, LD_*, OMP_*, MALLOC_*, TORCHINDUCTOR_*, ... named or not) never comes from a server
+# started with another value.
+TAKEN_AFTER_START = {"PATH", "HOME", "PWD", "OLDPWD", "SHLVL", "_", "PYTHON_EXEC", "MASTER_ADDR", "MASTER_PORT",
+                     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                     "GLOO_SOCKET_IFNAME", "BUILD_DDP", "DEVICES", "BACKEND", "PORT", "PROBE_VAR"}
+TAKEN_AFTER_START_PREFIXES = ("PYTEST_", "TORCHELASTIC_", "NCCL_", "WANDB_", "DDP_KIT_", "KIT_", "JUPYTER_",
+                              "SLURM_")
 # What torchrun (its agent) and ``launch`` add to a worker's environment that a forked child takes as well:
 # -u / PYTHONUNBUFFERED (_become's streams), PYTHONPATH (_become puts its entries on sys.path) and
 # TORCH_NCCL_ASYNC_ERROR_HANDLING (read when an NCCL group is made, not at start-up).
@@ -60,7 +71,7 @@ PRELOAD = ("torch", "torch.distributed", "torchvision", "numpy", "PIL.Image", "t
 _servers: dict = {}   # the startup variables -> (Popen, socket path) or None (failed), in the pytest process
 _exec_dir: list = []  # the folder of python_exec()'s shim and the servers' names for it, once made
 MAX_SERVERS = 4       # environments beyond these (a leaked variable each) run as real processes
-stats = {"forked": 0, "real": 0}   # for the session's summary line (conftest.py)
+stats = {"forked": 0, "real": 0}   # for the session's summary line (conftest.py); "keys": variables that split servers
 
 
 # -- the pytest side -----------------------------------------------------------------------------------------
@@ -87,7 +98,9 @@ def wrap(argv: list, env: dict) -> list:
 
 
 def _startup(env: dict) -> frozenset:
-    return frozenset((k, v) for k, v in env.items() if k.startswith(READ_AT_START) and k not in NOT_READ)
+    """What a server is keyed on: every variable but those a forked child takes from its own environment."""
+    return frozenset((k, v) for k, v in env.items()
+                     if k not in TAKEN_AFTER_START and not k.startswith(TAKEN_AFTER_START_PREFIXES))
 
 
 def _exec_name(env: dict) -> str:
@@ -129,6 +142,9 @@ def _server_for(env: dict):
     key = _startup(env)
     if key not in _servers:
         _servers[key] = _start(env) if len(_servers) < MAX_SERVERS else None
+        if _servers:   # for the session's summary: what made this server (or real process) differ from the first
+            first = next(iter(_servers))
+            stats["keys"] = sorted(set(stats.get("keys", [])) | {k for k, _ in key ^ first})
     server = _servers[key]
     return server if server is not None and server[0].poll() is None else None
 
