@@ -129,3 +129,54 @@ def test_a_sigterm_whose_exception_python_ignored_is_still_the_cause_said_and_re
     assert cli.main(["train", "--dataset", "fake"]) == 143
     assert "terminated (SIGTERM): " in capsys.readouterr().err
     assert distributed.describe_failure(RuntimeError("DataLoader worker exited")) == cli.Terminated.description
+
+
+def fresh_env() -> dict:
+    env = base_env()
+    env.pop("PYTHON_EXEC", None)   # torchrun's shim of the fork server: its ranks start as fresh interpreters
+    return env
+
+
+LOADER_WORKERS = ["--dataset", "fake", "--image-size", "32", "--workers", "2", "--threads", "1", "--wandb",
+                  "disabled", "--backend", "gloo", "--init-timeout", "60", "--progress", "off", "--batch-size", "8"]
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_launch_with_fresh_ranks_stops_whole_when_its_job_is_sent_sigterm(tmp_path):
+    """`launch` in a job script ended by scancel or the job's time limit: SIGTERM to its whole process group.
+    torchrun's ranks are fresh interpreters (no fork-server shim) with two DataLoader workers each, in sessions of
+    their own (torchrun forwards the signal). Every process stops, each rank the kit's way, and last.pt is whole."""
+    from tests.test_launch import ours_still_running
+    marker = str(tmp_path)
+    proc = subprocess.Popen(python("-m", "ddp_utils", "launch", "--nproc-per-node", "2", "--master-port",
+                                   str(free_port()), *LOADER_WORKERS, "--epochs", "50", "--max-steps-per-epoch", "10",
+                                   "--run-dir", str(tmp_path / "run"), "--log-dir", str(tmp_path / "logs")),
+                            cwd=REPO, env=fresh_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "run" / "last.pt").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.3)
+        assert (tmp_path / "run" / "last.pt").exists(), "no checkpoint was written in time"
+        time.sleep(1.0)   # into the next epoch: the DataLoader workers are running
+        os.killpg(proc.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        out, _ = proc.communicate(timeout=90)
+        took = time.monotonic() - sent
+        assert proc.returncode == 143 and took < 60, (took, out[-3000:])
+        # launch says what it did once; rank 0's paragraph (streamed) is the only rank's paragraph in its output
+        assert "launch: interrupted; every process was sent SIGTERM and has stopped" in out, out[-3000:]
+        assert out.count("terminated (SIGTERM)") == 1, out[-3000:]
+        for rank in (0, 1):   # each rank stopped the kit's way, its loader workers' end no traceback of its own
+            log = (tmp_path / "logs" / f"rank{rank}.log").read_text()
+            assert "terminated (SIGTERM)" in log and "Traceback" not in log and "DataLoader worker" not in log, log
+        deadline = time.monotonic() + 15
+        while ours_still_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not ours_still_running(marker), "a rank or one of its DataLoader workers is still running"
+        assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] >= 0
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+        for pid in ours_still_running(marker):
+            os.kill(pid, signal.SIGKILL)
