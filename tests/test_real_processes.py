@@ -180,3 +180,19 @@ def test_launch_with_fresh_ranks_stops_whole_when_its_job_is_sent_sigterm(tmp_pa
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
         for pid in ours_still_running(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_torchrun_with_c10d_rendezvous_and_fresh_ranks_trains_and_ends_cleanly(tmp_path):
+    """torchrun as clusters run it (c10d rendezvous), its ranks fresh interpreters with two DataLoader workers
+    each: the run ends with exit 0 on every process, with no traceback at interpreter teardown."""
+    port = free_port()
+    [run] = run_all([python("-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "real", "-m", "ddp_utils", "train",
+                            *LOADER_WORKERS, "--epochs", "1", "--max-steps-per-epoch", "4",
+                            "--run-dir", str(tmp_path / "run"))],
+                    timeout=240, env=fresh_env(), real=True)
+    assert run.returncode == 0, describe([run])
+    assert "Traceback" not in run.output and "terminate called" not in run.output, describe([run])
+    assert (tmp_path / "run" / "results.json").exists() and "as rank 0 of 2" in run.output, describe([run])
