@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .robust import compat, mesh, rendezvous, setup_watch, sockets
 from . import settings as settings_module
-from .robust.devices import agree_on_backend, agree_on_precision, device_facts, torch_releases_differ
+from .robust.devices import agree_on_backend, agree_on_precision, device_facts, ended_beside, torch_releases_differ
 from .robust.preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
 
 __all__ = ["DistContext", "DistSetupError", "PeerLost", "SettingsMismatch", "agree", "all_reduce_sum", "barrier",
@@ -106,12 +106,12 @@ _group_sockets: set = set()
 _aborted: str | None = None
 stop_signal: str | None = None   # set by the CLI's SIGTERM handler: what stopped this process, whatever broke next
 _collective_s = 60.0   # how long a collective may wait now (the group's timeout, or set_collective_timeout's)
-_where: dict[int, str] = {}   # rank -> "host, address" (from the rendezvous)
+_peers: dict[int, dict] = {}   # rank -> its facts from the rendezvous: host, address, machine, pid
 
 
 def where(rank: int) -> str:
     """``" (on node-b, 10.0.0.2)"``: where a rank runs, as it said when it joined ("" if unknown)."""
-    return f" (on {_where[rank]})" if rank in _where else ""
+    return f" (on {_peers[rank].get('host')}, {_peers[rank].get('addr')})" if rank in _peers else ""
 
 
 # -- setup and teardown -----------------------------------------------------------------------
@@ -190,12 +190,12 @@ def _join_process_group(settings, ctx: DistContext, report: dict, facts: dict, m
     ``agree`` on ``must_agree``. A failure becomes one readable DistSetupError here, and the other ranks
     hear of it: they stop within a second, every rank naming the first rank that failed and why
     (robust/setup_watch.py)."""
-    global _where
+    global _peers
     # Keys of this setup's own on the store on master_port (rank 0's, or torchrun's agent's), so that re-running a
     # notebook cell, or torchrun restarting the training processes, never reads an earlier attempt's (rendezvous.py)
     keys, everyone = rendezvous.join(settings, log, {**facts, "addr": report.get("local_ip")})
     # where each rank runs, for the paragraphs that name a lost rank (hosts in namespaces share one name)
-    _where = {f["rank"]: f"{f.get('host')}, {f.get('addr')}" for f in everyone or []}
+    _peers = {f["rank"]: f for f in everyone or []}
     watch = setup_watch.SetupWatch(settings, keys)
     try:
         backend = _agree_on_backend(settings, everyone, report, log)   # the same answer (or error) on every rank
@@ -532,8 +532,8 @@ def report_failure(ctx: DistContext, text: str) -> None:
 
 def describe_failure(exc: BaseException) -> str:
     """``KeyboardInterrupt (Stop pressed, or Ctrl-C)`` or ``DataError: /data/...`` (first line only)."""
-    if stop_signal or getattr(exc, "description", None):   # cli.Terminated says what it is itself
-        return stop_signal or exc.description
+    if stop_signal or getattr(exc, "description", None):   # cli.Terminated says what it is; and who ended before
+        return (stop_signal or exc.description) + ended_beside(_peers)
     if isinstance(exc, KeyboardInterrupt):
         return "KeyboardInterrupt (Stop pressed in the notebook, or Ctrl-C)"
     first = (str(exc).strip().splitlines() or [""])[0][:300]

@@ -601,7 +601,7 @@ def test_a_store_wait_that_gets_no_answer_names_rank_0s_host(monkeypatch):
     (at 16 ranks it named only "rank 0's store", the one survivor's line without the lost host's address)."""
     import threading
     monkeypatch.setattr(distributed, "STORE_PATIENCE", 0.2)
-    monkeypatch.setattr(distributed, "_where", {0: "node-a, 10.0.0.1"})
+    monkeypatch.setattr(distributed, "_peers", {0: {"host": "node-a", "addr": "10.0.0.1"}})
     ctx = distributed.DistContext(rank=1, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
     never = threading.Event()
     with pytest.raises(distributed.PeerLost) as lost:

@@ -412,6 +412,32 @@ def test_when_a_nodes_torchrun_is_killed_hard_its_launcher_stops_the_orphaned_pr
 
 
 @pytest.mark.slow
+def test_a_rank_killed_on_one_host_is_named_on_the_other_not_its_sibling_that_torchrun_stopped(two_hosts, tmp_path):
+    """Issue 37, finding 2: rank 3 (host 1) SIGKILLed reports nothing; host 1's torchrun agent then SIGTERMs rank 2,
+    whose report is the first the store holds. Host 0 used to say only "rank 2 stopped: SIGTERM"; rank 2's report
+    now names rank 3, which had ended on its machine before."""
+    marker, port = str(tmp_path), free_port()
+    common = ["--nnodes", 2, "--nproc-per-node", 2, "--master-addr", two_hosts.addrs[0], "--master-port", port,
+              *tiny(), "--epochs", 50, "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run"]
+    nodes = [start([*two_hosts.exec_prefix(n), *launch_cmd("--node-rank", n, *common,
+                                                            "--log-dir", tmp_path / f"logs{n}")]) for n in (0, 1)]
+    try:
+        wait_for(tmp_path / "run" / "last.pt", 180)
+        [rank3] = rank_process(marker, 3)
+        os.kill(rank3, signal.SIGKILL)
+        outs = [node.communicate(timeout=120)[0] for node in nodes]
+        assert [node.returncode for node in nodes] == [2, 2], outs
+        rank0 = (tmp_path / "logs0" / "rank0.log").read_text()
+        assert "training stopped because rank 2 stopped" in rank0, rank0[-3000:]
+        assert "after rank 3 on the same machine had ended" in rank0 and "rank 3" in outs[0], (rank0[-3000:], outs[0])
+        assert "rank 3 failed: killed by signal SIGKILL" in outs[1], outs[1]
+        assert not ours_still_running(marker), [cmdline(p) for p in ours_still_running(marker)]
+    finally:
+        for node in nodes:
+            kill_all(node, marker)
+
+
+@pytest.mark.slow
 def test_a_bad_data_dir_on_one_host_fails_both_launchers_naming_the_rank_and_its_reason(two_hosts, tmp_path, demo_dir):
     port = free_port()
     (tmp_path / "not-a-folder").write_text("no images here")

@@ -117,6 +117,7 @@ def test_a_sigterm_whose_exception_python_ignored_is_still_the_cause_said_and_re
     from ddp_utils import distributed, job
     from ddp_utils.tools import cli
     monkeypatch.setattr(distributed, "stop_signal", None)
+    monkeypatch.setattr(distributed, "_peers", {})
     with pytest.raises(cli.Terminated):
         cli._terminate(signal.SIGTERM, None)   # the handler: it also leaves the cause where it cannot be lost
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -196,3 +197,23 @@ def test_torchrun_with_c10d_rendezvous_and_fresh_ranks_trains_and_ends_cleanly(t
     assert run.returncode == 0, describe([run])
     assert "Traceback" not in run.output and "terminate called" not in run.output, describe([run])
     assert (tmp_path / "run" / "results.json").exists() and "as rank 0 of 2" in run.output, describe([run])
+
+
+def test_a_sigterm_report_names_a_rank_on_the_same_machine_that_had_already_ended(monkeypatch):
+    """Issue 37, finding 2: torchrun's agent SIGTERMs a machine's other ranks when one ends; the one that ended
+    (SIGKILLed, out of memory) reports nothing, so the SIGTERMed rank's report, the first the others read, must name
+    it. A rank on another machine, or one still running, is not named (a scheduler's SIGTERM reaches them all)."""
+    from ddp_utils import distributed
+    from ddp_utils.robust.devices import machine_id
+    from ddp_utils.tools import cli
+    ended = subprocess.Popen(["true"])
+    ended.wait()   # its pid is free now
+    here = machine_id()
+    peers = {0: {"machine": here, "pid": os.getpid()}, 1: {"machine": here, "pid": os.getppid()},   # this, running
+             2: {"machine": "another machine", "pid": ended.pid}, 3: {"machine": here, "pid": ended.pid}}
+    monkeypatch.setattr(distributed, "_peers", peers)
+    monkeypatch.setattr(distributed, "stop_signal", None)
+    said = distributed.describe_failure(cli.Terminated("SIGTERM"))
+    assert said.startswith(cli.Terminated.description) and "after rank 3 on the same machine had ended" in said, said
+    monkeypatch.setattr(distributed, "_peers", {r: peers[r] for r in (0, 1, 2)})
+    assert distributed.describe_failure(cli.Terminated("SIGTERM")) == cli.Terminated.description

@@ -38,7 +38,30 @@ def device_facts(settings, device: torch.device) -> dict:
     except ValueError as e:   # amp=bf16 on a GPU without it: every rank says so (agree_on_precision)
         precision = f"error: {e}"
     return {"rank": settings.rank, "host": socket.gethostname(), "machine": machine_id(), "gpu": gpu,
-            "gpu_name": name, "auto": alone, "precision": precision, "torch": str(torch.__version__)}
+            "gpu_name": name, "auto": alone, "precision": precision, "torch": str(torch.__version__),
+            "pid": os.getpid()}
+
+
+def ended_beside(peers: dict[int, dict]) -> str:
+    """", after rank 7 on the same machine had ended (...)" when a rank on this machine has already ended: torchrun's
+    agent SIGTERMs a machine's other ranks when one of them ends, and the ended one (killed, out of memory) reports
+    nothing, so the SIGTERMed rank's report names it, or the other machines would blame the rank SIGTERMed. ""
+    when none has (a scheduler's SIGTERM to every rank: they all still run)."""
+    ended = []
+    for rank, facts in sorted(peers.items()):
+        if facts.get("machine") != machine_id() or facts.get("pid") in (None, os.getpid()):
+            continue
+        try:
+            os.kill(facts["pid"], 0)
+        except ProcessLookupError:
+            ended.append(str(rank))
+        except OSError:   # it exists (another user's: not ours to signal)
+            pass
+    if not ended:
+        return ""
+    which = f"rank {ended[0]}" if len(ended) == 1 else f"ranks {', '.join(ended)}"
+    return (f", after {which} on the same machine had ended (a launcher stops a machine's other ranks when one of them "
+            f"ends: look at {which} first)")
 
 
 def torch_releases_differ(facts: list[dict]) -> str:
