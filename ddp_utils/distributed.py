@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .robust import compat, mesh, rendezvous, setup_watch, sockets
+from .robust import compat, failures, mesh, rendezvous, setup_watch, sockets
 from . import settings as settings_module
 from .robust.devices import agree_on_backend, agree_on_precision, device_facts, ended_beside, torch_releases_differ
 from .robust.preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
@@ -522,9 +522,7 @@ def report_failure(ctx: DistContext, text: str) -> None:
 
     def write():
         with contextlib.suppress(Exception):
-            store.set(f"failed/{ctx.rank}", text)
-            nth = store.add("failures", 1)   # what the others poll: one request each, whatever the number of ranks
-            store.set(f"failed/order/{nth}", str(ctx.rank))   # the store counts: who reported first, second, ...
+            failures.report(store, ctx.rank, text)
     thread = threading.Thread(target=write, daemon=True, name="report-failure")
     thread.start()
     thread.join(REPORT_S)
@@ -565,21 +563,9 @@ def peer_failure(ctx: DistContext) -> str | None:
 
 
 def _failure_in_store(ctx: DistContext) -> str | None:
-    """The first failure another rank reported, or None. One store request while none failed (the ranks poll it).
-    First reported, not lowest rank: a rank stopped as a consequence (its connections cut, a launcher's SIGTERM)
-    reports after the rank that caused it."""
-    count = int(_store.add("failures", 0))
-    if not count:
-        return None
-    for nth in range(1, count + 1):
-        if _store.check([f"failed/order/{nth}"]):
-            r = int(_store.get(f"failed/order/{nth}"))
-            if r != ctx.rank:
-                return _store.get(f"failed/{r}").decode()
-    for r in range(ctx.world_size):   # a report whose place is not written yet
-        if r != ctx.rank and _store.check([f"failed/{r}"]):
-            return _store.get(f"failed/{r}").decode()
-    return None
+    """The first failure another rank reported, or None (robust/failures.py: one store request while none did)."""
+    found = failures.first(_store, skip=ctx.rank, world_size=ctx.world_size)
+    return found[1] if found else None
 
 
 def gather_objects(obj, ctx: DistContext) -> list:

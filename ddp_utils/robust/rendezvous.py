@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import compat
+from . import compat, failures
 from .preflight import DistSetupError, port_holder
 
 GENERATION = "ddp_utils/generation"
@@ -164,8 +164,9 @@ def wait_for_all_ranks(keys: dist.PrefixStore, settings, log=print, facts: dict 
         try:
             if keys.check(everyone):
                 return [json.loads(keys.get(key)) for key in everyone]
-            if settings.rank != 0 and keys.check(["gave_up"]):
-                raise DistSetupError(f"rank {settings.rank}: {keys.get('gave_up').decode()}")
+            gave_up = settings.rank != 0 and failures.first(keys)   # rank 0's paragraph (below)
+            if gave_up:
+                raise DistSetupError(f"rank {settings.rank}: {gave_up[1]}")
             if settings.rank != 0 and keys.check(["closed"]):   # a new rank 0 opened the next generation
                 raise Reopen()
         except DistSetupError:
@@ -186,7 +187,7 @@ def wait_for_all_ranks(keys: dist.PrefixStore, settings, log=print, facts: dict 
                     f"Start every rank within init_timeout of each other, with the same master settings, and run "
                     f"setup again.")
             if settings.rank == 0:   # tell the ranks that did come, then give them a moment to read it
-                keys.set("gave_up", f"rank 0 stopped waiting: {text}")
+                failures.report(keys, 0, f"rank 0 stopped waiting: {text}")
                 time.sleep(1.0)
             raise DistSetupError(f"rank {settings.rank}: {text}")
         if now >= next_note:

@@ -3,7 +3,7 @@
 ``init_process_group``, the first barrier and the settings agreement wait in C++ for every rank; a rank that
 fails there (Stop pressed, a GPU error, a broken link on its side) used to leave the others waiting until
 init_timeout, with a connection error that names nobody. Now the failing rank leaves its paragraph in the
-rendezvous generation's keys (``report``), and on every other rank a thread with a store connection of its own
+rendezvous generation's keys (``report``: robust/failures.py, the channel training uses too), and on every other rank a thread with a store connection of its own
 looks for it twice a second (``SetupWatch``). When one comes, the thread shuts down the connections this
 rank's wait is blocked on (its store requests, gloo's new connections) and aborts NCCL's communicators: the
 wait fails at once. Every rank then names the rank that failed first, and why: the failures that follow (a
@@ -14,32 +14,24 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 
 import torch.distributed as dist
 
-from . import compat, rendezvous, sockets
+from . import compat, failures, rendezvous, sockets
 
 POLL_S = 0.5   # how often the watch looks: a peer's failure is known here within this
 FIRST_S = 5.0  # how long a rank that failed second waits to read who failed first
 
 
 def report(keys, rank: int, text: str) -> str | None:
-    """Leave this rank's reason for failing its setup where the others read it. Returns the first failure's
-    text when another rank failed before this one (this rank's error is then most likely its consequence: a
-    connection it closed), else None. Best effort: None where the store is gone."""
+    """Leave this rank's reason for failing its setup where the others read it (robust/failures.py). Returns the
+    first failure's text when another rank failed before this one (this rank's error is then most likely its
+    consequence: a connection it closed), else None. Best effort: None where the store is gone."""
     try:
-        keys.set(f"setup_failed/{rank}", text)
-        if int(keys.add("setup_failures", 1)) == 1:   # the store counts: exactly one rank is first
-            keys.set("setup_first", str(rank))
+        if failures.report(keys, rank, text) == 1:
             return None
-        deadline = time.monotonic() + FIRST_S
-        while not keys.check(["setup_first"]) and time.monotonic() < deadline:   # the first writes it next
-            time.sleep(0.05)
-        if not keys.check(["setup_first"]):   # the first rank died between its two requests: say this one's
-            return None
-        first = int(keys.get("setup_first"))
-        return None if first == rank else keys.get(f"setup_failed/{first}").decode()
+        found = failures.first(keys, wait=FIRST_S)   # the first rank writes its place next (or died first)
+        return found[1] if found and found[0] != rank else None
     except Exception:   # noqa: BLE001 - the store may be what failed
         return None
 
@@ -92,12 +84,12 @@ class SetupWatch:
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
             try:
-                if not self._own.check(["setup_first"]):   # one request per look, whatever the number of ranks
-                    continue
-                first = int(self._own.get("setup_first"))
+                found = failures.first(self._own)   # one request per look while none failed, whatever the ranks
             except Exception:   # noqa: BLE001 - the store is gone (rank 0 stopped): this rank's own wait fails too
                 return
-            if first != self.settings.rank and not self._stop.is_set():
+            if found is None:
+                continue
+            if found[0] != self.settings.rank and not self._stop.is_set():
                 self._cut()
             return
 
