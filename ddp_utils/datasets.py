@@ -17,6 +17,7 @@ Rank and world size are plain arguments: nothing here touches ``torch.distribute
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -510,6 +511,29 @@ class EpochLoader(TrainLoader):
             self.loader.generator.manual_seed(seed)
             return itertools.islice(self.loader, len(self))
         return _with_own_rng(itertools.islice(self.loader, len(self)), seed)
+
+
+# where the loaders' frames come from: torch's DataLoader and its iterators, the kit's loaders
+_SPEED = os.path.join(os.path.dirname(__file__), "speed")
+_LOADER_FRAMES = (os.path.join("torch", "utils", "data", ""), os.path.join(os.path.dirname(__file__), "datasets.py"),
+                  *(os.path.join(_SPEED, f"{name}.py") for name in ("memdata", "fastjpeg", "nvjpeg", "dali")))
+
+
+def release_workers(exc: BaseException) -> None:
+    """Let the loader that ``exc`` came through free its worker processes now.
+
+    An exception raised while the training loop waited for a batch (Stop, Ctrl-C, a worker's error) carries a
+    traceback whose frames hold the DataLoader's iterator, and a notebook keeps the last traceback: the iterator
+    never dies, so its workers are never joined (after a Ctrl-C, which ends them too, they stay as zombies under
+    the kernel). Clearing the locals of the loaders' own frames (torch's DataLoader, the kit's loaders) frees it;
+    the frames of your model and of the kit's loop keep theirs for a debugger.
+    """
+    tb = exc.__traceback__
+    while tb is not None:
+        if any(part in tb.tb_frame.f_code.co_filename for part in _LOADER_FRAMES):
+            with contextlib.suppress(RuntimeError):   # a frame still running (the caller's) is left alone
+                tb.tb_frame.clear()
+        tb = tb.tb_next
 
 
 def _with_own_rng(batches: Iterator, seed: int) -> Iterator:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoint, distributed, own_ddp
-from .datasets import DataError
+from .datasets import DataError, release_workers
 from .speed.gpu_monitor import GpuMonitor, reduce_summaries
 from .speed.gpu_monitor import describe as describe_gpu
 from .robust.heartbeat import Heartbeat
@@ -294,12 +294,14 @@ def fit(job) -> dict:
                         and not distributed.peer_failure(job.ctx)):
                     heartbeat.name_the_lost(heartbeat.silent_after + 2 * heartbeat.every)
                 raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        release_workers(exc)   # a notebook keeps the traceback, which would keep the loader's workers
         if heartbeat.interrupted:   # this rank's own watch stopped its stalled data loader: say why
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)
             raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, kept, what=heartbeat.verdict)) from None
         raise
     except Exception as exc:
+        release_workers(exc)
         if job.ctx.distributed and heartbeat.verdict:   # the watch ended the group: whatever broke next, this is why
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)
             raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, kept, what=heartbeat.verdict)) from None

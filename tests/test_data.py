@@ -594,3 +594,44 @@ def test_a_worker_never_frees_the_parents_garbage_process_group():
     result, = procs.run_all([procs.python("-c", GARBAGE_GROUP_THEN_WORKERS)], timeout=60)
     assert not result.timed_out and result.returncode == 0, procs.describe([result])
     assert "train [(4, 3, 16, 16), (4, 3, 16, 16)]" in result.output and "val " in result.output
+
+
+class _SlowImages(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        import time
+        time.sleep(0.5)
+        return torch.zeros(3), 0
+
+
+def test_an_interrupt_while_waiting_for_a_batch_lets_the_loaders_workers_go():
+    """Stop pressed while the loop waits for a batch: the KeyboardInterrupt's traceback holds the DataLoader's
+    iterator, and a notebook keeps that traceback, so the workers were never joined (zombies under the kernel once
+    the interrupt ended them too; seen in the JupyterLab test). release_workers frees them, keeping the traceback."""
+    import _thread
+    import threading
+    import time
+    import psutil
+    from torch.utils.data import DataLoader, DistributedSampler
+    me = psutil.Process()
+    before = {c.pid for c in me.children()}
+    dataset = _SlowImages()
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
+    loader = EpochLoader(DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=2, drop_last=True,
+                                    generator=torch.Generator()))
+    threading.Timer(1.0, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt) as caught:
+        for _ in loader.epoch(0):
+            pass
+
+    def workers():
+        return [c for c in me.children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+    assert len(workers()) == 2   # kept alive by the traceback a notebook would keep
+    data_mod.release_workers(caught.value)
+    deadline = time.monotonic() + 10
+    while workers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not workers() and caught.value.__traceback__ is not None
+    assert not [c for c in me.children() if c.pid not in before], "a worker left unreaped (a zombie)"
