@@ -427,10 +427,11 @@ def test_a_rank_killed_on_one_host_is_named_on_the_other_not_its_sibling_that_to
         os.kill(rank3, signal.SIGKILL)
         outs = [node.communicate(timeout=120)[0] for node in nodes]
         assert [node.returncode for node in nodes] == [2, 2], outs
-        rank0 = (tmp_path / "logs0" / "rank0.log").read_text()
-        assert "training stopped because rank 2 stopped" in rank0, rank0[-3000:]
-        assert "after rank 3 on the same machine had ended" in rank0 and "rank 3" in outs[0], (rank0[-3000:], outs[0])
-        assert "rank 3 failed: killed by signal SIGKILL" in outs[1], outs[1]
+        # host 0's launch names the first failure its ranks were told of (the rank that stopped first there may
+        # be SIGTERMed by host 0's own agent next): rank 2's, which names rank 3
+        assert re.search(r"rank 2 failed: stopped: SIGTERM .*, after rank 3 on the same machine had ended", outs[0]), \
+            outs[0][-3000:]
+        assert "rank 3 failed: killed by signal SIGKILL" in outs[1], outs[1][-3000:]
         assert not ours_still_running(marker), [cmdline(p) for p in ours_still_running(marker)]
     finally:
         for node in nodes:
