@@ -126,24 +126,26 @@ def abort_path(backend: str, group=None):
 
 
 # -- destroying a group ----------------------------------------------------------------------------
-GLOO_DESTROY_RELEASES_GIL = (2, 8)   # the group's destructor lets go of the GIL (pytorch#154976)
-SETTLE_S = 0.2   # seconds with the GIL free before a gloo group is destroyed, on torch 2.6 and 2.7
+SETTLE_S = 0.2   # seconds with the GIL free before a gloo group is destroyed
 
 
 def destroy_process_group(backend: str) -> None:
-    """``dist.destroy_process_group()`` on every release. Before 2.8 a gloo group's destructor holds the GIL
-    while it waits for its worker threads, and a worker that is just letting go of a finished collective's
-    tensors needs the GIL to free them: both then wait forever (seen on torch 2.6 in about 1 of 25 two-rank
-    setups that stopped right after a collective, on a loaded machine). A moment with the GIL free first lets
-    the workers finish."""
-    if backend == "gloo" and not has(GLOO_DESTROY_RELEASES_GIL):
+    """``dist.destroy_process_group()`` after a moment with the GIL free for gloo's worker threads. Each frees a
+    finished collective's tensors just after the collective returned, and that needs the GIL: (1) before torch
+    2.8 a gloo group's destructor holds the GIL while it waits for its workers, and both then wait forever (seen
+    on torch 2.6 in about 1 of 25 two-rank setups that stopped right after a collective, on a loaded machine);
+    (2) on every release, where the group lives on after this call (a DDP model or a comm hook still holds it), a
+    worker that has not yet freed its last collective's tensors when the interpreter exits is ended inside a C++
+    destructor, and the process aborts with "terminate called without an active exception" (pytorch#190489; seen
+    in 3 of 20 three-rank runs on torch 2.14 that ended right after a broadcast, as fresh interpreters)."""
+    if backend == "gloo":
         time.sleep(SETTLE_S)
     dist.destroy_process_group()
 
 
 def destroy_path(backend: str) -> str:
-    if backend == "gloo" and not has(GLOO_DESTROY_RELEASES_GIL):
-        return f"after {SETTLE_S:g} s for gloo's workers (its destructor holds the GIL before torch 2.8)"
+    if backend == "gloo":
+        return f"after {SETTLE_S:g} s for gloo's workers to let go of their last tensors"
     return "at once"
 
 
