@@ -114,9 +114,42 @@ def test_no_instruction_installs_torch_or_torchvision():
     assert not any("conda install" in r for r in runs())
 
 
-def test_build_checks_torch_is_unchanged_after_pip_install():
+FAKE_PIP = """#!/bin/sh
+# pip as the two RUN lines use it: `pip list --format=freeze` prints the container's packages (STATE);
+# `pip install` installs the kit's requirements, and in REPLACE mode also swaps torch, as an unconstrained pip would
+if [ "$1" = list ]; then cat "$STATE"; exit 0; fi
+if [ "$1" = install ] && [ -n "$REPLACE" ]; then sed -i 's/^torch==.*/torch==2.14.1/' "$STATE"; fi
+exit 0
+"""
+
+
+@pytest.mark.parametrize("replaced", [False, True], ids=["kept", "replaced"])
+def test_the_build_fails_when_the_requirements_install_replaced_torch(tmp_path, replaced):
+    """The two RUN lines that record the container's torch as constraints and install the requirements, run as the
+    build runs them (bash -o pipefail, the Dockerfile's SHELL) with a pip that keeps torch or replaces it: the build
+    goes on only when torch is the container's."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "pip").write_text(FAKE_PIP)
+    (tmp_path / "bin" / "pip").chmod(0o755)
+    (tmp_path / "state").write_text("numpy==1.26.4\ntorch==2.6.0a0+ecf3bae40a\ntorchvision==0.20.0a0+afc54f7\n"
+                                    "wandb==0.19.1\n")
+    (tmp_path / "requirements.txt").write_text("wandb\n")
+    record = next(r for r in runs() if "/etc/ddp-kit-constraints.txt" in r and "pip list" in r)
     install = next(r for r in runs() if "-r /tmp/ddp-kit-requirements.txt" in r)
-    assert "diff" in install and "torch" in install
+    script = "\n".join((record, install))
+    for path, here in (("/etc/ddp-kit-constraints.txt", "constraints.txt"), ("/tmp/ddp-kit-requirements.txt",
+                                                                            "requirements.txt"), ("/etc/pip/", "none/")):
+        script = script.replace(path, f"{tmp_path}/{here}")
+    shell = [a for k, a in instructions() if k == "SHELL"]
+    assert shell == ['["/bin/bash", "-o", "pipefail", "-c"]'], shell   # <(...) and the pipe's status need it
+    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "STATE": str(tmp_path / "state"),
+           **({"REPLACE": "1"} if replaced else {})}
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert "torch==2.6.0a0+ecf3bae40a" in (tmp_path / "constraints.txt").read_text()
+    if replaced:
+        assert done.returncode != 0 and "+torch==2.14.1" in done.stdout, done
+    else:
+        assert done.returncode == 0 and not (tmp_path / "requirements.txt").exists(), done
 
 
 def test_kit_is_copied_and_importable_through_pythonpath():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
+import math
 
 import pytest
 import torch
@@ -241,9 +243,14 @@ def test_a_bf16_checkpoint_resumes_with_fp16_on_a_gpu(tmp_path):
     run = tmp_path / "run"
     common = ["--dataset", "fake", "--image-size", "64", "--arch", "resnet18", "--workers", "2", "--wandb", "disabled",
               "--progress", "off", "--max-steps-per-epoch", "5", "--batch-size", "32", "--run-dir", str(run)]
-    for extra in (["--epochs", "1", "--amp", first_amp], ["--epochs", "2", "--amp", "fp16", "--resume", str(run / "last.pt")]):
-        result = run_all([python("-m", "ddp_utils", "train", *common, *extra)], timeout=300, env=base_env())
-        assert result[0].returncode == 0, describe(result)
+    said = {"bf16": "precision torch.bfloat16", "off": "precision fp32", "fp16": "precision torch.float16"}
+    for amp, extra in ((first_amp, ["--epochs", "1"]), ("fp16", ["--epochs", "2", "--resume", str(run / "last.pt")])):
+        result = run_all([python("-m", "ddp_utils", "train", *common, *extra, "--amp", amp)], timeout=300,
+                         env=base_env())
+        assert result[0].returncode == 0 and said[amp] in result[0].output, describe(result)
+    results = json.loads((run / "results.json").read_text())   # the second run continued the first
+    assert results["epochs_run"] == 1 and [h["epoch"] for h in results["history"]] == [1, 2], results
+    assert math.isfinite(results["loss"]), results
 
 
 # -- commtime on a GPU: CUDA events ------------------------------------------------------------------
