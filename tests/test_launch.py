@@ -375,6 +375,15 @@ def test_two_hosts_with_two_processes_each_train_like_one_process_with_four_time
     assert "as rank 3 of 4" in (tmp_path / "logs-h1" / "rank3.log").read_text()
 
 
+def start_long_runs_on(hosts, tmp_path, nproc_per_node: int) -> list:
+    """`launch` on both hosts for far more epochs than a test waits for (it stops them itself); logs in logs<N>."""
+    common = ["--nnodes", 2, "--nproc-per-node", nproc_per_node, "--master-addr", hosts.addrs[0], "--master-port",
+              free_port(), *tiny(), "--epochs", 50, "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir",
+              tmp_path / "run"]
+    return [start([*hosts.exec_prefix(n), *launch_cmd("--node-rank", n, *common, "--log-dir", tmp_path / f"logs{n}")])
+            for n in (0, 1)]
+
+
 @pytest.mark.slow
 def test_when_a_nodes_torchrun_is_killed_hard_its_launcher_stops_the_orphaned_processes(two_hosts, tmp_path):
     """Issue 37, finding 8: node 1's torchrun agent SIGKILLed (out of memory, kill -9) while node 0's, which holds the
@@ -382,11 +391,7 @@ def test_when_a_nodes_torchrun_is_killed_hard_its_launcher_stops_the_orphaned_pr
     in the job broke, so it trained on as an orphan holding its GPU and the port while `launch` exited. Node 1's
     launcher remembers it while torchrun runs and stops it (SIGTERM: the kit's clean stop, then SIGKILL); node 0's
     ranks then stop too, naming it."""
-    marker, port = str(tmp_path), free_port()
-    common = ["--nnodes", 2, "--nproc-per-node", 1, "--master-addr", two_hosts.addrs[0], "--master-port", port,
-              *tiny(), "--epochs", 50, "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run"]
-    nodes = [start([*two_hosts.exec_prefix(n), *launch_cmd("--node-rank", n, *common,
-                                                            "--log-dir", tmp_path / f"logs{n}")]) for n in (0, 1)]
+    marker, nodes = str(tmp_path), start_long_runs_on(two_hosts, tmp_path, nproc_per_node=1)
     try:
         wait_for(tmp_path / "run" / "last.pt", 120)
         [agent] = [pid for pid in ours_still_running(f"{tmp_path}/logs1") if "torch.distributed.run" in cmdline(pid)]
@@ -416,11 +421,7 @@ def test_a_rank_killed_on_one_host_is_named_on_the_other_not_its_sibling_that_to
     """Issue 37, finding 2: rank 3 (host 1) SIGKILLed reports nothing; host 1's torchrun agent then SIGTERMs rank 2,
     whose report is the first the store holds. Host 0 used to say only "rank 2 stopped: SIGTERM"; rank 2's report
     now names rank 3, which had ended on its machine before."""
-    marker, port = str(tmp_path), free_port()
-    common = ["--nnodes", 2, "--nproc-per-node", 2, "--master-addr", two_hosts.addrs[0], "--master-port", port,
-              *tiny(), "--epochs", 50, "--max-steps-per-epoch", 10, "--batch-size", 8, "--run-dir", tmp_path / "run"]
-    nodes = [start([*two_hosts.exec_prefix(n), *launch_cmd("--node-rank", n, *common,
-                                                            "--log-dir", tmp_path / f"logs{n}")]) for n in (0, 1)]
+    marker, nodes = str(tmp_path), start_long_runs_on(two_hosts, tmp_path, nproc_per_node=2)
     try:
         wait_for(tmp_path / "run" / "last.pt", 180)
         [rank3] = rank_process(marker, 3)
