@@ -183,8 +183,7 @@ def test_launch_with_fresh_ranks_stops_whole_when_its_job_is_sent_sigterm(tmp_pa
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.slow
-@pytest.mark.floor
+@pytest.mark.slow   # not `floor`: the floor's fresh-process teardown is the test above's and the first one's
 def test_torchrun_with_c10d_rendezvous_and_fresh_ranks_trains_and_ends_cleanly(tmp_path):
     """torchrun as clusters run it (c10d rendezvous), its ranks fresh interpreters with two DataLoader workers
     each: the run ends with exit 0 on every process, with no traceback at interpreter teardown."""
