@@ -36,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+from .. import distributed
 from .. import settings as settings_module
 
 TERM_S = 40.0    # after SIGTERM to torchrun: how long before SIGKILL (torchrun gives its processes 30 s)
@@ -513,13 +514,12 @@ def settings_from_args(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     """``python -m ddp_utils launch ...`` (cli.py parses the flags)."""
-    from .cli import Terminated
     try:
         results = launch(settings_from_args(args), args.nproc_per_node, args.nnodes, args.node_rank,
                          resume=args.resume, evaluate=args.evaluate, seeds=args.seeds, log_dir=args.log_dir,
                          grid=args.grid, on_line=lambda line: print(line, flush=True), max_restarts=args.max_restarts)
-    except KeyboardInterrupt as exc:   # launch() has said what it did (every process stopped): no rank's paragraph
-        return 143 if isinstance(exc, Terminated) else 130
+    except KeyboardInterrupt:   # launch() has said what it did (every process stopped): no rank's paragraph
+        return 143 if distributed.stop_signal else 130   # the CLI's SIGTERM handler sets it
     done = "" if results is None else " (rank 0's results.json is in the run folder named above)"
     print(f"launch: every process of this node finished{done}", flush=True)
     return 0
