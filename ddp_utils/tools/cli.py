@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import traceback
 
 from .. import distributed
@@ -117,7 +118,15 @@ class Terminated(KeyboardInterrupt):
     description = "SIGTERM (the process was told to stop)"   # what the other ranks are told
 
 
+RESEND_S = 0.1   # a SIGTERM that landed in a destructor is delivered again this much later
+
+
 def _terminate(signum, frame):
+    if _in_destructor(frame):
+        # Python prints and drops an exception raised in __del__ (a DataLoader iterator joining its workers at the
+        # epoch's end, say): the traceback would come before the paragraph. Ask again once the destructor is done.
+        threading.Timer(RESEND_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        return
     # One is enough. A second SIGTERM (the launcher's death signal and a scheduler's, say) must not cut the
     # clean stop short: telling the others and writing why to log.txt take a moment. main() sets it again.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -132,6 +141,14 @@ def _terminate(signum, frame):
     # breaks next (the workers the same SIGTERM ended) would be reported instead: the flag keeps the cause.
     distributed.stop_signal = Terminated.description
     raise Terminated("SIGTERM")
+
+
+def _in_destructor(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def main(argv=None) -> int:
