@@ -217,6 +217,7 @@ def test_keyboard_interrupt_after_init_tears_the_group_down(clean_env, monkeypat
 
     monkeypatch.setattr(dist, "init_process_group", init_then_interrupt)
     monkeypatch.setattr(rendezvous, "wait_for_all_ranks", lambda *args: None)  # no worker here
+    monkeypatch.setattr(distributed.mesh, "probe", lambda *args: None)   # (which would wait for it 40 s)
     settings = Settings(world_size=2, rank=0, master_port=free_port(), backend="gloo", init_timeout=5,
                         workers=0)
     with pytest.raises(KeyboardInterrupt):

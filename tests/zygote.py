@@ -57,7 +57,8 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 TAKEN_AFTER_START = {"PATH", "HOME", "PWD", "OLDPWD", "SHLVL", "_", "PYTHON_EXEC", "MASTER_ADDR", "MASTER_PORT",
                      "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                     "GLOO_SOCKET_IFNAME", "BUILD_DDP", "DEVICES", "BACKEND", "PORT", "PROBE_VAR"}
+                     "GLOO_SOCKET_IFNAME", "BUILD_DDP", "DEVICES", "BACKEND", "AMP", "PORT", "PROBE_VAR",
+                     "DDP_UTILS_LAUNCHER_PID"}
 TAKEN_AFTER_START_PREFIXES = ("PYTEST_", "TORCHELASTIC_", "NCCL_", "WANDB_", "DDP_KIT_", "KIT_", "JUPYTER_",
                               "SLURM_")
 # What torchrun (its agent) and ``launch`` add to a worker's environment that a forked child takes as well:
