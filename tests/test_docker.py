@@ -137,9 +137,10 @@ def test_the_build_fails_when_the_requirements_install_replaced_torch(tmp_path, 
     record = next(r for r in runs() if "/etc/ddp-kit-constraints.txt" in r and "pip list" in r)
     install = next(r for r in runs() if "-r /tmp/ddp-kit-requirements.txt" in r)
     script = "\n".join((record, install))
-    for path, here in (("/etc/ddp-kit-constraints.txt", "constraints.txt"), ("/tmp/ddp-kit-requirements.txt",
-                                                                            "requirements.txt"), ("/etc/pip/", "none/")):
-        script = script.replace(path, f"{tmp_path}/{here}")
+    here = {"/etc/ddp-kit-constraints.txt": "constraints.txt", "/tmp/ddp-kit-requirements.txt": "requirements.txt",
+            "/etc/pip/": "none/"}   # the build's paths, in this test's folder
+    for path, name in here.items():
+        script = script.replace(path, f"{tmp_path}/{name}")
     shell = [a for k, a in instructions() if k == "SHELL"]
     assert shell == ['["/bin/bash", "-o", "pipefail", "-c"]'], shell   # <(...) and the pipe's status need it
     env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "STATE": str(tmp_path / "state"),

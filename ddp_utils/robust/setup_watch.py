@@ -1,13 +1,13 @@
 """While the ranks build the process group, a rank that fails tells the others, and they stop at once.
 
-``init_process_group``, the first barrier and the settings agreement wait in C++ for every rank; a rank that
-fails there (Stop pressed, a GPU error, a broken link on its side) used to leave the others waiting until
-init_timeout, with a connection error that names nobody. Now the failing rank leaves its paragraph in the
-rendezvous generation's keys (``report``: robust/failures.py, the channel training uses too), and on every other
-rank a thread with a store connection of its own looks for it twice a second (``SetupWatch``). When one comes, the thread shuts down the connections this
-rank's wait is blocked on (its store requests, gloo's new connections) and aborts NCCL's communicators: the
-wait fails at once. Every rank then names the rank that failed first, and why: the failures that follow (a
-connection the first one closed) are its consequences.
+``init_process_group``, the first barrier and the settings agreement wait in C++ for every rank; a rank that fails
+there (Stop pressed, a GPU error, a broken link on its side) used to leave the others waiting until init_timeout,
+with a connection error that names nobody. Now the failing rank leaves its paragraph in the rendezvous generation's
+keys (``report``: robust/failures.py, the channel training uses too), and on every other rank a thread with a store
+connection of its own looks for it twice a second (``SetupWatch``). When one comes, the thread shuts down the
+connections this rank's wait is blocked on (its store requests, gloo's new connections) and aborts NCCL's
+communicators: the wait fails at once. Every rank then names the rank that failed first, and why: the failures that
+follow (a connection the first one closed) are its consequences.
 """
 from __future__ import annotations
 
