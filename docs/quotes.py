@@ -266,10 +266,11 @@ def recorded(proc: str) -> tuple[str, list[str]]:
 
 
 def shape(line: str) -> str:
-    """A line with what differs between runs masked: every run of digits, the phrases of VARIABLE."""
+    """A line with what differs between runs masked: every run of digits, the phrases of VARIABLE, and the width of
+    the padding between a table's columns (a time of 10 ms takes a column one space more than one of 9 ms)."""
     for pattern, repl in VARIABLE:
         line = pattern.sub(repl, line)
-    return re.sub(r"\d+", "#", line)
+    return re.sub(r"(?<=\S) {2,}", " ", re.sub(r"\d+", "#", line))
 
 
 # -- how the pages show it ------------------------------------------------------------------------
