@@ -143,9 +143,8 @@ def _server_for(env: dict):
     key = _startup(env)
     if key not in _servers:
         _servers[key] = _start(env) if len(_servers) < MAX_SERVERS else None
-        if _servers:   # for the session's summary: what made this server (or real process) differ from the first
-            first = next(iter(_servers))
-            stats["keys"] = sorted(set(stats.get("keys", [])) | {k for k, _ in key ^ first})
+        # for the session's summary: what made this server (or real process) differ from the first
+        stats["keys"] = sorted(set(stats.get("keys", [])) | {k for k, _ in key ^ next(iter(_servers))})
     server = _servers[key]
     return server if server is not None and server[0].poll() is None else None
 
