@@ -24,7 +24,11 @@ process on one thread (DataLoader workers=0, DALI num_threads=1), each up to wha
                      normalised float32 batches (on a GPU node DALI does all of it on the GPU)
   kit, 288-px copy   kit workers (uint8) on the resized copy
 
-plus two decode-only rows (decode_jpeg of the originals and of the 288-px copy). Every round runs every path
+  ... + normalise    the same on the copy, normalised on this CPU
+
+plus two decode-only rows (decode_jpeg of the originals and of the 288-px copy) and the decode's floor (Pillow
+decoding the originals at 1/8 scale: every byte entropy-decoded, almost no pixels made), with which the script
+prints the floor of any path of the originals here: that floor plus all the kit's path does besides decoding. Every round runs every path
 once, in rotating order, so that drifts in machine speed hit all alike. Per core = images per CPU-second of this
 process (all its threads: DALI runs a few of its own), the fair figure for "how many cores feed one GPU"; the
 ratio is the median over rounds of each round's ratio to the course's path. Run it on an idle machine.
@@ -60,8 +64,11 @@ LABELS = {   # what each path is, as the table says it
     "Pillow draft": "Pillow `draft()` where the crop allows, Pillow crop and resize (uint8 batches)",
     "DALI CPU": "DALI's CPU pipeline, `--loader dali` without a GPU (float32 batches)",
     "kit workers, 288-px copy": "kit `--loader workers` on the 288-px copy from `resize_imagenet.py` (uint8 batches)",
+    "kit workers, 288-px copy, normalised on the CPU": "the same normalised on this CPU too",
     "decode only, originals": "decode only, `decode_jpeg`: the originals",
     "decode only, 288-px copy": "decode only, `decode_jpeg`: the 288-px copy",
+    "entropy decoding only": "decode floor: Pillow decodes the originals at 1/8 scale (every byte still "
+                             "entropy-decoded, 1/64 of the pixels made)",
 }
 WNIDS = ["n01440764", "n01443537", "n01484850", "n01491361"]
 REPO = Path(__file__).resolve().parents[1]
@@ -163,6 +170,21 @@ class DecodeOnly:
             yield fastjpeg.decode_rgb(path), [path]
 
 
+class EntropyOnly(DecodeOnly):
+    """Pillow decodes every training image at 1/8 scale (draft()): each byte of the file is still entropy-decoded,
+    but the inverse DCT, upsampling and colour conversion make 1/64 of the pixels. What no decode of the whole file
+    can go below: a decoder of only the crop's region skips the rest, never the entropy decoding of the rows above
+    the crop's bottom (a JPEG's Huffman stream has no index to seek in)."""
+
+    def epoch(self, epoch: int):
+        from PIL import Image
+        for path in self.paths:
+            with Image.open(path) as image:
+                image.draft("RGB", (image.width // 8, image.height // 8))
+                image.load()
+            yield None, [path]
+
+
 def one_epoch(loader, epoch: int) -> tuple[int, float, float]:
     """(images, wall seconds, CPU seconds of this process) of one epoch of ``loader``."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -199,8 +221,10 @@ def main():
              "Pillow draft": EpochLoader(draft.loader),
              "DALI CPU": kit(original, "dali"),
              "kit workers, 288-px copy": uint8(copy),
+             "kit workers, 288-px copy, normalised on the CPU": kit(copy),
              "decode only, originals": DecodeOnly(original),
-             "decode only, 288-px copy": DecodeOnly(copy)}
+             "decode only, 288-px copy": DecodeOnly(copy),
+             "entropy decoding only": EntropyOnly(original)}
     names = list(paths)
     for name in names:            # warm-up: first-call costs (DALI's pipeline build, page cache) out of the figures
         one_epoch(paths[name], 100)
@@ -225,15 +249,25 @@ def main():
               f"{ratio[name]:.2f}x |" for name in names]
     print("\n".join(table))
     print(f"Pillow draft decoded {draft_crop.reduced} of {args.images * (args.rounds + 1)} crops at a reduced scale; "
-          f"the 288-px copy decodes {ratio[names[7]] / ratio[names[6]]:.2f}x faster than the originals and the kit's "
-          f"workers path runs {ratio[names[5]] / ratio[names[1]]:.2f}x faster on it")
+          f"the 288-px copy decodes {ratio['decode only, 288-px copy'] / ratio['decode only, originals']:.2f}x faster "
+          f"than the originals and the kit's workers path runs "
+          f"{ratio['kit workers, 288-px copy'] / ratio['kit workers']:.2f}x faster on it")
     if others > 0.1:
         print("note: the machine was not idle (other processes used the CPU meanwhile): run again when it is")
+    # The floor a path of the originals has here: the entropy decoding plus all the kit's path does besides its decode
+    course_ms = 1000 / statistics.median(per_core[course])
+    ms = {name: 1000 / statistics.median(per_core[name]) for name in names}
+    rest_ms = ms["kit workers, normalised on the CPU"] - ms["decode only, originals"]
+    floor_ms = ms["entropy decoding only"] + rest_ms
+    print(f"floor of a path of the originals: entropy decoding {ms['entropy decoding only']:.2f} ms + the kit's "
+          f"crop, resize, flip, batching and normalisation {rest_ms:.2f} ms = {floor_ms:.2f} ms an image, "
+          f"{course_ms / floor_ms:.2f}x the course's {course_ms:.2f} ms")
     recorder.save({"per_core": {name: statistics.median(v) for name, v in per_core.items()},
                    "wall": {name: statistics.median(v) for name, v in wall.items()}, "vs_course": ratio,
                    "draft_reduced": draft_crop.reduced, "crops": args.images * (args.rounds + 1),
-                   "decode_ms": {name: 1000 / statistics.median(per_core[name]) for name in names[6:]},
-                   "course_ms": 1000 / statistics.median(per_core[course])}, table, others=others)
+                   "decode_ms": {name: ms[name] for name in names if name.startswith("decode only")}, "course_ms": course_ms,
+                   "entropy_ms": ms["entropy decoding only"], "rest_ms": rest_ms, "floor_ms": floor_ms,
+                   "floor_vs_course": course_ms / floor_ms}, table, others=others)
 
 
 if __name__ == "__main__":
