@@ -122,14 +122,6 @@ RESEND_S = 0.1   # a SIGTERM that landed in a destructor is delivered again this
 
 
 def _terminate(signum, frame):
-    if _in_destructor(frame):
-        # Python prints and drops an exception raised in __del__ (a DataLoader iterator joining its workers at the
-        # epoch's end, say): the traceback would come before the paragraph. Ask again once the destructor is done.
-        threading.Timer(RESEND_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
-        return
-    # One is enough. A second SIGTERM (the launcher's death signal and a scheduler's, say) must not cut the
-    # clean stop short: telling the others and writing why to log.txt take a moment. main() sets it again.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # A SIGTERM to the process group (scancel, a job's end, `kill -- -PGID`) ends this rank's DataLoader workers too,
     # and torch's SIGCHLD handler would then raise "DataLoader worker ... is killed by signal" at any point of the
     # clean stop, in place of its paragraph. Their end is part of this stop: the iterator's shutdown reaps them.
@@ -138,8 +130,17 @@ def _terminate(signum, frame):
     with contextlib.suppress(ValueError, OSError):
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     # Raised inside an at-fork handler (a DataLoader starting its workers) Python ignores the exception, and what
-    # breaks next (the workers the same SIGTERM ended) would be reported instead: the flag keeps the cause.
+    # breaks next (the workers the same SIGTERM ended) would be reported instead: the flag keeps the cause. Set
+    # before the destructor's case too: what breaks before the SIGTERM comes again is reported as this SIGTERM.
     distributed.stop_signal = Terminated.description
+    if _in_destructor(frame):
+        # Python prints and drops an exception raised in __del__ (a DataLoader iterator joining its workers at the
+        # epoch's end, say): the traceback would come before the paragraph. Ask again once the destructor is done.
+        threading.Timer(RESEND_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        return
+    # One is enough. A second SIGTERM (the launcher's death signal and a scheduler's, say) must not cut the
+    # clean stop short: telling the others and writing why to log.txt take a moment. main() sets it again.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated("SIGTERM")
 
 
