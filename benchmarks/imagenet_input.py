@@ -45,7 +45,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import PIL
 import torch
+import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_utils.speed import fastjpeg  # noqa: E402
@@ -267,7 +269,9 @@ def main():
                    "draft_reduced": draft_crop.reduced, "crops": args.images * (args.rounds + 1),
                    "decode_ms": {name: ms[name] for name in names if name.startswith("decode only")}, "course_ms": course_ms,
                    "entropy_ms": ms["entropy decoding only"], "rest_ms": rest_ms, "floor_ms": floor_ms,
-                   "floor_vs_course": course_ms / floor_ms}, table, others=others)
+                   "floor_vs_course": course_ms / floor_ms}, table, others=others,
+                  # the ratios are against Pillow's path and with torchvision's decoder: their releases move them
+                  libraries={"Pillow": PIL.__version__, "torchvision": torchvision.__version__})
 
 
 if __name__ == "__main__":
