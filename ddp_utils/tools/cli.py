@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -118,7 +119,8 @@ class Terminated(KeyboardInterrupt):
     description = "SIGTERM (the process was told to stop)"   # what the other ranks are told
 
 
-RESEND_S = 0.1   # a SIGTERM that landed in a destructor is delivered again this much later
+RESEND_S = 0.1   # a SIGTERM whose exception Python dropped is delivered again this much later
+_resend = None   # its timer, cancelled when main() ends first (the stop it would make is already made)
 
 
 def _terminate(signum, frame):
@@ -129,32 +131,34 @@ def _terminate(signum, frame):
     # ignored due to race condition" at the next bytecode (seen on the floor torch's Python).
     with contextlib.suppress(ValueError, OSError):
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    # Raised inside an at-fork handler (a DataLoader starting its workers) Python ignores the exception, and what
-    # breaks next (the workers the same SIGTERM ended) would be reported instead: the flag keeps the cause. Set
-    # before the destructor's case too: what breaks before the SIGTERM comes again is reported as this SIGTERM.
+    # The exception below may land where Python drops it (see _dropped), and what breaks next (the workers the same
+    # SIGTERM ended) would be reported instead: the flag keeps the cause, for this rank and the others.
     distributed.stop_signal = Terminated.description
-    if _in_destructor(frame):
-        # Python prints and drops an exception raised in __del__ (a DataLoader iterator joining its workers at the
-        # epoch's end, say): the traceback would come before the paragraph. Ask again once the destructor is done.
-        threading.Timer(RESEND_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
-        return
     # One is enough. A second SIGTERM (the launcher's death signal and a scheduler's, say) must not cut the
     # clean stop short: telling the others and writing why to log.txt take a moment. main() sets it again.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated("SIGTERM")
 
 
-def _in_destructor(frame) -> bool:
-    while frame is not None:
-        if frame.f_code.co_name == "__del__":
-            return True
-        frame = frame.f_back
-    return False
+def _dropped(previous, unraisable) -> None:
+    """``sys.unraisablehook`` while the CLI runs. Python drops an exception raised in a destructor (a DataLoader
+    iterator's ``__del__`` joining its workers at an epoch's end) or in an at-fork handler (logging's lock, as a
+    DataLoader forks its workers), and prints "Exception ignored in ..." with a traceback before the paragraph. For
+    the SIGTERM: nothing printed, and the signal is delivered again a moment later, where it stops the run."""
+    global _resend
+    if isinstance(unraisable.exc_value, Terminated):
+        signal.signal(signal.SIGTERM, _terminate)
+        _resend = threading.Timer(RESEND_S, os.kill, (os.getpid(), signal.SIGTERM))
+        _resend.daemon = True
+        _resend.start()
+        return
+    previous(unraisable)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)   # without it SIGTERM ends the process with no word to the others
+    previous_hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_dropped, sys.unraisablehook)
     try:
         if args.command == "train":
             from ..job import grid_axes, run_grid, run_job, run_seeds
@@ -201,6 +205,10 @@ def main(argv=None) -> int:
         print(f"\nerror: {exc}", file=sys.stderr)
         _tell_torchrun(exc)
         return 2
+    finally:
+        sys.unraisablehook = previous_hook
+        if _resend is not None:
+            _resend.cancel()
 
 
 def _stopped(exc: KeyboardInterrupt) -> int:
