@@ -105,6 +105,7 @@ _watches = 0  # training runs watched in this process group (heartbeat.py; their
 _group_sockets: set = set()
 _aborted: str | None = None
 stop_signal: str | None = None   # set by the CLI's SIGTERM handler: what stopped this process, whatever broke next
+INTERRUPTED = "KeyboardInterrupt (Stop pressed in the notebook, or Ctrl-C)"   # what the others are told of one
 _collective_s = 60.0   # how long a collective may wait now (the group's timeout, or set_collective_timeout's)
 _peers: dict[int, dict] = {}   # rank -> its facts from the rendezvous: host, address, machine, pid
 
@@ -533,7 +534,7 @@ def describe_failure(exc: BaseException) -> str:
     if stop_signal or getattr(exc, "description", None):   # cli.Terminated says what it is; and who ended before
         return (stop_signal or exc.description) + ended_beside(_peers)
     if isinstance(exc, KeyboardInterrupt):
-        return "KeyboardInterrupt (Stop pressed in the notebook, or Ctrl-C)"
+        return INTERRUPTED
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 

@@ -218,18 +218,22 @@ def test_a_sigterm_report_names_a_rank_on_the_same_machine_that_had_already_ende
     assert distributed.describe_failure(cli.Terminated("SIGTERM")) == cli.Terminated.description
 
 
-_AT_FORK = {"armed": False, "registered": False}   # the test's at-fork handler stays (none can be unregistered)
+_AT_FORK = {"armed": False, "registered": False, "handler": None}   # the test's at-fork handler stays (none can be unregistered)
 
 
-@pytest.mark.parametrize("where", ["destructor", "at-fork handler"])
-def test_a_sigterm_whose_exception_python_drops_is_delivered_again_without_a_traceback(monkeypatch, capsys, where):
+@pytest.mark.parametrize("where, sig", [("destructor", signal.SIGTERM), ("at-fork handler", signal.SIGTERM),
+                                        ("at-fork handler", signal.SIGINT)],
+                         ids=["sigterm-destructor", "sigterm-at-fork", "ctrl-c-at-fork"])
+def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_traceback(monkeypatch, capsys, where,
+                                                                                        sig):
     """The DDP_KIT_ZYGOTE=0 run: launch's SIGTERM reached a rank while a DataLoader iterator's __del__ joined its
     workers at the epoch's end; the exception raised there was printed as "Exception ignored in ... __del__" with a
-    traceback before the paragraph. A later CI run had it land in logging's at-fork handler as a DataLoader forked
-    its workers: the same. And the next DDP_KIT_ZYGOTE=0 run had the same group SIGTERM end the rank's workers
-    before the resend: torch's SIGCHLD handler raised "DataLoader worker ... is killed by signal", and rank 0 was
-    told that instead of the SIGTERM. Now whatever Python drops goes to the CLI's unraisable hook: nothing printed,
-    the signal sent again a moment later, its cause kept and the workers' end raising nothing meanwhile."""
+    traceback before the paragraph. Later CI runs had a SIGTERM, then a Ctrl-C to the process group, land in
+    logging's at-fork handler as a DataLoader forked its workers: the same, and for the Ctrl-C then "DataLoader
+    worker ... exited unexpectedly" with its traceback. And a DDP_KIT_ZYGOTE=0 run had the group SIGTERM end the
+    rank's workers before the resend: torch's SIGCHLD handler raised "DataLoader worker ... is killed by signal",
+    and rank 0 was told that instead of the SIGTERM. Now whatever Python drops goes to the CLI's unraisable hook:
+    nothing printed, the signal sent again a moment later, its cause kept for this rank and the others."""
     import functools
     import sys
     from ddp_utils import distributed
@@ -242,20 +246,30 @@ def test_a_sigterm_whose_exception_python_drops_is_delivered_again_without_a_tra
 
         def start(self):
             sent.append((self.delay, self.call, self.args, self.daemon))
+
+        def cancel(self):
+            sent.append("cancelled")
     monkeypatch.setattr(cli.threading, "Timer", Timer)
+    monkeypatch.setattr(cli, "_resend", None)
     monkeypatch.setattr(distributed, "stop_signal", None)
     monkeypatch.setattr(distributed, "_peers", {})
     monkeypatch.setattr(sys, "unraisablehook", functools.partial(cli._dropped, sys.unraisablehook))
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+    def handler():   # what the signal's handler does: the kit's for SIGTERM, Python's own for SIGINT
+        if sig == signal.SIGTERM:
+            cli._terminate(sig, sys._getframe())
+        signal.default_int_handler(sig, sys._getframe())
     try:
         if where == "destructor":
             class Joining:   # a destructor interrupted by the signal
                 def __del__(self):
-                    cli._terminate(signal.SIGTERM, sys._getframe())
+                    handler()
             Joining()
         else:
+            _AT_FORK["handler"] = handler
             if not _AT_FORK["registered"]:   # inert once disarmed
-                os.register_at_fork(after_in_parent=lambda: _AT_FORK["armed"] and cli._terminate(signal.SIGTERM, None))
+                os.register_at_fork(after_in_parent=lambda: _AT_FORK["armed"] and _AT_FORK["handler"]())
                 _AT_FORK["registered"] = True
             _AT_FORK["armed"] = True
             try:
@@ -266,15 +280,24 @@ def test_a_sigterm_whose_exception_python_drops_is_delivered_again_without_a_tra
                 _AT_FORK["armed"] = False
             os.waitpid(pid, 0)
         assert "Exception ignored" not in capsys.readouterr().err
-        assert sent == [(cli.RESEND_S, os.kill, (os.getpid(), signal.SIGTERM), True)]
-        assert signal.getsignal(signal.SIGTERM) is cli._terminate   # the resend is handled, not ignored
-        assert callable(signal.getsignal(signal.SIGCHLD))   # a no-op: the workers' end raises nothing
-        # what breaks before the SIGTERM comes again is told to the others as the SIGTERM
+        assert sent == [(cli.RESEND_S, os.kill, (os.getpid(), sig), True)]
+        said = cli.Terminated.description if sig == signal.SIGTERM else distributed.INTERRUPTED
+        # what breaks before the signal comes again is told to the others, and said here, as the signal
         broken = RuntimeError("DataLoader worker (pid 31031) is killed by signal: Terminated.")
-        assert distributed.describe_failure(broken) == cli.Terminated.description
-        # anywhere else it stops the process the kit's way, as before
-        with pytest.raises(cli.Terminated):
-            cli._terminate(signal.SIGTERM, sys._getframe())
+        assert distributed.describe_failure(broken) == said
+
+        def run_job(*args, **kwargs):
+            raise RuntimeError("DataLoader worker (pid(s) 26981) exited unexpectedly")
+        monkeypatch.setattr(sys.modules["ddp_utils.job"], "run_job", run_job)
+        assert cli.main(["train", "--dataset", "fake"]) == (143 if sig == signal.SIGTERM else 130)
+        assert ("terminated (SIGTERM): " if sig == signal.SIGTERM else "interrupted: ") in capsys.readouterr().err
+        assert sent[-1] == "cancelled"   # main ended first: the stop the resend would make is made
+        if sig == signal.SIGTERM:
+            assert signal.getsignal(signal.SIGTERM) is cli._terminate   # the resend is handled, not ignored
+            assert callable(signal.getsignal(signal.SIGCHLD))   # a no-op: the workers' end raises nothing
+            # anywhere else it stops the process the kit's way, as before
+            with pytest.raises(cli.Terminated):
+                cli._terminate(signal.SIGTERM, sys._getframe())
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

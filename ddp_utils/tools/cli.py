@@ -144,11 +144,18 @@ def _dropped(previous, unraisable) -> None:
     """``sys.unraisablehook`` while the CLI runs. Python drops an exception raised in a destructor (a DataLoader
     iterator's ``__del__`` joining its workers at an epoch's end) or in an at-fork handler (logging's lock, as a
     DataLoader forks its workers), and prints "Exception ignored in ..." with a traceback before the paragraph. For
-    the SIGTERM: nothing printed, and the signal is delivered again a moment later, where it stops the run."""
+    a SIGTERM or a Ctrl-C: nothing printed, the cause kept (what breaks meanwhile, the workers the same signal to
+    the process group ended, is reported as it), and the signal delivered again a moment later, where it stops
+    the run."""
     global _resend
-    if isinstance(unraisable.exc_value, Terminated):
-        signal.signal(signal.SIGTERM, _terminate)
-        _resend = threading.Timer(RESEND_S, os.kill, (os.getpid(), signal.SIGTERM))
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):   # cli.Terminated is one too
+        if isinstance(unraisable.exc_value, Terminated):
+            signal.signal(signal.SIGTERM, _terminate)
+            signum = signal.SIGTERM
+        else:
+            distributed.stop_signal = distributed.stop_signal or distributed.INTERRUPTED
+            signum = signal.SIGINT
+        _resend = threading.Timer(RESEND_S, os.kill, (os.getpid(), signum))
         _resend.daemon = True
         _resend.start()
         return
@@ -198,8 +205,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as exc:
         return _stopped(exc)
     except CLEAR_ERRORS as exc:
-        if distributed.stop_signal:   # what broke after a SIGTERM whose exception Python ignored: the SIGTERM
-            return _stopped(Terminated("SIGTERM"))
+        if distributed.stop_signal:   # what broke after a signal whose exception Python dropped: the signal
+            interrupted = distributed.stop_signal == distributed.INTERRUPTED
+            return _stopped(KeyboardInterrupt() if interrupted else Terminated("SIGTERM"))
         if not isinstance(exc, (ValueError, FileExistsError, FileNotFoundError)) and not _is_ours(exc):
             traceback.print_exc()
         print(f"\nerror: {exc}", file=sys.stderr)
