@@ -23,15 +23,15 @@ process on one thread (DataLoader workers=0, DALI num_threads=1), each up to wha
   DALI CPU           --loader dali's pipeline on the CPU (device_id=None; decodes only the crop's region):
                      normalised float32 batches (on a GPU node DALI does all of it on the GPU)
   kit, 288-px copy   kit workers (uint8) on the resized copy
-
   ... + normalise    the same on the copy, normalised on this CPU
 
 plus two decode-only rows (decode_jpeg of the originals and of the 288-px copy) and the decode's floor (Pillow
 decoding the originals at 1/8 scale: every byte entropy-decoded, almost no pixels made), with which the script
-prints the floor of any path of the originals here: that floor plus all the kit's path does besides decoding. Every round runs every path
-once, in rotating order, so that drifts in machine speed hit all alike. Per core = images per CPU-second of this
-process (all its threads: DALI runs a few of its own), the fair figure for "how many cores feed one GPU"; the
-ratio is the median over rounds of each round's ratio to the course's path. Run it on an idle machine.
+prints the floor of any path of the originals here: that floor plus all the kit's path does besides decoding. Every
+round runs every path once, in rotating order, so that drifts in machine speed hit all alike. Per core = images per
+CPU-second of this process (all its threads: DALI runs a few of its own), the fair figure for "how many cores feed
+one GPU"; the ratio is the median over rounds of each round's ratio to the course's path. Run it on an idle
+machine.
 """
 from __future__ import annotations
 
@@ -267,7 +267,8 @@ def main():
     recorder.save({"per_core": {name: statistics.median(v) for name, v in per_core.items()},
                    "wall": {name: statistics.median(v) for name, v in wall.items()}, "vs_course": ratio,
                    "draft_reduced": draft_crop.reduced, "crops": args.images * (args.rounds + 1),
-                   "decode_ms": {name: ms[name] for name in names if name.startswith("decode only")}, "course_ms": course_ms,
+                   "decode_ms": {name: ms[name] for name in names if name.startswith("decode only")},
+                   "course_ms": course_ms,
                    "entropy_ms": ms["entropy decoding only"], "rest_ms": rest_ms, "floor_ms": floor_ms,
                    "floor_vs_course": course_ms / floor_ms}, table, others=others,
                   # the ratios are against Pillow's path and with torchvision's decoder: their releases move them

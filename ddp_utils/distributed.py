@@ -104,7 +104,7 @@ _watches = 0  # training runs watched in this process group (heartbeat.py; their
 # the other ranks, as (fd, local address, remote address); and why it did, once it has.
 _group_sockets: set = set()
 _aborted: str | None = None
-stop_signal: str | None = None   # set by the CLI's SIGTERM handler: what stopped this process, whatever broke next
+stop_signal: str | None = None   # set by the CLI's signal handling: what stopped this process, whatever broke next
 INTERRUPTED = "KeyboardInterrupt (Stop pressed in the notebook, or Ctrl-C)"   # what the others are told of one
 _collective_s = 60.0   # how long a collective may wait now (the group's timeout, or set_collective_timeout's)
 _peers: dict[int, dict] = {}   # rank -> its facts from the rendezvous: host, address, machine, pid
