@@ -19,7 +19,7 @@ import torch
 from ddp_utils import checkpoint, slurm
 from ddp_utils.tools import launch as launch_module
 from ddp_utils.settings import Settings
-from tests import netns
+from tests import netns, zygote
 from tests.procs import REPO, base_env, describe, free_port, python, run_all
 
 STEPS = ["--epochs", "2", "--max-steps-per-epoch", "3"]
@@ -97,6 +97,14 @@ def rank_process(marker: str, rank: int) -> list[int]:
     return found
 
 
+def kill_rank(pid: int) -> None:
+    """SIGKILL a training process as the out-of-memory killer does: the rank's own process dies, and only then does
+    what torchrun watches end. A rank the suite's fork server runs is a client (the pid torchrun watches) and its
+    command; killing the client first would end the command only when the server sees it gone, a moment after
+    torchrun has SIGTERMed the rank's siblings, which then find the killed rank still running (tests/zygote.py)."""
+    os.kill(zygote.command_of(pid) or pid, signal.SIGKILL)
+
+
 def start(cmd):
     return subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -159,7 +167,7 @@ def test_a_rank_killed_mid_run_stops_the_launcher_naming_it_and_nothing_is_left(
         wait_for(tmp_path / "run" / "last.pt", 120)
         [rank1] = rank_process(marker, 1)
         killed = time.monotonic()
-        os.kill(rank1, signal.SIGKILL)
+        kill_rank(rank1)
         out, _ = proc.communicate(timeout=60)
         took = time.monotonic() - killed
         assert proc.returncode == 2, out
@@ -224,7 +232,7 @@ def test_with_max_restarts_a_killed_rank_is_restarted_and_the_run_continues_from
     try:
         wait_for(tmp_path / "run" / "last.pt", 120)
         [rank1] = rank_process(marker, 1)
-        os.kill(rank1, signal.SIGKILL)
+        kill_rank(rank1)
         out, _ = proc.communicate(timeout=180)
         assert proc.returncode == 0, out
         got = results(tmp_path / "run")
@@ -425,7 +433,7 @@ def test_a_rank_killed_on_one_host_is_named_on_the_other_not_its_sibling_that_to
     try:
         wait_for(tmp_path / "run" / "last.pt", 180)
         [rank3] = rank_process(marker, 3)
-        os.kill(rank3, signal.SIGKILL)
+        kill_rank(rank3)
         outs = [node.communicate(timeout=120)[0] for node in nodes]
         assert [node.returncode for node in nodes] == [2, 2], outs
         # host 0's launch names the first failure its ranks were told of (the rank that stopped first there may

@@ -37,7 +37,7 @@ def facts(out: str) -> dict:
 
 
 @pytest.mark.parametrize("how, code", [(["exit", "0"], 0), (["exit", "3"], 3), (["signal"], -signal.SIGTERM),
-                                       (["raise"], 1), (["unflushed"], 0)])
+                                       (["killed"], -signal.SIGKILL), (["raise"], 1), (["unflushed"], 0)])
 @pytest.mark.parametrize("probe", [PROBE, ["-m", "tests.zygote_probe"]], ids=["script", "module"])
 def test_a_forked_command_starts_and_ends_as_a_real_one(how, code, probe):
     real, forked = run(how, real=True, probe=probe), run(how, real=False, probe=probe)

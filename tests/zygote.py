@@ -25,8 +25,10 @@ torchrun's workers (the torchrun and ``launch`` tests) fork too: ``procs.base_en
 whose startup variables match its own, up to the ones torchrun and ``launch`` add and a forked child can take
 (``ADDED_BY_LAUNCHERS``), and joins the client's network namespace whatever it is (the client passes it as a file
 descriptor); without such a server it execs python itself. The shim's pid is the worker's to torchrun and to the
-tests, which find it by its command line and kill it: its command dies with it. A forked worker shows the server's
-command line in /proc, so a test that looks for leftovers by command line sees the clients, not their commands.
+tests, which find it by its command line and kill it: its command dies with it, once the server sees the client
+gone (a test that needs the rank's own process dead first, as the out-of-memory killer leaves it, kills the client's
+``command_of``). A forked worker shows the server's command line in /proc, so a test that looks for leftovers by
+command line sees the clients, not their commands.
 Notebook kernels (run_cells.py, run_notebook.py) start through the same shim (``kernel_from_fork_server``); such a
 client ends when the process that started it does, as ipykernel's parent poller ends a real kernel.
 The frozen-peer (SIGSTOP), SLURM and JupyterLab tests keep real processes, as does every test that starts its
@@ -173,18 +175,24 @@ def _start(env: dict):
     return proc, path
 
 
+def command_of(client_pid: int) -> int | None:
+    """The pid of the command a client runs (forked by a server), or None: ``client_pid`` is no client of ours, or
+    its command has ended."""
+    for server in filter(None, _servers.values()):
+        try:
+            with open(f"{server[1]}.{client_pid}.child") as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def kill(client_pid: int) -> None:
     """SIGKILL the command a client runs (and what it started), and wait until it is gone: stop() must leave
     nothing that still writes to a run folder (the client alone would end first, its command ~0.05 s later)."""
     import time
-    for server in filter(None, _servers.values()):
-        try:
-            with open(f"{server[1]}.{client_pid}.child") as f:
-                child = int(f.read())
-            break
-        except (OSError, ValueError):
-            continue
-    else:
+    child = command_of(client_pid)
+    if child is None:
         return
     try:
         os.killpg(child, signal.SIGKILL)
@@ -498,7 +506,8 @@ def client(path: str, args: list) -> None:
             status = int(value)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig != signal.SIGKILL:   # its handler cannot be set (nor be anything but the default)
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     sys.exit(os.waitstatus_to_exitcode(status) if not os.WIFSIGNALED(status) else 1)
 

@@ -27,6 +27,9 @@ def main() -> None:
     if how == "signal":
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(10)
+    if how == "killed":   # the out-of-memory killer: no handler can run
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)
     if how == "raise":
         raise ValueError("the probe's own error")
     if how == "unflushed":
