@@ -4,6 +4,7 @@ rank and its workers at once (issue 37; a forked command gets a group signal on 
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -301,3 +302,85 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+# What a notebook's Train cell does, in a kernel of its own (its own process group, as Jupyter starts kernels): Stop
+# is SIGINT to that group, the kernel and its loader workers. Here Stop is pressed while a loader forks its workers,
+# and the KeyboardInterrupt lands in the kernel's at-fork handler, where Python drops it.
+NOTEBOOK_STOP = """
+import os, signal, sys, time
+from ddp_utils import distributed, train
+from ddp_utils.job import prepare
+from ddp_utils.settings import Settings
+forks = []
+
+def stop_pressed_now():
+    forks.append(1)
+    if len(forks) == 3:   # a fork of the run's loaders, after the first
+        os.killpg(0, signal.SIGINT)   # Jupyter's Stop
+        time.sleep(0.05)   # the interrupt is raised here, inside the handler
+os.register_at_fork(after_in_parent=stop_pressed_now)
+settings = Settings(dataset="fake", image_size=32, arch="convnet", workers=2, wandb="disabled", epochs=3,
+                    batch_size=8, max_steps_per_epoch=3, run_dir=sys.argv[1], log_every=1, progress="off")
+try:
+    with prepare(settings, log=lambda *_: None) as job:
+        train.fit(job)
+    print("training went on to the end")
+except KeyboardInterrupt:
+    print("stopped by the Stop")
+except Exception as e:
+    print(f"stopped by {type(e).__name__}: {e}")
+time.sleep(0.5)   # no second interrupt comes later, into the next cell
+print("hook restored:", sys.unraisablehook is sys.__unraisablehook__, "| cause cleared:", distributed.stop_signal is None)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_a_notebook_stop_python_drops_as_a_loader_forks_its_workers_still_stops_the_run(tmp_path):
+    """Jupyter's Stop signals the kernel's process group. Landing in an at-fork handler as a loader forked its
+    workers, the KeyboardInterrupt was dropped ("Exception ignored in ..."), the workers the same signal ended broke
+    the next batch, and the cell stopped with "DataLoader worker ... exited unexpectedly", which the other ranks were
+    told instead of the Stop. fit() now keeps it as the CLI does: the cell stops with KeyboardInterrupt, nothing
+    printed by Python, and the kernel is left as it was (the hook and the cause undone, no interrupt still to come)."""
+    env = base_env()
+    env.pop("PYTHON_EXEC", None)
+    proc = subprocess.Popen(python("-c", NOTEBOOK_STOP, str(tmp_path / "run")), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        stop([proc])
+    assert "stopped by the Stop" in out, out[-3000:]
+    assert "Exception ignored in: <function stop_pressed_now" not in out, out[-3000:]
+    assert "hook restored: True | cause cleared: True" in out, out[-3000:]
+
+
+def test_stops_kept_leaves_other_dropped_errors_and_the_command_lines_own_hook_alone(monkeypatch, capsys):
+    """Only a KeyboardInterrupt is kept: any other exception Python drops is printed as before. Under the command
+    line's hook (which handles SIGTERM too, for the whole command) fit's does nothing."""
+    import sys
+
+    import ddp_utils.job   # noqa: F401 - its run_job is replaced below, as cli.main imports it
+    from ddp_utils.robust import interrupts
+    from ddp_utils.tools import cli
+
+    class Dropping:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def __del__(self):
+            raise self.exc
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+    with interrupts.stops_kept() as kept:
+        Dropping(ValueError("a destructor's own error"))
+    assert "ValueError: a destructor's own error" in capsys.readouterr().err and not kept.dropped
+    hooks = []
+
+    def run_job(*args, **kwargs):   # the command line's train, with fit's hook inside it
+        hooks.append(sys.unraisablehook)
+        with interrupts.stops_kept():
+            hooks.append(sys.unraisablehook)
+    monkeypatch.setattr(sys.modules["ddp_utils.job"], "run_job", run_job)
+    assert cli.main(["train", "--dataset", "fake"]) == 0
+    assert hooks[0].func is cli._dropped and hooks[1] is hooks[0], hooks

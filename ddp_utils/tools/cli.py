@@ -166,6 +166,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)   # without it SIGTERM ends the process with no word to the others
     previous_hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_dropped, sys.unraisablehook)
+    sys.unraisablehook.keeps_stops = True   # fit's own hook for the notebooks (robust/interrupts.py) leaves it be
     try:
         if args.command == "train":
             from ..job import grid_axes, run_grid, run_job, run_seeds
