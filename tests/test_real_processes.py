@@ -39,7 +39,7 @@ def test_a_group_signal_with_workers_on_stops_both_ranks_and_leaves_no_process(t
     port, run = free_port(), tmp_path / "run"
     common = ["--dataset", "fake", "--image-size", "32", "--workers", "2", "--wandb", "disabled", "--batch-size",
               "8", "--epochs", "50", "--max-steps-per-epoch", "3", "--world-size", "2", "--master-port", str(port),
-              "--init-timeout", "60", "--progress", "off"]
+              "--init-timeout", "180", "--progress", "off"]   # 180: see LOADER_WORKERS
     env = base_env()
     env.pop("PYTHON_EXEC", None)   # torchrun's shim of the fork server: not for these
     procs = [subprocess.Popen(python("-m", "ddp_utils", "train", *common, "--rank", str(rank), "--run-dir",
@@ -139,8 +139,11 @@ def fresh_env() -> dict:
     return env
 
 
+# --init-timeout 180: the collective timeout follows it, and the watch's stall limit follows that (160 s, not 40 s):
+# with every test a real process (DDP_KIT_ZYGOTE=0) on 2 cores, a fresh worker once took over 40 s for its first batch
+# and the watch rightly stopped the run. A worker that never delivers still fails the test at its 240 s bound.
 LOADER_WORKERS = ["--dataset", "fake", "--image-size", "32", "--workers", "2", "--threads", "1", "--wandb",
-                  "disabled", "--backend", "gloo", "--init-timeout", "60", "--progress", "off", "--batch-size", "8"]
+                  "disabled", "--backend", "gloo", "--init-timeout", "180", "--progress", "off", "--batch-size", "8"]
 
 
 @pytest.mark.slow
