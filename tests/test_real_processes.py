@@ -238,9 +238,9 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
     rank's workers before the resend: torch's SIGCHLD handler raised "DataLoader worker ... is killed by signal",
     and rank 0 was told that instead of the SIGTERM. Now whatever Python drops goes to the CLI's unraisable hook:
     nothing printed, the signal sent again a moment later, its cause kept for this rank and the others."""
-    import functools
     import sys
     from ddp_utils import distributed
+    from ddp_utils.robust import interrupts
     from ddp_utils.tools import cli
     sent = []
 
@@ -253,7 +253,7 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
 
         def cancel(self):
             sent.append("cancelled")
-    monkeypatch.setattr(cli.threading, "Timer", Timer)
+    monkeypatch.setattr(interrupts.threading, "Timer", Timer)
     monkeypatch.setattr(cli, "_resend", None)
     monkeypatch.setattr(distributed, "stop_signal", None)
     monkeypatch.setattr(distributed, "_peers", {})
@@ -284,7 +284,7 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
                 _AT_FORK["armed"] = False
             os.waitpid(pid, 0)
         assert "Exception ignored" not in capsys.readouterr().err
-        assert sent == [(cli.RESEND_S, os.kill, (os.getpid(), sig), True)]
+        assert sent == [(interrupts.RESEND_S, os.kill, (os.getpid(), sig), True)]
         said = cli.Terminated.description if sig == signal.SIGTERM else distributed.INTERRUPTED
         # what breaks before the signal comes again is told to the others, and said here, as the signal
         broken = RuntimeError("DataLoader worker (pid 31031) is killed by signal: Terminated.")

@@ -22,6 +22,15 @@ from .. import distributed
 RESEND_S = 0.1   # a dropped Stop is delivered again this much later
 
 
+def resend_later(signum: int) -> threading.Timer:
+    """``signum`` sent to this process again ``RESEND_S`` from now, where its exception can be raised (a daemon
+    timer: cancel it once what it would stop has stopped)."""
+    timer = threading.Timer(RESEND_S, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 class Kept:
     """What ``stops_kept`` saw: ``dropped`` once Python dropped a Stop; ``cancel()`` the resend it scheduled."""
 
@@ -49,10 +58,7 @@ def stops_kept():
             return
         kept.dropped = True
         distributed.stop_signal = distributed.stop_signal or distributed.INTERRUPTED   # the cause, for the others
-        timer = threading.Timer(RESEND_S, os.kill, (os.getpid(), signal.SIGINT))
-        timer.daemon = True
-        timer.start()
-        kept.timers.append(timer)
+        kept.timers.append(resend_later(signal.SIGINT))
     hook.keeps_stops = True
     sys.unraisablehook = hook
     try:

@@ -18,11 +18,11 @@ import functools
 import os
 import signal
 import sys
-import threading
 import traceback
 
 from .. import distributed
 from .. import settings as settings_module
+from ..robust.interrupts import resend_later
 
 # Errors whose message already says what is wrong and what to do: no traceback for these.
 CLEAR_ERRORS = (ValueError, FileExistsError, FileNotFoundError, RuntimeError)
@@ -119,8 +119,7 @@ class Terminated(KeyboardInterrupt):
     description = "SIGTERM (the process was told to stop)"   # what the other ranks are told
 
 
-RESEND_S = 0.1   # a SIGTERM whose exception Python dropped is delivered again this much later
-_resend = None   # its timer, cancelled when main() ends first (the stop it would make is already made)
+_resend = None   # the timer of a dropped signal's resend, cancelled when main() ends first (the stop is made)
 
 
 def _terminate(signum, frame):
@@ -155,9 +154,7 @@ def _dropped(previous, unraisable) -> None:
         else:
             distributed.stop_signal = distributed.stop_signal or distributed.INTERRUPTED
             signum = signal.SIGINT
-        _resend = threading.Timer(RESEND_S, os.kill, (os.getpid(), signum))
-        _resend.daemon = True
-        _resend.start()
+        _resend = resend_later(signum)
         return
     previous(unraisable)
 
