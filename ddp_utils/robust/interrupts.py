@@ -4,10 +4,11 @@ Jupyter's Stop sends SIGINT to the kernel's process group: the kernel and its Da
 KeyboardInterrupt is raised where Python cannot pass it on (a DataLoader iterator's destructor joining its workers
 at an epoch's end, logging's at-fork handler as a loader forks them), Python prints "Exception ignored in ..." and
 drops it: training goes on (seen in tests/test_real_processes.py), or, where the same signal ended the loader's
-workers, the rank stops at "DataLoader worker ... exited unexpectedly" and tells the others that instead of the Stop. While ``fit`` runs, ``stops_kept`` keeps such a Stop: nothing printed,
-SIGINT sent again a moment later (where it stops the run as any Stop does), and what breaks meanwhile turned back
-into the Stop (``Kept.dropped``). The command line has a hook of its own for the whole command, SIGTERM included
-(tools/cli.py): under it this does nothing.
+workers, the rank stops at "DataLoader worker ... exited unexpectedly" and tells the others that instead of the
+Stop. While ``fit`` runs, ``stops_kept`` keeps such a Stop: nothing printed, SIGINT sent again a moment later (where
+it stops the run as any Stop does), and what breaks meanwhile turned back into the Stop (``Kept.dropped``). The
+command line has a hook of its own for the whole command, SIGTERM included (tools/cli.py): under it this does
+nothing.
 """
 from __future__ import annotations
 
