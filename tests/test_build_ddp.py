@@ -1,7 +1,9 @@
-"""The build-DDP lab (lab/build_ddp/): its tests pass against the kit's reference.py on 2 and 3 ranks, on one
-machine and split over two "nodes"; against the untouched student.py every part fails at once with its own
-NotImplementedError message (what a student sees first: what to write, not a hang); and student.py is
-reference.py with the bodies taken out (the same names, signatures and docstrings)."""
+"""The build-DDP lab (lab/build_ddp/): its tests pass against the kit's solution (solution/reference.py) on 2, 3
+and 4 ranks, on one machine and split over two "nodes"; against the untouched student.py every part fails at once
+with its own NotImplementedError message (what a student sees first: what to write and where to read, not a hang
+and not the code); each deliberately wrong file of solution/mistakes/ fails with the message that names its
+mistake; and student.py is the solution with the bodies taken out (the same names, signatures and docstrings),
+none of whose strings spells out a call."""
 from __future__ import annotations
 
 import ast
@@ -17,14 +19,27 @@ import pytest
 from tests.procs import REPO, base_env, free_port
 
 LAB = Path(REPO) / "lab" / "build_ddp"
-PARTS = {   # part -> the function whose NotImplementedError its test meets first in the untouched student.py
+SOLUTION = LAB / "solution" / "reference.py"
+MISTAKES = LAB / "solution" / "mistakes"
+PARTS = {   # part -> the function whose NotImplementedError its tests meet first in the untouched student.py
     "part_a": "broadcast_parameters",
     "part_b": "OverlapDDP.__init__",
     "part_c": "BucketDDP.__init__",
     "part_d": "ring_all_reduce",
+    "part_f": "ShardedOptimizer.__init__",
 }
-WORLD_SIZES = (2, 3)
+TESTS_PER_PART = {"part_a": 1, "part_b": 2, "part_c": 2, "part_d": 1, "part_f": 1}   # each on every world size
+WORLD_SIZES = (2, 3, 4)
 RUN_LIMIT_S = 240
+# each deliberately wrong file: the part whose test it fails (on 2 ranks), and what that failure must say
+MISTAKE_MESSAGES = {
+    "summed": ("part_a", "summed over the ranks, not averaged"),
+    "unwaited": ("part_b", "started with async_op=True were never waited for"),
+    "fake_overlap": ("part_b", "nothing overlapped the backward pass"),
+    "forgotten_bucket": ("part_c", "is this rank's own gradient: never all-reduced"),
+    "declared_order": ("part_c", "waits in a bucket that fills later"),
+    "stale_lr": ("part_f", "compared with AdamW on one process"),
+}
 
 
 def definitions(path: Path) -> dict[str, ast.AST]:
@@ -52,19 +67,60 @@ def not_implemented_message(function: ast.FunctionDef) -> str | None:
 def test_student_py_is_reference_py_with_the_bodies_taken_out():
     """The same public names, signatures and docstrings (the contract); every body the student writes raises
     NotImplementedError with a message that starts 'write <its name> (part x):'."""
-    student, reference = definitions(LAB / "student.py"), definitions(LAB / "reference.py")
+    student, reference = definitions(LAB / "student.py"), definitions(SOLUTION)
     assert sorted(student) == sorted(reference)
     for name, node in student.items():
         twin = reference[name]
         assert ast.get_docstring(node) == ast.get_docstring(twin), f"{name}: the docstrings differ"
         if isinstance(node, ast.FunctionDef):
             assert ast.unparse(node.args) == ast.unparse(twin.args), f"{name}: the signatures differ"
-            assert not not_implemented_message(twin), f"reference.py's {name} is not written"
+            assert not not_implemented_message(twin), f"the solution's {name} is not written"
             message = not_implemented_message(node)
             if name.endswith(".forward"):   # given: calling the wrapped module is not the lesson
                 assert message is None
             else:
-                assert message and re.match(rf"write {re.escape(name)} \(part [abcd]\): ", message), (name, message)
+                assert message and re.match(rf"write {re.escape(name)} \(part [abcdf]\): ", message), (name, message)
+                part = message[len(f"write {name} (part "):][0]
+                assert f"README.md ({part})" in message and f"HINTS.md ({part})" in message, (name, message)
+
+
+def string_constants(path: Path) -> list[str]:
+    """Every string literal of a file: its docstrings, messages and comments' neighbours in code."""
+    return [node.value for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+
+
+def hinted_calls() -> set[str]:
+    """The names of the calls HINTS.md gives in its second tier ("The calls") of each part."""
+    names = set()
+    for tier in re.findall(r"<summary>Hint 2[^<]*</summary>(.*?)</details>", (LAB / "HINTS.md").read_text(), re.S):
+        for span in re.findall(r"`([^`]+)`", tier):
+            names.update(re.findall(r"(\w+)\(", span))
+    return names
+
+
+def test_no_string_in_student_py_spells_out_a_call():
+    """The answers are not in the messages or the docstrings: no torch.distributed call written out, and none of
+    the calls HINTS.md keeps for its second tier (student.py says what to build and where to read, never how)."""
+    strings = string_constants(LAB / "student.py")
+    # the contract may name what the student's code is called by, and torch's own training calls
+    contract = {name.split(".")[-1] for name in definitions(LAB / "student.py")} | {
+        "backward", "step", "zero_grad", "state_dict", "parameters", "super"}
+    calls = hinted_calls() - contract
+    assert {"all_reduce", "register_post_accumulate_grad_hook", "wait", "batch_isend_irecv", "broadcast"} <= calls
+    for text in strings:
+        assert not re.search(r"\b(dist|torch\.distributed)\.\w+\s*\(", text), text
+        for name in calls:
+            assert f"{name}(" not in text and f".{name}" not in text, (name, text)
+
+
+def test_each_part_has_three_hint_tiers_folded_one_at_a_time():
+    page = (LAB / "HINTS.md").read_text()
+    for part in "abcdf":
+        section = re.search(rf"^## \({part}\).*?(?=^## |\Z)", page, re.S | re.M)
+        assert section, f"HINTS.md has no section for part ({part})"
+        tiers = re.findall(r"<details><summary>(Hint \d)", section.group(0))
+        assert tiers == ["Hint 1", "Hint 2", "Hint 3"], (part, tiers)
 
 
 def test_the_labs_page_states_the_harness_time_bounds():
@@ -87,16 +143,19 @@ def lab_env(**extra) -> dict:
 
 @pytest.fixture(scope="module")
 def lab_runs(tmp_path_factory) -> dict:
-    """``python -m pytest lab/build_ddp`` as a student types it, all at once: against reference.py, against
-    student.py, and against reference.py split over two "nodes" (part d on 127.0.0.1). For each run its
-    exit code, output, seconds, and ``{test name: failure message, or None if it passed}`` from its JUnit XML."""
+    """``python -m pytest lab/build_ddp`` as a student types it, all at once: against the solution, against
+    student.py, against the solution split over two "nodes" (part d on 127.0.0.1), and against each deliberately
+    wrong file on 2 ranks (its part only). For each run its exit code, output, seconds, and ``{test name: failure
+    message, or None if it passed}`` from its JUnit XML."""
     tmp = tmp_path_factory.mktemp("build_ddp")
     port = free_port()
     nodes = dict(BUILD_DDP="reference", BUILD_DDP_NODES=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     runs = {"reference": (lab_env(BUILD_DDP="reference"), []),
             "student": (lab_env(BUILD_DDP="student"), []),
             "node0": (lab_env(**nodes, BUILD_DDP_NODE_RANK=0), ["-k", "part_d"]),
-            "node1": (lab_env(**nodes, BUILD_DDP_NODE_RANK=1), ["-k", "part_d"])}
+            "node1": (lab_env(**nodes, BUILD_DDP_NODE_RANK=1), ["-k", "part_d"]),
+            **{mistake: (lab_env(BUILD_DDP=str(MISTAKES / f"{mistake}.py")), ["-k", f"{part} and 2-ranks"])
+               for mistake, (part, _) in MISTAKE_MESSAGES.items()}}
     started, procs, logs, results = time.monotonic(), {}, {}, {}
     try:
         for name, (env, args) in runs.items():
@@ -133,20 +192,20 @@ def junit_results(path: Path) -> dict[str, str | None]:
     return tests
 
 
-def name_of(part: str, world_size: int, tests: dict) -> str:
-    [name] = [t for t in tests if t.startswith(f"test_{part}_") and t.endswith(f"[{world_size}-ranks]")]
-    return name
+def names_of(part: str, world_size: int, tests: dict) -> list[str]:
+    return [t for t in tests if t.startswith(f"test_{part}_") and t.endswith(f"[{world_size}-ranks]")]
 
 
 @pytest.mark.slow
 @pytest.mark.floor
-def test_the_reference_solution_passes_every_part_on_2_and_3_ranks(lab_runs):
+def test_the_solution_passes_every_part_on_2_3_and_4_ranks(lab_runs):
     run = lab_runs["reference"]
     assert run["rc"] == 0, run["output"]
-    assert len(run["tests"]) == len(PARTS) * len(WORLD_SIZES), run["output"]
-    for part in PARTS:
+    assert len(run["tests"]) == sum(TESTS_PER_PART.values()) * len(WORLD_SIZES), run["output"]
+    for part, count in TESTS_PER_PART.items():
         for world_size in WORLD_SIZES:
-            assert run["tests"][name_of(part, world_size, run["tests"])] is None, run["output"]
+            names = names_of(part, world_size, run["tests"])
+            assert len(names) == count and all(run["tests"][name] is None for name in names), run["output"]
 
 
 @pytest.mark.slow
@@ -159,8 +218,9 @@ def test_the_untouched_student_file_fails_each_part_at_once_with_its_own_message
     messages = {part: not_implemented_message(nodes[name]) for part, name in PARTS.items()}
     for part, message in messages.items():
         for world_size in WORLD_SIZES:
-            failure = run["tests"][name_of(part, world_size, run["tests"])]
-            assert failure and failure.startswith(f"NotImplementedError: {message}"), (part, failure)
+            for name in names_of(part, world_size, run["tests"]):
+                failure = run["tests"][name]
+                assert failure and failure.startswith(f"NotImplementedError: {message}"), (part, failure)
         assert f"E       NotImplementedError: {message}" in run["output"], f"{part}'s message is not shown"
 
 
@@ -170,5 +230,19 @@ def test_the_tests_run_across_two_nodes_with_master_addr_and_master_port(lab_run
     for node in ("node0", "node1"):
         run = lab_runs[node]
         assert run["rc"] == 0, run["output"]
-        assert sorted(run["tests"]) == [name_of("part_d", n, run["tests"]) for n in WORLD_SIZES], run["output"]
+        assert sorted(run["tests"]) == [t for n in WORLD_SIZES for t in names_of("part_d", n, run["tests"])], run["output"]
         assert f"node {node[-1]} of 2" in run["output"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", sorted(MISTAKE_MESSAGES))
+def test_each_deliberate_mistake_fails_its_part_with_the_message_that_names_it(lab_runs, mistake):
+    """Three bugs that once gave one message ("layers.0.weight differs") now each say what they are; a wrapper that
+    overlaps nothing, buckets in the wrong order and the kit's own old BucketDDP (an unused parameter's bucket never
+    sent) fail too."""
+    part, says = MISTAKE_MESSAGES[mistake]
+    run = lab_runs[mistake]
+    failed = [name for name, problem in run["tests"].items() if problem]
+    assert run["rc"] == 1 and failed, run["output"]
+    assert says in run["output"], run["output"]
+    assert set(failed) <= set(names_of(part, 2, run["tests"])), f"{mistake} should fail {part} only: {failed}"
