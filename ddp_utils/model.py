@@ -31,6 +31,15 @@ def convnet(num_classes: int, width: int = 32, norm: str = "bn") -> nn.Sequentia
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, num_classes))
 
 
+def mlp(num_classes: int, width: int = 2048) -> nn.Sequential:
+    """A wide MLP on the flattened image: many gradient bytes per FLOP (about 10.5 M parameters, 42 MB of fp32
+    gradients, 2048 wide, for 21 MFLOP a forward pass). Communication is then a real share of a DDP step even on
+    a CPU: the lab's part (e) measures its all-reduces with it. Input (N, 3, H, W), any size (pooled to 32 x 32
+    first) -> (N, classes)."""
+    return nn.Sequential(nn.AdaptiveAvgPool2d(32), nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU(inplace=True),
+                         nn.Linear(width, width), nn.ReLU(inplace=True), nn.Linear(width, num_classes))
+
+
 def resnet18_cifar(num_classes: int) -> nn.Module:
     """torchvision's ResNet-18 with the usual small-image stem: 3x3 stride-1 conv, no max-pool."""
     import torchvision
@@ -51,11 +60,13 @@ def build_model(arch: str, num_classes: int, seed: int | None = None) -> nn.Modu
         return convnet(num_classes, norm="gn" if arch == "convnet_gn" else "bn")
     if arch == "resnet18_cifar":
         return resnet18_cifar(num_classes)
+    if arch == "mlp":
+        return mlp(num_classes)
     import torchvision
     try:
         return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
     except ValueError:
-        raise ValueError(f"Unknown arch {arch!r}. Use convnet, convnet_gn, resnet18_cifar or a torchvision "
+        raise ValueError(f"Unknown arch {arch!r}. Use convnet, convnet_gn, resnet18_cifar, mlp or a torchvision "
                          f"classifier such as resnet18, resnet50 (torchvision.models.list_models()).") from None
 
 
@@ -91,6 +102,8 @@ def parallel_mode(settings, ctx) -> str:
     code path where the node has fewer than 2 GPUs, as the homework's nodes do, and ``describe_parallel`` says so.
     zero1 and fsdp on one process have nothing to shard: ``none``, said too."""
     if ctx.distributed:
+        if settings.build_ddp == "f":   # your ShardedOptimizer (lab/build_ddp, part f) as ZeRO-1's
+            return "zero1"
         return settings.parallel if settings.parallel in sharding.MODES else "ddp"
     return "dp" if settings.parallel == "dp" else "none"
 
@@ -116,8 +129,12 @@ def describe_parallel(settings, ctx, model: nn.Module | None = None) -> str:
                 f"directly (no replicas, no gather): a rehearsal of DP's code path, not of its cost; a node "
                 f"with 2+ GPUs splits each batch between them")
     if mode == "ddp" and settings.build_ddp:
-        return (f"parallel: {ctx.world_size} processes, your DDP from lab/build_ddp/{own_ddp.which()}.py, part "
-                f"{settings.build_ddp}: {own_ddp.PARTS[settings.build_ddp]}")
+        return (f"parallel: {ctx.world_size} processes, {own_ddp.named(settings.build_ddp)} from lab/build_ddp/"
+                f"{own_ddp.which()}, part {settings.build_ddp}: {own_ddp.PARTS[settings.build_ddp]}")
+    if mode == "zero1" and settings.build_ddp == "f":
+        return (f"parallel: ZeRO-1, {ctx.world_size} processes: DDP all-reduces the gradients; "
+                f"{own_ddp.named('f')} from lab/build_ddp/{own_ddp.which()},\n  part f: "
+                f"{own_ddp.PARTS['f']}")
     if mode == "ddp":
         return f"parallel: DDP, {ctx.world_size} processes, gradients all-reduced in buckets during backward"
     if mode == "zero1":
@@ -167,7 +184,7 @@ def _place(model: nn.Module, settings, ctx) -> nn.Module:
     if parallel_mode(settings, ctx) == "fsdp":   # FSDP: no wrapper; the model's blocks are sharded in place
         model = sharding.shard_model(model, ctx)
         return torch.compile(model) if settings.compile else model
-    if ctx.distributed and settings.build_ddp:   # the DDP you wrote (lab/build_ddp), in the kit's loop
+    if ctx.distributed and settings.build_ddp in own_ddp.WRAPPERS:   # the DDP you wrote (lab/build_ddp), in the kit's loop
         model = own_ddp.wrap(model, settings.build_ddp, settings.bucket_mb)
     elif ctx.distributed:
         # DDP: the wrap. It copies rank 0's weights to every rank now, then during each backward pass

@@ -13,10 +13,14 @@ import torch
 
 def build_optimizer(model: torch.nn.Module, settings, zero: bool = False) -> torch.optim.Optimizer:
     """SGD with momentum; no weight decay on biases and normalisation weights (1-D tensors). ``zero``
-    (parallel=zero1): the same SGD inside ZeroRedundancyOptimizer, each rank keeping the state of its share."""
+    (parallel=zero1): the same SGD inside ZeroRedundancyOptimizer, each rank keeping the state of its share, or
+    inside the ShardedOptimizer you wrote (build_ddp=f: lab/build_ddp, part f)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if zero and settings.build_ddp == "f":   # yours: the same contract as torch's ZeRO-1
+        from .own_ddp import sharded_optimizer
+        return sharded_optimizer(groups, torch.optim.SGD, lr=settings.effective_lr, momentum=settings.momentum)
     if zero:   # each rank steps the parameters it owns (about 1/N, by size) and broadcasts them (speed/sharding.py)
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.SGD, lr=settings.effective_lr,

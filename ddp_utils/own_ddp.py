@@ -1,15 +1,18 @@
-"""``--build-ddp a|b|c``: train with the DDP you wrote in ``lab/build_ddp/`` instead of torch's.
+"""``--build-ddp a|b|c|f``: train with the DDP you wrote in ``lab/build_ddp/`` instead of torch's.
 
-The lab's tests prove that your wrapper computes the right gradients; here it trains in the kit's own loop, so its
-cost shows in the epoch line's time split. After each backward pass the loop calls ``finish_gradient_sync()`` and
-counts the time it takes as communication waited for (``comm``):
+The lab's tests prove that your code computes the right gradients and weights; here it trains in the kit's own
+loop, so its cost shows in the epoch line's time split. For a, b and c the loop calls ``finish_gradient_sync()``
+after each backward pass and counts the time it takes as communication waited for (``comm``):
 
 - a: ``allreduce_gradients`` after the backward pass: every all-reduce is waited for;
 - b: ``OverlapDDP``: one all-reduce per parameter, started from a hook while the backward pass goes on; only the
   ones still running at its end are waited for;
-- c: ``BucketDDP``: the same in buckets of ``bucket_mb``: fewer, larger messages.
+- c: ``BucketDDP``: the same in buckets of ``bucket_mb``: fewer, larger messages;
+- f: ``ShardedOptimizer`` (ZeRO-1) in place of torch's ZeroRedundancyOptimizer, beside torch's DDP: the run is
+  ``--parallel zero1``'s, and its memory table shows your optimizer's state per rank against the formula.
 
-Which file: ``student.py`` (yours), or the kit's ``reference.py`` with ``BUILD_DDP=reference`` (the lab's adapter).
+Which file: ``student.py`` (yours), the kit's solution with ``BUILD_DDP=reference``, or a file's path (the lab's
+adapter decides).
 """
 from __future__ import annotations
 
@@ -21,16 +24,36 @@ from torch import nn
 LAB = Path(__file__).resolve().parents[1] / "lab" / "build_ddp"
 PARTS = {"a": "all-reduce every gradient after the backward pass (allreduce_gradients)",
          "b": "one async all-reduce per parameter from gradient hooks (OverlapDDP)",
-         "c": "async all-reduces in buckets of bucket_mb (BucketDDP)"}
+         "c": "async all-reduces in buckets of bucket_mb (BucketDDP)",
+         "f": "each rank keeps the optimizer state of about 1/N of the parameters (ShardedOptimizer)"}
+CLASSES = {"a": "allreduce_gradients", "b": "OverlapDDP", "c": "BucketDDP", "f": "ShardedOptimizer"}
+WRAPPERS = ("a", "b", "c")   # the parts that replace DDP's wrapper; f replaces ZeRO-1's optimizer
 
 
 def which() -> str:
-    """``student`` or ``reference``: the file the lab's adapter picks (BUILD_DDP)."""
-    return _adapter().chosen()
+    """The file that trains, as the lab's adapter picks it (BUILD_DDP): relative to lab/build_ddp/ when inside."""
+    adapter = _adapter()
+    path = adapter.path_of(adapter.chosen())
+    return str(path.relative_to(LAB)) if path.is_relative_to(LAB) else str(path)
+
+
+def whose() -> str:
+    """``yours``, or ``the kit's solution`` with BUILD_DDP=reference: what the epoch line says of the class."""
+    return "the kit's solution" if _adapter().chosen() == "reference" else "yours"
+
+
+def named(part: str) -> str:
+    """The class (or function) of ``part`` and whose it is, for the epoch line: ``OverlapDDP (yours)``."""
+    return f"{CLASSES[part]} ({whose()})"
+
+
+def label(settings) -> str:
+    """--build-ddp: the lab's class that trains (``OverlapDDP (yours)``), for the epoch line; else empty."""
+    return named(settings.build_ddp) if settings.build_ddp else ""
 
 
 def implementation():
-    """The lab's student.py, or reference.py with BUILD_DDP=reference (its adapter decides)."""
+    """The lab's student.py, the kit's solution with BUILD_DDP=reference, or a named file (its adapter decides)."""
     return _adapter().implementation()
 
 
@@ -44,6 +67,11 @@ def _adapter():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def sharded_optimizer(groups: list[dict], optimizer_cls, **kwargs):
+    """Part f: your ``ShardedOptimizer`` over ``groups``, stepping ``optimizer_cls``."""
+    return implementation().ShardedOptimizer(groups, optimizer_cls, **kwargs)
 
 
 class AfterBackward(nn.Module):

@@ -69,7 +69,7 @@ class Settings:
                        choices=LOADERS)
     # -- model --------------------------------------------------------------------------------
     arch: str = _f(None, "convnet (small, fast on CPU; convnet_gn with GroupNorm), resnet18_cifar "
-                         "(32 px stem) or any torchvision classifier name such as resnet18, resnet50; "
+                         "(32 px stem), mlp (wide: many gradient bytes per FLOP, the lab's part e) or any torchvision classifier name such as resnet18, resnet50; "
                          "default: the preset's recipe", type=str)
     sync_bn: bool = _f(False, "convert BatchNorm to SyncBatchNorm so statistics use the global batch")
     # -- optimisation -------------------------------------------------------------------------
@@ -128,10 +128,11 @@ class Settings:
                            "auto (choose from the link probe: compress when communication would take more than "
                            "comm_auto_share of a step)",
                    choices=COMM_MODES)
-    build_ddp: str = _f("", "train with the DDP you wrote in lab/build_ddp (student.py; BUILD_DDP=reference: the kit's "
-                            "reference.py) instead of torch's: a (all-reduce every gradient after backward), b (one "
-                            "async all-reduce per parameter from hooks), c (buckets of bucket_mb); empty: torch's "
-                            "DistributedDataParallel", choices=("", "a", "b", "c"))
+    build_ddp: str = _f("", "train with what you wrote in lab/build_ddp (student.py; BUILD_DDP=reference: the kit's "
+                            "solution) instead of torch's: a (all-reduce every gradient after backward), b (one "
+                            "async all-reduce per parameter from hooks), c (buckets of bucket_mb) in place of "
+                            "DistributedDataParallel; f (your ShardedOptimizer as ZeRO-1's, beside torch's DDP); "
+                            "empty: torch's", choices=("", "a", "b", "c", "f"))
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MB (DDP's default 25): smaller buckets start the "
                                 "all-reduce earlier in the backward pass, larger ones make fewer, longer messages")
     accumulate: int = _f(1, "gradient accumulation: add up the gradients of this many steps and all-reduce "
@@ -235,9 +236,13 @@ class Settings:
             out.append(f"{'comm=localsgd' if self.comm == 'localsgd' else 'auto_local_sgd'} with parallel=zero1: local "
                        f"SGD averages every rank's whole optimizer state, which ZeRO-1 splits between the ranks: use "
                        f"another comm, or parallel=ddp")
-        if self.build_ddp and (self.comm != "none" or self.accumulate > 1 or self.parallel != "ddp"):
-            out.append(f"build_ddp={self.build_ddp!r} trains with your own DDP, which has no comm hooks, no no_sync() "
-                       f"and no other parallel mode: use it with comm=none, accumulate=1 and parallel=ddp")
+        if self.build_ddp in ("a", "b", "c") and (self.comm != "none" or self.accumulate > 1 or self.parallel != "ddp"):
+            out.append(f"build_ddp={self.build_ddp!r} trains with your own DDP, which has no comm hooks, and the kit's "
+                       f"loop times its finish_gradient_sync() for one backward pass a step: use it with comm=none, "
+                       f"accumulate=1 and parallel=ddp")
+        if self.build_ddp == "f" and (self.parallel != "ddp" or self.comm == "localsgd" or self.auto_local_sgd):
+            out.append(f"build_ddp='f' runs ZeRO-1 with your ShardedOptimizer beside torch's DDP: use it with "
+                       f"parallel=ddp (the run is then zero1's) and without local SGD")
         window = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(self.profile_steps))
         if str(self.profile_steps).strip() and not (window and int(window[1]) < int(window[2])):
             out.append(f"profile_steps={self.profile_steps!r}: write A:B with A < B, the training steps to trace "

@@ -292,7 +292,7 @@ def _watched_fit(job, stops) -> dict:
                 return _fit(job.settings, job.ctx, job.data, job.model, job.logger, job.state, job.resume, heartbeat,
                             comm.timer, comm.probe, gpu, {"parallel": job.parallel, "comm": comm.choice,
                                                           "algorithm": algorithm(comm.choice, job.ctx.world_size,
-                                                                                 job.parallel),
+                                                                                 job.parallel, own_ddp.label(job.settings)),
                                                           "comm_reason": comm.reason,
                                                           "resumed_from": job.resume if job.state is not None else None},
                             started)
@@ -448,7 +448,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
     if results["cost"] is not None:
         logger.info(describe_cost(results))
     if probe and results["measured_step_s"]:
-        logger.info(predicted_vs_measured(probe, results))
+        logger.info(predicted_vs_measured(probe, results, own=settings.build_ddp in own_ddp.WRAPPERS))
     logger.results(results)
     return results
 
@@ -527,8 +527,9 @@ def epoch_line(settings, train: dict, val: dict, epoch: int, algorithm: str = ""
             f"time: {shares} | {train['wall_s']:.1f}s" + (f" | {algorithm}" if settings.world_size > 1 else ""))
 
 
-def predicted_vs_measured(probe: dict, results: dict) -> str:
-    """The link probe's prediction next to what the run measured, per step."""
+def predicted_vs_measured(probe: dict, results: dict, own: bool = False) -> str:
+    """The link probe's prediction next to what the run measured, per step. ``own``: your DDP (lab/build_ddp) trained,
+    of which only the wait in ``finish_gradient_sync()`` is timed (what overlapped the backward pass is not seen)."""
     steps = results["steps"]
     how = (f"a DDP step of a copy: compute {1e3 * probe['compute_s']:.0f}, all-reduce {1e3 * probe['allreduce_s']:.0f}"
            if probe.get("ddp_step_s") is not None else
@@ -536,8 +537,9 @@ def predicted_vs_measured(probe: dict, results: dict) -> str:
     return (f"per step: predicted {1e3 * probe['predicted_step_s']:.0f} ms ({how});\n  measured "
             f"{1e3 * results['measured_step_s']:.0f} ms "
             f"(data {1e3 * results['data_s'] / steps:.0f}, compute {1e3 * results['compute_s'] / steps:.0f}, "
-            f"comm waited for {1e3 * results['comm_s'] / steps:.0f} of {1e3 * results['comm_total_s'] / steps:.0f} "
-            f"in flight, idle {1e3 * results['idle_s'] / steps:.0f});\n  predicted speed-up over one rank "
+            + (f"comm waited in finish_gradient_sync() {1e3 * results['comm_s'] / steps:.0f}" if own else
+               f"comm waited for {1e3 * results['comm_s'] / steps:.0f} of {1e3 * results['comm_total_s'] / steps:.0f} "
+               f"in flight") + f", idle {1e3 * results['idle_s'] / steps:.0f});\n  predicted speed-up over one rank "
             f"{probe['predicted_speedup']:.2f}x (compare with a 1-rank run in the report)")
 
 

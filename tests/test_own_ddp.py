@@ -17,15 +17,31 @@ from tests.test_notebooks import DDP, MAIN, NOTEBOOKS, WORKER
 
 @pytest.mark.parametrize("changes", [{"comm": "fp16"}, {"accumulate": 2}])
 def test_your_ddp_is_refused_with_what_it_lacks(changes):
-    with pytest.raises(ValueError, match="no comm hooks, no no_sync"):
+    with pytest.raises(ValueError, match="no comm hooks, and the kit's loop times its finish_gradient_sync"):
         Settings(build_ddp="b", **changes)
 
 
-def test_the_kit_finds_your_file_or_the_reference_from_build_ddp(monkeypatch):
+def test_the_kit_finds_your_file_the_solution_or_a_named_file_from_build_ddp(monkeypatch):
     monkeypatch.delenv("BUILD_DDP", raising=False)
-    assert own_ddp.which() == "student" and own_ddp.implementation().__name__ == "student"
+    assert own_ddp.which() == "student.py" and own_ddp.implementation().__name__ == "build_ddp_student"
+    assert own_ddp.named("b") == "OverlapDDP (yours)"
     monkeypatch.setenv("BUILD_DDP", "reference")
-    assert own_ddp.which() == "reference" and hasattr(own_ddp.implementation(), "BucketDDP")
+    assert own_ddp.which() == "solution/reference.py" and hasattr(own_ddp.implementation(), "ShardedOptimizer")
+    assert own_ddp.named("f") == "ShardedOptimizer (the kit's solution)"
+    summed = own_ddp.LAB / "solution" / "mistakes" / "summed.py"   # a TA grading a handed-in file
+    monkeypatch.setenv("BUILD_DDP", str(summed))
+    assert own_ddp.which() == "solution/mistakes/summed.py" and own_ddp.named("a") == "allreduce_gradients (yours)"
+
+
+def test_without_the_solution_build_ddp_reference_says_what_to_do(monkeypatch, tmp_path):
+    """The handout and the Docker image leave the solution out: BUILD_DDP=reference then says so, not a traceback."""
+    import shutil
+    lab = tmp_path / "lab" / "build_ddp"
+    shutil.copytree(own_ddp.LAB, lab, ignore=shutil.ignore_patterns("solution"))
+    monkeypatch.setattr(own_ddp, "LAB", lab)
+    monkeypatch.setenv("BUILD_DDP", "reference")
+    with pytest.raises(FileNotFoundError, match="the student handout and the Docker image leave it out"):
+        own_ddp.implementation()
 
 
 def test_without_the_lab_folder_the_kit_says_it_needs_a_checkout(monkeypatch, tmp_path):

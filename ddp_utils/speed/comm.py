@@ -136,14 +136,19 @@ ALGORITHMS = {"none": "DDP", "fp16": "DDP, fp16 gradients", "bf16": "DDP, bf16 g
               "powersgd": "DDP, PowerSGD gradients", "localsgd": "local SGD (not DDP)"}
 
 
-def algorithm(choice: str, world_size: int, parallel: str = "ddp") -> str:
+def algorithm(choice: str, world_size: int, parallel: str = "ddp", own: str = "") -> str:
     """What trains, in words, for the epoch line, results.json and the report: DDP's algorithm (one model, the
     gradients averaged at every step; how they travel) or local SGD, which is another one; ``parallel`` zero1
-    (DDP's, the optimizer state sharded) or fsdp (parameters, gradients and optimizer state sharded)."""
+    (DDP's, the optimizer state sharded) or fsdp (parameters, gradients and optimizer state sharded). ``own``: the
+    class of lab/build_ddp that trains instead of torch's (``OverlapDDP (yours)``), named as such."""
     if world_size == 1:
         return "one process"
     if parallel == "fsdp":
         return "FSDP (fully sharded)"
+    if own and parallel == "zero1":
+        return f"{ALGORITHMS.get(choice, choice)} + ZeRO-1 by {own}"
+    if own:
+        return own
     return ALGORITHMS.get(choice, choice) + (" + ZeRO-1" if parallel == "zero1" else "")
 
 

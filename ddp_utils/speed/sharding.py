@@ -107,6 +107,23 @@ def _is_zero(optimizer) -> bool:
     return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
 
 
+def _is_yours(optimizer) -> bool:
+    """The ShardedOptimizer of lab/build_ddp (part f): its ``state`` holds this rank's own parameters' only."""
+    return type(optimizer).__name__ == "ShardedOptimizer"
+
+
+def _gathered_state(optimizer, ctx) -> dict | None:
+    """Rank 0: every rank's entries of a ShardedOptimizer's ``state_dict()`` (parameters by index) in one; a
+    collective. None on the other ranks."""
+    mine = optimizer.state_dict()
+    on_cpu = {index: {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
+              for index, entry in mine["state"].items()}
+    rows = distributed.gather_objects(on_cpu, ctx)
+    if not ctx.is_main:
+        return None
+    return {"state": {index: entry for row in rows for index, entry in row.items()}, "param_groups": mine["param_groups"]}
+
+
 def full_state(net: nn.Module, optimizer, ctx) -> tuple[dict | None, dict | None]:
     """Rank 0: ``(model state, optimizer state)`` as one process's ``net.state_dict()`` and ``SGD.state_dict()``
     hold them, whatever the mode; ``(None, None)`` on the other ranks. Every rank must call it (ZeRO and FSDP
@@ -120,6 +137,9 @@ def full_state(net: nn.Module, optimizer, ctx) -> tuple[dict | None, dict | None
         if not ctx.is_main:
             return None, None
         return model_state, _by_index(optim_state) if optim_state is not None else None
+    if _is_yours(optimizer):
+        state = _gathered_state(optimizer, ctx)   # every rank's share of the state to rank 0 (a collective)
+        return (net.state_dict(), state) if ctx.is_main else (None, None)
     if _is_zero(optimizer):
         optimizer.consolidate_state_dict(to=0)   # ZeRO: every rank's shard of the state to rank 0 (a collective)
     if not ctx.is_main:
@@ -145,6 +165,10 @@ def load_model_state(net: nn.Module, state: dict) -> None:
 def load_optimizer_state(net: nn.Module, optimizer, state: dict) -> None:
     """Load a plain optimizer state (SGD's ``state_dict()``, parameters by index) into ``optimizer``: ZeRO keeps
     the state of the parameters it owns, FSDP its shard of each."""
+    if _is_yours(optimizer):   # every rank raises this: the same settings, the same checkpoint
+        raise ValueError("build_ddp=f does not resume: your ShardedOptimizer (lab/build_ddp, part f) keeps its state "
+                         "where the kit cannot put it back. Start a new run, or resume with parallel=zero1 (torch's "
+                         "ZeRO-1 reads the same checkpoint)")
     if is_fsdp(net):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         set_optimizer_state_dict(net, optimizer, _by_name(state, net, optimizer),
