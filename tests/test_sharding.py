@@ -23,7 +23,7 @@ from ddp_utils.speed import sharding
 from ddp_utils.tools.report import MODE_NAMES
 from tests.procs import base_env, describe, free_port, python, run_all
 from tests.test_gpu_paths import gpu_only, one_rank_group
-from tests.test_training import FAST, run_ranks, weights
+from tests.test_training import FAST, run_ranks, train_cmd, weights
 
 MODES = ("zero1", "fsdp")
 EPOCHS = 4   # the demo recipe's 8 cut in half: DDP reaches 91.6 % here, 95 % at 8 (2 x 20 s more per mode)
@@ -212,6 +212,37 @@ def test_a_run_stopped_on_two_ranks_continues_on_three(tmp_path, demo_dir, stopp
     done = results(run)
     assert done["world_size"] == 3 and done["parallel"] == mode and len(done["history"]) == EPOCHS
     assert len(done["memory"]["per_rank"]) == 3
+
+
+@pytest.fixture(scope="module")
+def yours(tmp_path_factory, demo_dir):
+    """``--build-ddp f`` with the kit's solution of the lab (BUILD_DDP=reference): its ShardedOptimizer as ZeRO-1's,
+    beside torch's DDP, on 2 ranks with the same settings as ``runs``."""
+    folder, port = tmp_path_factory.mktemp("yours") / "f", free_port()
+    done = run_all([train_cmd(folder, r, 2, port, *demo(demo_dir), "--build-ddp", "f") for r in range(2)],
+                   timeout=180, env=base_env(BUILD_DDP="reference"))
+    assert all(r.returncode == 0 for r in done), describe(done)
+    assert "ShardedOptimizer (the kit's solution) from lab/build_ddp/solution/reference.py" in done[0].output
+    return folder
+
+
+@pytest.mark.slow
+def test_the_labs_sharded_optimizer_trains_the_demo_as_zero1_and_shows_its_memory_per_rank(runs, yours):
+    """Part (f) of lab/build_ddp in the kit's loop: DDP's weights bit for bit on two ranks (so within its accuracy
+    band), the whole optimizer state in the checkpoint (gathered from both ranks), about half of it kept per rank."""
+    ddp, mine = results(runs["ddp"]), results(yours)
+    assert mine["parallel"] == "zero1" and mine["algorithm"] == "DDP + ZeRO-1 by ShardedOptimizer (the kit's solution)"
+    assert abs(mine["acc1"] - ddp["acc1"]) <= 1.0, (mine["acc1"], ddp["acc1"])
+    theirs, ours = checkpoint.load_checkpoint(runs["ddp"] / "last.pt"), checkpoint.load_checkpoint(yours / "last.pt")
+    assert all(torch.equal(ours["model"][k], theirs["model"][k]) for k in theirs["model"])
+    assert sorted(ours["optimizer"]["state"]) == sorted(theirs["optimizer"]["state"])
+    assert all(torch.equal(ours["optimizer"]["state"][i]["momentum_buffer"], s["momentum_buffer"])
+               for i, s in theirs["optimizer"]["state"].items())
+    memory = mine["memory"]
+    full = ddp["memory"]["per_rank"][0]["optimizer_bytes"]
+    assert sum(r["optimizer_bytes"] for r in memory["per_rank"]) == full
+    assert 0.45 <= max(r["optimizer_bytes"] for r in memory["per_rank"]) / full <= 0.6
+    assert memory["predicted"]["optimizer_bytes"] == full / 2
 
 
 # -- memory per rank: measured, predicted, in the report ------------------------------------------------

@@ -281,11 +281,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         rank, world_size = dist.get_rank(), dist.get_world_size()
         self.owner: dict[nn.Parameter, int] = {}   # parameter -> the rank that steps it
         owned_bytes = [0] * world_size
-        for group in self.param_groups:
-            for param in group["params"]:
-                owner = min(range(world_size), key=owned_bytes.__getitem__)   # the lightest rank so far
-                self.owner[param] = owner
-                owned_bytes[owner] += param.numel() * param.element_size()
+        params = [p for group in self.param_groups for p in group["params"]]
+        for param in sorted(params, key=lambda p: -p.numel() * p.element_size()):   # largest first (stable: the
+            owner = min(range(world_size), key=owned_bytes.__getitem__)            # same order on every rank),
+            self.owner[param] = owner                                              # each to the lightest rank
+            owned_bytes[owner] += param.numel() * param.element_size()
         # the real optimizer, over this rank's own parameters only: it alone makes (and keeps) state
         self.local = optimizer_cls([{**group, "params": [p for p in group["params"] if self.owner[p] == rank]}
                                     for group in self.param_groups], **kwargs)
