@@ -246,3 +246,55 @@ def test_each_deliberate_mistake_fails_its_part_with_the_message_that_names_it(l
     assert run["rc"] == 1 and failed, run["output"]
     assert says in run["output"], run["output"]
     assert set(failed) <= set(names_of(part, 2, run["tests"])), f"{mistake} should fail {part} only: {failed}"
+
+
+# -- the student handout (lab/scripts/make_handout.py) and the Docker image: no answer key --------------------
+def handout_module():
+    sys.path.insert(0, str(Path(REPO) / "lab" / "scripts"))
+    try:
+        import make_handout
+    finally:
+        sys.path.pop(0)
+    return make_handout
+
+
+def test_the_docker_image_leaves_the_solution_out():
+    ignored = {line.strip() for line in (Path(REPO) / ".dockerignore").read_text().splitlines()}
+    assert "lab/build_ddp/solution/" in ignored
+
+
+def test_the_handout_refuses_a_folder_in_use_and_touches_nothing_there(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        handout_module().make_handout(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_the_handout_check_finds_the_solution_wherever_it_is_copied(tmp_path):
+    """The check the handout passes can fail: the solution's code pasted into any file is found."""
+    make_handout = handout_module()
+    (tmp_path / "notes.md").write_text("my answers:\n" + SOLUTION.read_text())
+    found = make_handout.leaks(tmp_path, make_handout.solution_windows(Path(REPO)))
+    assert found and all(f.startswith("notes.md: ") for f in found)
+
+
+@pytest.mark.slow
+def test_the_handout_has_no_solution_and_its_untouched_student_file_fails_every_part(tmp_path):
+    make_handout = handout_module()
+    out = tmp_path / "handout"
+    files = make_handout.make_handout(out)
+    assert "lab/build_ddp/student.py" in files and "lab/build_ddp/HINTS.md" in files
+    assert not (out / "lab/build_ddp/solution").exists() and not any("solution" in f for f in files)
+    assert not make_handout.leaks(out, make_handout.solution_windows(Path(REPO)))
+    done = subprocess.run([sys.executable, "-m", "pytest", "lab/build_ddp", "-p", "no:cacheprovider", "-k", "2-ranks",
+                           f"--junitxml={tmp_path / 'student.xml'}"], cwd=out, env=lab_env(), capture_output=True,
+                          text=True, timeout=RUN_LIMIT_S)
+    tests = junit_results(tmp_path / "student.xml")
+    assert done.returncode == 1 and len(tests) == sum(TESTS_PER_PART.values()), done.stdout
+    for part, function in PARTS.items():
+        for name in names_of(part, 2, tests):
+            assert tests[name].startswith(f"NotImplementedError: write {function} (part {part[-1]}): "), tests[name]
+    reference = subprocess.run([sys.executable, "-m", "pytest", "lab/build_ddp", "-p", "no:cacheprovider", "-k",
+                                "part_a and 2-ranks"], cwd=out, env=lab_env(BUILD_DDP="reference"),
+                               capture_output=True, text=True, timeout=RUN_LIMIT_S)
+    assert reference.returncode != 0 and "the student handout and the Docker image leave it out" in reference.stdout
