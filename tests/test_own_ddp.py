@@ -74,8 +74,11 @@ def test_parts_a_and_c_train_the_demo_in_the_notebooks_alike_and_c_waits_less_fo
         results = run_all([[sys.executable, "-m", "tests.run_cells", str(nb), json.dumps(params), "{}", str(NOTEBOOKS)]
                            for nb in (MAIN, WORKER)], timeout=300, env=base_env(BUILD_DDP="reference"))
         assert all(r.returncode == 0 for r in results), describe(results)
-        assert f"your DDP from lab/build_ddp/reference.py, part {part}" in results[0].output, describe(results)
+        named = f"{own_ddp.CLASSES[part]} (the kit's solution)"   # what trained, on the parallel line and the epoch's
+        assert f"{named} from lab/build_ddp/solution/reference.py, part {part}" in results[0].output, describe(results)
+        assert f"s | {named}" in results[0].output, describe(results)
         out[part] = json.loads((tmp_path / part / "results.json").read_text())
+        assert out[part]["algorithm"] == named
     assert out["a"]["loss"] == pytest.approx(out["c"]["loss"], rel=1e-4)   # the same training
     share = {part: r["comm_s"] / r["train_time_s"] for part, r in out.items()}
     assert share["a"] > share["c"] > 0, share
