@@ -160,8 +160,10 @@ def script_flags(path: Path) -> set[str]:
 
 
 def scripts() -> dict[str, set[str]]:
-    """``{path as written on a page: its flags}`` for the benchmarks, the lab's scripts and docker/run.sh."""
-    found = {rel(p): script_flags(p) for p in [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "lab" / "scripts").glob("*.py")]}
+    """``{path as written on a page: its flags}`` for the benchmarks, the lab's scripts (and its part (e), bench.py)
+    and docker/run.sh."""
+    found = {rel(p): script_flags(p) for p in [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "lab" / "scripts").glob("*.py"),
+                                               ROOT / "lab" / "build_ddp" / "bench.py"]}
     usage = (ROOT / "docker" / "run.sh").read_text(encoding="utf-8").split("USAGE")[1]
     found["docker/run.sh"] = set(FLAG.findall(usage))
     return found
@@ -173,6 +175,7 @@ def test_the_flag_readers_find_the_flags():
     assert {"--batch-size", "--no-link-probe", "--resume", "--seeds"} <= kit["train"]
     assert {"--rounds", "--steps"} <= scripts()["benchmarks/powersgd_cost.py"]
     assert {"--build", "--print"} <= scripts()["docker/run.sh"]
+    assert {"--hosts", "--rate", "--ranks", "--max-mib"} <= scripts()["lab/build_ddp/bench.py"]
 
 
 def test_every_flag_a_page_names_exists():
