@@ -79,10 +79,10 @@ def test_a_folder_holding_files_is_never_written_to(capsys, tmp_path):
 @pytest.mark.slow
 def test_collectives_writes_its_rows_fit_and_figure(tmp_path):
     out = tmp_path / "out"
-    done = bench("collectives", "--ranks", "2", "--max-mib", "0.0625", "--out", str(out))
+    done = bench("collectives", "--ranks", "2", "--max-mib", "4", "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads((out / "collectives.json").read_text())
-    assert [row["bytes"] for row in record["rows"]] == [4096, 16384, 65536]
+    assert [row["bytes"] for row in record["rows"]] == [4096 * 4**k for k in range(6)]
     for row in record["rows"]:
         for key in ("ring_s", "all_reduce_s", "p2p_s", "predicted_ring_s", "ring_busbw_gbs"):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)

@@ -262,6 +262,10 @@ def collectives(args) -> None:
         print(f"node {args.node_rank}: its ranks finished; node 0 prints and writes the results")
         return
     alpha, beta = fit_alpha_beta([r["bytes"] for r in rows], [r["p2p_s"] for r in rows])
+    if beta <= 0:
+        raise BenchError(f"the exchanges did not take longer as the size grew to {size_name(rows[-1]['bytes'])}: too "
+                         f"small to see the link's bandwidth through the noise; measure up to 4 MiB at least "
+                         f"(--max-mib 4)")
     for row in rows:
         row.update(predicted_ring_s=ring_prediction(row["bytes"], world, alpha, beta),
                    ring_busbw_gbs=busbw(row["bytes"], world, row["ring_s"]),
