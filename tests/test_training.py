@@ -464,9 +464,24 @@ def answer_sources() -> dict[int, list[str]]:
 MADE_ELSEWHERE = {"runs/check/allreduce-*.json": "tests/test_cli.py, tests/test_mesh.py: check saves its sweep",
                   "runs/iperf3.txt": "the student's own iperf3 (step 5); no kit code writes it"}
 # Questions answered from other runs than the demo's pair, each with the tests whose runs make those sources.
-OTHER_RUNS = {12: "tests/test_grid.py (train --grid, report's grid section and grid.png)",
-              13: "tests/test_own_ddp.py (--build-ddp a and c in the notebooks, comm_s)",
+OTHER_RUNS = {12: "tests/test_grid.py (train --grid, report's grid section and grid.png); "
+                  "tests/test_build_ddp_bench.py (bench.py step's step.md)",
+              13: "tests/test_own_ddp.py (--build-ddp a and c in the notebooks, comm_s); tests/test_build_ddp.py "
+                  "(the lab's pytest log); tests/test_build_ddp_bench.py (collectives.png, collectives.json, step.md); "
+                  "tests/test_sharding.py (--build-ddp f's memory)",
               14: "tests/test_sharding.py (zero1 and fsdp runs, report's memory table)"}
+
+
+# questions 12 and 13's sources that lab/build_ddp writes or runs: the text its source must hold
+LAB_BENCH = {"bench.py step": 'add_parser("step"', "bench.py": 'add_parser("collectives"',
+             "step.md": '"step.md"', "collectives.png": '"collectives.png"', "collectives.json": '"collectives.json"',
+             "python -m pytest lab/build_ddp -rA": "def test_part_a_"}
+
+
+def lab_source() -> str:
+    from pathlib import Path
+    lab = Path(__file__).resolve().parents[1] / "lab" / "build_ddp"
+    return (lab / "bench.py").read_text() + (lab / "test_build_ddp.py").read_text()
 
 
 def report_source() -> str:
@@ -503,6 +518,8 @@ def test_every_homework_question_names_figures_that_the_demo_runs_produced(demo_
                     assert f"## {names}" in report_source(), where   # the report writes that section
                 elif kind == "results.json":
                     assert all(f'"{name}"' in kit_source() for name in names.split(", ")), where
+                elif kind in LAB_BENCH:   # the lab's own commands and what bench.py writes
+                    assert LAB_BENCH[kind] in lab_source(), where
                 else:
                     assert kind in ("grid.png", "time.png") or kind.startswith("the epoch lines") \
                         or kind.endswith(".md"), where

@@ -15,7 +15,7 @@ import harness  # noqa: E402
 
 def pytest_report_header(config):
     try:
-        return [f"build_ddp: testing {adapter.chosen()}.py (BUILD_DDP=student or reference); "
-                f"ranks: {harness.Launch.from_environment().describe()}"]
-    except ValueError as error:   # the tests fail with the same message
+        return [f"build_ddp: testing {adapter.path_of(adapter.chosen())} (BUILD_DDP=student, reference or a file's "
+                f"path); ranks: {harness.Launch.from_environment().describe()}"]
+    except (ValueError, FileNotFoundError) as error:   # the tests fail with the same message
         return [f"build_ddp: {error}"]
