@@ -33,9 +33,9 @@ def convnet(num_classes: int, width: int = 32, norm: str = "bn") -> nn.Sequentia
 
 def mlp(num_classes: int, width: int = 2048) -> nn.Sequential:
     """A wide MLP on the flattened image: many gradient bytes per FLOP (2048 wide: 10.5 M parameters, 42 MB of fp32
-    gradients with 10 classes, 12.5 M and 50 MB with 1000, for 21-25 MFLOP a forward pass). Communication is then a real share of a DDP step even on
-    a CPU: the lab's part (e) measures its all-reduces with it. Input (N, 3, H, W), any size (pooled to 32 x 32
-    first) -> (N, classes)."""
+    gradients with 10 classes, 12.5 M and 50 MB with 1000, for 21-25 MFLOP a forward pass). Communication is then a
+    real share of a DDP step even on a CPU: the lab's part (e) measures its all-reduces with it. Input (N, 3, H, W),
+    any size (pooled to 32 x 32 first) -> (N, classes)."""
     return nn.Sequential(nn.AdaptiveAvgPool2d(32), nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU(inplace=True),
                          nn.Linear(width, width), nn.ReLU(inplace=True), nn.Linear(width, num_classes))
 
@@ -184,7 +184,7 @@ def _place(model: nn.Module, settings, ctx) -> nn.Module:
     if parallel_mode(settings, ctx) == "fsdp":   # FSDP: no wrapper; the model's blocks are sharded in place
         model = sharding.shard_model(model, ctx)
         return torch.compile(model) if settings.compile else model
-    if ctx.distributed and settings.build_ddp in own_ddp.WRAPPERS:   # the DDP you wrote (lab/build_ddp), in the kit's loop
+    if ctx.distributed and settings.build_ddp in own_ddp.WRAPPERS:   # the DDP you wrote (lab/build_ddp)
         model = own_ddp.wrap(model, settings.build_ddp, settings.bucket_mb)
     elif ctx.distributed:
         # DDP: the wrap. It copies rank 0's weights to every rank now, then during each backward pass

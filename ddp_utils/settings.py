@@ -69,8 +69,9 @@ class Settings:
                        choices=LOADERS)
     # -- model --------------------------------------------------------------------------------
     arch: str = _f(None, "convnet (small, fast on CPU; convnet_gn with GroupNorm), resnet18_cifar "
-                         "(32 px stem), mlp (wide: many gradient bytes per FLOP, the lab's part e) or any torchvision classifier name such as resnet18, resnet50; "
-                         "default: the preset's recipe", type=str)
+                         "(32 px stem), mlp (wide: many gradient bytes per FLOP, the lab's part e) or any "
+                         "torchvision classifier name such as resnet18, resnet50; default: the preset's recipe",
+                   type=str)
     sync_bn: bool = _f(False, "convert BatchNorm to SyncBatchNorm so statistics use the global batch")
     # -- optimisation -------------------------------------------------------------------------
     epochs: int = _f(None, "passes over the training split; default: the preset's recipe", type=int)

@@ -121,7 +121,8 @@ def _gathered_state(optimizer, ctx) -> dict | None:
     rows = distributed.gather_objects(on_cpu, ctx)
     if not ctx.is_main:
         return None
-    return {"state": {index: entry for row in rows for index, entry in row.items()}, "param_groups": mine["param_groups"]}
+    state = {index: entry for row in rows for index, entry in row.items()}
+    return {"state": state, "param_groups": mine["param_groups"]}
 
 
 def full_state(net: nn.Module, optimizer, ctx) -> tuple[dict | None, dict | None]:

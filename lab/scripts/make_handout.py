@@ -7,9 +7,9 @@ What is left out, and why:
   kit's tests run (each is the solution with one mistake, so it would give the answer away);
 - ``.ci/``: the kit's own CI.
 Everything else the kit tracks in git is copied as it is (a checkout without git: every file but the usual
-build, run and data folders). Then the handout is checked: no file of it may hold a line of the solution's code
-(three of its lines of code in a row; HINTS.md may quote one call, not the solution). OUT is written beside itself and renamed at the end, so a
-failure leaves no half-made handout. Students run the lab there as in the kit: ``python -m pytest lab/build_ddp``
+build, run and data folders). Then the handout is checked: no file of it may hold the solution's code (three
+of its lines in a row; HINTS.md may quote one call, not the solution). OUT is written beside itself and renamed
+at the end, so a failure leaves no half-made handout. Students run the lab there as in the kit: ``python -m pytest lab/build_ddp``
 tests their ``student.py``; ``BUILD_DDP=reference`` says the solution is not in the handout.
 """
 from __future__ import annotations
