@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import distributed, own_ddp
-from .optim import amp_dtype, use_fast_gpu_kernels
+from .optim import amp_dtype, channels_last_on, use_fast_gpu_kernels
 from .speed import sharding
 
 
@@ -179,9 +179,12 @@ def _place(model: nn.Module, settings, ctx) -> nn.Module:
                              "Turn sync_bn off for CPU runs.")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # DDP: BN statistics over the global batch
     model = model.to(ctx.device)
-    if settings.channels_last and ctx.device.type == "cuda":
+    fsdp = parallel_mode(settings, ctx) == "fsdp"
+    # FSDP2 shards only contiguous parameters: under fsdp the weights stay NCHW, and the batches alone go
+    # channels_last (a convolution takes its layout from its input)
+    if channels_last_on(settings, ctx.device) and not fsdp:
         model = model.to(memory_format=torch.channels_last)
-    if parallel_mode(settings, ctx) == "fsdp":   # FSDP: no wrapper; the model's blocks are sharded in place
+    if fsdp:   # FSDP: no wrapper; the model's blocks are sharded in place
         model = sharding.shard_model(model, ctx)
         return torch.compile(model) if settings.compile else model
     if ctx.distributed and settings.build_ddp in own_ddp.WRAPPERS:   # the DDP you wrote (lab/build_ddp)

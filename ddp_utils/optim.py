@@ -127,10 +127,20 @@ def use_fast_gpu_kernels(device: torch.device) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
 
 
+# Where --channels-last takes effect: cuDNN's NHWC convolutions are the fast ones; on a CPU the kit leaves the
+# layout alone. Tests add "cpu" to run a GPU run's path on a CPU (tests/mode_matrix.py).
+NHWC_DEVICES = {"cuda"}
+
+
+def channels_last_on(settings, device: torch.device) -> bool:
+    """Whether models and batches take the channels_last (NHWC) layout on ``device``."""
+    return settings.channels_last and device.type in NHWC_DEVICES
+
+
 def to_device(images, labels, settings, device):
     """Move a batch to ``device`` without blocking, in channels_last layout on a GPU when asked."""
     non_blocking = device.type == "cuda"
     images = images.to(device, non_blocking=non_blocking)
-    if settings.channels_last and device.type == "cuda":
+    if channels_last_on(settings, device):
         images = images.contiguous(memory_format=torch.channels_last)
     return images, labels.to(device, non_blocking=non_blocking)

@@ -375,13 +375,14 @@ def _one_gpu_steps(mode: str) -> dict:
     ctx = DistContext(0, 1, 0, device, "nccl")
     settings = Settings(dataset="demo", arch="convnet", parallel=mode)
     model = build_model("convnet", 10, seed=0).to(device)
-    if mode == "fsdp":
+    if mode == "fsdp":   # a GPU run's default layout: the batches only (FSDP2 refuses channels_last weights)
         model = sharding.shard_model(model, ctx)
-    else:   # ZeRO-1 under DDP, as prepare_model wraps it with several ranks
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    else:   # ZeRO-1 under DDP, as prepare_model wraps it with several ranks; channels_last as a GPU run has it
+        model = torch.nn.parallel.DistributedDataParallel(model.to(memory_format=torch.channels_last), device_ids=[0])
     optimizer = build_optimizer(model, settings, zero=mode == "zero1")
     for _ in range(3):
-        torch.nn.functional.cross_entropy(model(torch.randn(8, 3, 32, 32, device=device)),
+        images = torch.randn(8, 3, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
+        torch.nn.functional.cross_entropy(model(images),
                                           torch.randint(0, 10, (8,), device=device)).backward()
         optimizer.step()
     weights, state = sharding.full_state(unwrap(model), optimizer, ctx)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .. import distributed
 from ..model import ddp_of, unwrap, wrap_ddp
-from ..optim import amp_dtype, autocast
+from ..optim import amp_dtype, autocast, channels_last_on
 
 BUDGET_S = 3.0   # time the all-reduce timing may take, after one warm-up round
 PAIRS = 4        # compute timings: this many steps on every rank, each followed by one on rank 0 alone
@@ -132,7 +132,7 @@ class Stepper:
         with torch.random.fork_rng(devices=devices):   # the run's random numbers stay as they were
             self.images = torch.randn(settings.batch_size, 3, image_size, image_size, device=ctx.device)
             self.labels = torch.randint(0, num_classes, (settings.batch_size,), device=ctx.device)
-        if settings.channels_last and ctx.device.type == "cuda":
+        if channels_last_on(settings, ctx.device):
             self.images = self.images.contiguous(memory_format=torch.channels_last)
         self.step()
 

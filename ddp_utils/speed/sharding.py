@@ -158,7 +158,9 @@ def load_model_state(net: nn.Module, state: dict) -> None:
     FSDP model keeps its own shard of each tensor."""
     if is_fsdp(net):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        set_model_state_dict(net, state, options=StateDictOptions(full_state_dict=True))
+        # a copy of the mapping: torch writes this rank's shards into the dict it is given, which the caller
+        # keeps (a resume's state: mend_best would save the shards as best.pt)
+        set_model_state_dict(net, dict(state), options=StateDictOptions(full_state_dict=True))
     else:
         net.load_state_dict(state)
 
@@ -170,10 +172,20 @@ def load_optimizer_state(net: nn.Module, optimizer, state: dict) -> None:
         raise ValueError("build_ddp=f does not resume: your ShardedOptimizer (lab/build_ddp, part f) keeps its state "
                          "where the kit cannot put it back. Start a new run, or resume with parallel=zero1 (torch's "
                          "ZeRO-1 reads the same checkpoint)")
-    if is_fsdp(net):
+    if is_fsdp(net) and not state["state"]:
+        # SGD without momentum keeps no state: only the groups' values (torch's loader below cannot tell on
+        # which device an empty state goes, and stops)
+        optimizer.load_state_dict(state)
+    elif is_fsdp(net):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        # strict=False: a parameter that no forward used has no momentum yet, and keeps none
         set_optimizer_state_dict(net, optimizer, _by_name(state, net, optimizer),
-                                 options=StateDictOptions(full_state_dict=True))
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
+        # torch's loader first lays out a zero momentum for every parameter: one that had none when saved
+        # (never used yet) goes on without, as in the run saved
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index in set(range(len(params))) - {int(i) for i in state["state"]}:
+            optimizer.state.pop(params[index], None)
     elif _is_zero(optimizer):
         optimizer.load_state_dict(copy.deepcopy(state))   # ZeRO blanks the other ranks' entries of what it is given
         # it also keeps a copy of its own entries in .state, which its step never reads: freed

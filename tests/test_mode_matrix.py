@@ -1,0 +1,100 @@
+"""Every parallel mode on the settings a GPU run takes: the mode matrix (tests/mode_matrix.py runs each rank).
+
+{ddp, zero1, fsdp} saved x {ddp, zero1, fsdp} resumed x {1, 2, 3} ranks each way x momentum {0, 0.9} x
+channels_last {on, off} (forced on this CPU), on a net with a parameter that no forward uses, trained in bf16
+autocast with fp16's gradient scaler in the loop: each checkpoint resumes in every other mode and world size with
+the state restored bit for bit, the state it was given unchanged, and best.pt and last.pt written after the resume
+loadable here, by a process that made none of them. Where this torch cannot run FSDP on a CPU (2.6, the floor) the
+matrix is ddp and zero1 (the test says so). What a CPU cannot run of a GPU's defaults is listed in docs/gpu.md.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddp_utils import checkpoint
+from ddp_utils.distributed import DistContext
+from ddp_utils.robust import compat
+from tests import mode_matrix
+from tests.procs import describe, free_port, python, run_all
+from tests.sharding_ranks import same
+
+WORLDS = (1, 2, 3)
+LIMIT_S = 300   # a phase on 3 ranks: about 60 s alone on two cores
+
+
+def _phase(phase: str, world: int, folder) -> list[str]:
+    port = free_port()
+    results = run_all([python("-m", "tests.mode_matrix", phase, str(rank), str(world), str(port), str(folder))
+                       for rank in range(world)], timeout=LIMIT_S)
+    for res in results:
+        assert res.returncode == 0, describe(results)
+    return results[0].output.splitlines()
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> tuple:
+    folder = tmp_path_factory.mktemp("matrix")
+    for world in WORLDS:
+        _phase("save", world, folder)
+    lines = [line for world in WORLDS for line in _phase("resume", world, folder)]
+    return folder, lines
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_every_mode_resumes_every_modes_checkpoint_on_any_number_of_ranks(matrix):
+    folder, lines = matrix
+    modes = mode_matrix.modes()
+    if compat.fsdp_refusal("cpu", "gloo"):
+        assert modes == ["ddp", "zero1"]   # the floor: FSDP2 needs torch 2.7 on a CPU (docs/gpu.md)
+    sources = len(modes) * len(WORLDS) * 2 * 2   # mode x world x momentum x layout
+    failures = [line for line in lines if line.startswith("FAIL")]
+    checks = [line for line in lines if line.startswith("CHECK")]
+    assert not failures, "\n".join(failures)
+    assert len(checks) == sources * len(modes) * len(WORLDS)
+    wrong = [line for line in checks if not line.endswith("input=True mended=True stepped=True equal=True")]
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_best_and_last_written_after_a_resume_load_in_a_fresh_process_whole(matrix):
+    folder, _ = matrix
+    targets = sorted(folder.glob("*/to-*"))
+    assert len(targets) == (len(mode_matrix.modes()) * len(WORLDS) * 4) * len(mode_matrix.modes()) * len(WORLDS)
+    for target in targets:
+        saved = checkpoint.load_checkpoint(target.parent / "last.pt")
+        best = checkpoint.load_checkpoint(target / "best.pt")   # mend_best's: the resumed state, whole
+        assert same(best["model"], saved["model"]), target
+        last = checkpoint.load_checkpoint(target / "last.pt")   # a step later, in the other mode
+        for name, tensor in saved["model"].items():
+            assert last["model"][name].shape == tensor.shape, (target, name)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_channels_last_reaches_the_convolutions_and_fsdps_weights_stay_contiguous(monkeypatch, mode):
+    """What the matrix forces on the CPU: a GPU run's layout. FSDP2 shards only contiguous parameters (finding 1:
+    every fsdp run on a GPU stopped with NotImplementedError), so under fsdp the batches alone take it."""
+    from ddp_utils import model as kit_model, optim
+    monkeypatch.setattr(optim, "NHWC_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(kit_model, "channels_last_on", optim.channels_last_on)
+    monkeypatch.setattr(kit_model, "parallel_mode", lambda settings, ctx: mode)   # no group needed to ask it
+    monkeypatch.setattr(kit_model.sharding, "shard_model", lambda net, ctx: net)
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+    settings = mode_matrix.settings_for(mode, 0.9, "nhwc", 0, 1, 29500)
+    model = kit_model.prepare_model(mode_matrix.MatrixNet(), settings, ctx, log=lambda *_: None)
+    weight = model.block1[0].weight
+    assert weight.is_contiguous(memory_format=torch.channels_last) == (mode == "ddp")
+    assert weight.is_contiguous() == (mode == "fsdp")
+    images, _ = optim.to_device(torch.randn(2, 3, 8, 8), torch.zeros(2), settings, ctx.device)
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    assert model(images).shape == (2, mode_matrix.CLASSES)
+
+
+def test_a_cpu_run_keeps_the_layout_it_was_given():
+    """--channels-last is the GPU's: a CPU run is not switched (the matrix forces it on purpose)."""
+    from ddp_utils import optim
+    settings = mode_matrix.settings_for("ddp", 0.9, "nhwc", 0, 1, 29500)
+    assert settings.channels_last and not optim.channels_last_on(settings, torch.device("cpu"))
+    assert optim.channels_last_on(settings, torch.device("cuda"))
