@@ -461,9 +461,10 @@ def wait_for_all(what: str, ctx: DistContext, timeout: float, log=print) -> None
     key = f"wait/{_waits}"
     count = _ask_store(ctx, what, _store.add, key, 1)   # arrivals, counted by the store itself
     start = time.monotonic()
-    next_note = start + 30.0
+    next_note, pause = start + 30.0, 0.005
     while count < ctx.world_size:
-        time.sleep(0.2)
+        time.sleep(pause)
+        pause = min(0.2, pause * 2)   # quick when the others are already there, 5 polls a second after that
         if _aborted:   # the watch found a rank gone (the store may be out of reach too)
             raise PeerLost(f"rank {ctx.rank}: training stopped because {_aborted}")
         count, failure = _ask_store(ctx, what, lambda: (int(_store.add(key, 0)), _failure_in_store(ctx)))
