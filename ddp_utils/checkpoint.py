@@ -223,7 +223,16 @@ def _per_rank_parts(state: dict | None):
     return own
 
 
-def mend_best(state: dict, run_dir, ctx) -> bool:
+def mend_best(state: dict, run_dir, ctx, timeout: float = 300.0) -> bool:
+    """Every rank: rank 0 writes best.pt again where a stop came between an epoch's two writes (``_mend_best``),
+    and the others wait for it (``timeout`` s) here, not in the next collective, whose short timeout a slow disk
+    would trip. True on rank 0 when it wrote best.pt."""
+    wrote = _mend_best(state, run_dir, ctx)
+    distributed.wait_for_all("let rank 0 write best.pt again", ctx, timeout)
+    return wrote
+
+
+def _mend_best(state: dict, run_dir, ctx) -> bool:
     """Write best.pt again from a resumed state when a stop came between the two writes of a best epoch.
 
     A best epoch writes last.pt, then best.pt. Killed in between, last.pt records that epoch as the

@@ -579,6 +579,16 @@ def gather_objects(obj, ctx: DistContext) -> list:
     return out
 
 
+def gather_to_main(obj, ctx: DistContext) -> list | None:
+    """Every rank's ``obj`` as a list by rank on rank 0, None on the others: what only rank 0 writes (a trace of
+    every rank) need not be held by every rank."""
+    if not ctx.distributed:
+        return [obj]
+    out: list | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def broadcast_object(obj, ctx: DistContext, src: int = 0):
     """Rank ``src``'s ``obj`` (any picklable object), returned on every rank."""
     if not ctx.distributed:

@@ -360,7 +360,7 @@ def _fit(settings, ctx, data, model, logger, state, resume, heartbeat=None, comm
         saved = (state.get("comm") or {}).get("powersgd")
         if memory is not None and saved:   # its error feedback and warm start: the resume is exact
             logger.info(memory.load_state_dict(saved, ctx))
-        if checkpoint.mend_best(state, logger.run_dir, ctx):
+        if checkpoint.mend_best(state, logger.run_dir, ctx, settings.init_timeout):
             logger.info(f"best.pt was older than the best epoch ({state['epoch'] + 1}) that last.pt records (a stop "
                         f"between the two writes): written again from it")
     logger.info(f"{describe_batch(settings)}; precision {dtype or 'fp32'}; device {ctx.device}")

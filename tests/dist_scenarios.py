@@ -133,7 +133,34 @@ def devices(s: Settings) -> None:
     distributed.teardown()
 
 
-SCENARIOS = {"devices": devices, "basics": basics, "joined": joined, "mismatch": mismatch, "init_fails": init_fails,
+def slow_rank0_writes(s: Settings) -> None:
+    """Rank 0 writes the profiler's traces and a mended best.pt on a disk slower than the collective timeout (1 s):
+    the next collective must still find every rank (they wait for rank 0 through the store, not in it)."""
+    import tempfile
+    from pathlib import Path
+    from ddp_utils import checkpoint
+    from ddp_utils.speed import profile
+    ctx = distributed.setup(s)
+    if not distributed.set_collective_timeout(1.0):
+        check("skipped", "this torch keeps gloo's timeout")
+        return
+    run_dir = Path(tempfile.mkdtemp(prefix="slow-writes-"))
+    slow = lambda real: lambda *a, **k: (time.sleep(3 if ctx.is_main else 0), real(*a, **k))[1]   # noqa: E731
+    profile.atomic_write = slow(profile.atomic_write)
+    prof = profile.StepProfiler((0, 1), ctx, run_dir if ctx.is_main else None, log=lambda *_: None, wait_s=30)
+    prof.before(0)
+    torch.ones(4).sum()
+    prof.after(1)
+    check("sum_after_traces", distributed.all_reduce_sum(torch.ones(1), ctx).tolist())
+    check("traces", sorted(p.name for p in (run_dir / "profile").glob("*.json")) if ctx.is_main else None)
+    checkpoint.save_checkpoint = slow(checkpoint.save_checkpoint)
+    state = {"history": [{"val": {"acc1": 50.0}}], "best_acc1": 50.0, "model": {}}
+    check("mended", checkpoint.mend_best(state, run_dir, ctx, 30))
+    check("sum_after_best", distributed.all_reduce_sum(torch.ones(1), ctx).tolist())
+    distributed.teardown()
+
+
+SCENARIOS = {"slow_rank0_writes": slow_rank0_writes, "devices": devices, "basics": basics, "joined": joined, "mismatch": mismatch, "init_fails": init_fails,
              "interrupted": interrupted, "stopped_in_init": lambda s: stopped_in_setup(s, "init"),
              "stopped_in_agree": lambda s: stopped_in_setup(s, "agree")}
 

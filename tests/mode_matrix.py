@@ -127,8 +127,7 @@ def resume(settings, ctx, source: Path) -> str:
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir()
         shutil.copy(source / "last.pt", target / "last.pt")
-    mended = checkpoint.mend_best(state, target, ctx) if ctx.is_main else True
-    distributed.wait_for_all("mend best.pt", ctx, 60)
+    mended = checkpoint.mend_best(state, target if ctx.is_main else None, ctx, 60) or not ctx.is_main
     train(model, optimizer, scheduler, scaler, settings, ctx, steps=1, seed=2)
     checkpoint.save_state([target / "last.pt"], model, optimizer, scheduler, scaler, 1, 3, 50.0,
                           state["history"], settings, ctx)

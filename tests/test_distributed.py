@@ -37,6 +37,20 @@ def checks(result) -> dict:
 
 
 # -- two ranks on loopback --------------------------------------------------------------------
+def test_what_rank_0_alone_writes_between_collectives_is_waited_for_outside_them():
+    """Issue 43, finding 5: rank 0 wrote the profiler's traces and a mended best.pt while the others waited in the
+    next collective: a disk slower than its timeout broke training. Now they wait through the store."""
+    port = free_port()
+    results = run_all([scenario("slow_rank0_writes", r, 2, port) for r in range(2)], timeout=90, env=base_env())
+    assert all(r.returncode == 0 for r in results), describe(results)
+    main, other = (checks(r) for r in results)
+    if "skipped" in main:
+        pytest.skip(main["skipped"])
+    assert main["traces"] == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+    assert main["mended"] is True and other["mended"] is False
+    for said in (main, other):
+        assert said["sum_after_traces"] == said["sum_after_best"] == [2.0]
+
 @pytest.fixture(scope="module")
 def basics():
     """One two-rank run of tests/dist_scenarios.py:basics; the tests below read its checks."""

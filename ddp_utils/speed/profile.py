@@ -40,8 +40,9 @@ class StepProfiler:
     """``before(step)`` at the start of each optimizer step, ``after(step)`` once ``step`` (the run's step count)
     went up; ``finish()`` at the end of an epoch closes a window that the epoch's end cut short."""
 
-    def __init__(self, window: tuple[int, int] | None, ctx, run_dir, log=print):
+    def __init__(self, window: tuple[int, int] | None, ctx, run_dir, log=print, wait_s: float = 300.0):
         self.window, self.ctx, self.log = window, ctx, log
+        self.wait_s = wait_s   # how long the other ranks wait for rank 0 to write the traces
         self.folder = Path(run_dir) / "profile" if run_dir else None
         self._prof = None
         self.done = False     # one window per run (every rank alike: the gather at its end is a collective)
@@ -51,7 +52,7 @@ class StepProfiler:
     @classmethod
     def from_settings(cls, settings, ctx, run_dir, log=print) -> StepProfiler | None:
         window = parse_window(settings.profile_steps)
-        return cls(window, ctx, run_dir, log) if window else None
+        return cls(window, ctx, run_dir, log, settings.init_timeout) if window else None
 
     def before(self, step: int) -> None:
         if self._prof is None and not self.done and self.window[0] <= step < self.window[1]:
@@ -84,9 +85,13 @@ class StepProfiler:
             prof.export_chrome_trace(path)
             with open(path, "rb") as f:
                 mine = gzip.compress(f.read(), compresslevel=1)   # a few MB of JSON, sent once
-        traces = distributed.gather_objects(mine, self.ctx)   # every rank's, in rank order
-        if not self.ctx.is_main or self.folder is None:
-            return
+        traces = distributed.gather_to_main(mine, self.ctx)   # every rank's, in rank order, on rank 0 alone
+        if self.ctx.is_main and self.folder is not None:
+            self._write(traces)
+        # the others wait here, not in the next collective, whose short timeout a slow disk would trip
+        distributed.wait_for_all("let rank 0 write the profiler's traces", self.ctx, self.wait_s, self.log)
+
+    def _write(self, traces: list[bytes]) -> None:
         for rank, data in enumerate(traces):
             target = self.folder / f"rank{rank}.pt.trace.json"
             self.folder.mkdir(parents=True, exist_ok=True)
