@@ -117,6 +117,26 @@ def test_a_resume_continues_powersgd_exactly_whenever_it_stopped():
     assert said[7] == "PowerSGD continues at step 7 with its error feedback and warm start"
 
 
+def test_a_resume_with_more_steps_keeps_the_warm_up_the_run_started_with():
+    """Issue 43, finding 6: the warm-up (a quarter of the run's steps) was recomputed on resume, so a resume with
+    more epochs moved it past the step reached: exact all-reduce again, then compression with stale feedback."""
+    device = torch.device("cpu")
+    with one_rank_group():
+        data, ctx = batches(device), one_rank_of_a_group(device, "gloo")
+        straight = Run(device, "gloo", SETTINGS)   # warm-up: 3 steps
+        straight.steps(data)
+        first = Run(device, "gloo", SETTINGS)
+        first.steps(data[:5])   # compressing since step 3
+        longer = Settings(**{**SETTINGS.to_dict(), "powersgd_warmup_steps": 9})   # what more epochs would give
+        again = Run(device, "gloo", longer, weights=first.weights(), optimizer=first.optimizer.state_dict())
+        said = again.memory.load_state_dict(first.memory.state_dict(ctx), ctx)
+        assert again.memory.state.start_powerSGD_iter == 3
+        again.steps(data[5:])
+    assert "warm-up of 3 steps kept" in said
+    for name, value in straight.weights().items():
+        assert torch.equal(again.weights()[name], value), name
+
+
 def test_without_its_memory_a_resumed_run_is_not_the_same():
     """What the test above guards: a resumed PowerSGD that starts its memory afresh ends elsewhere."""
     ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")

@@ -126,11 +126,12 @@ class Memory:
     def state_dict(self, ctx) -> dict:
         """What the checkpoint keeps (a collective: every rank's error feedback goes to rank 0, one rank at a time).
 
-        ``{"iter", "rank", "names", "p", "q", "errors"}``: ``p`` / ``q`` by name, ``errors`` one flat tensor per
+        ``{"iter", "start", "rank", "names", "p", "q", "errors"}``: ``p`` / ``q`` by name, ``errors`` one flat tensor per
         rank (the parameters of ``names`` one after the other); empty before PowerSGD's first step."""
         pieces = self.by_parameter()
         names = [name for name in self.order if name in pieces]
-        saved = {"iter": self.state.iter, "rank": self.state.matrix_approximation_rank, "names": names,
+        saved = {"iter": self.state.iter, "start": self.state.start_powerSGD_iter,
+                 "rank": self.state.matrix_approximation_rank, "names": names,
                  "p": {n: pieces[n]["p"].cpu() for n in names if "p" in pieces[n]},
                  "q": {n: pieces[n]["q"].cpu() for n in names if "q" in pieces[n]}, "errors": []}
         if not names:
@@ -157,11 +158,16 @@ class Memory:
         warm-start matrices do not fit: they start afresh."""
         self.forget()
         self.state.iter = saved["iter"]
+        # the warm-up the run started with: a resume with more epochs (or ranks) would move it past the step reached,
+        # back to the exact all-reduce, then compress again with stale error feedback
+        start = saved.get("start", self.state.start_powerSGD_iter)   # checkpoints before this key: this run's
+        kept = f"; its warm-up of {start} steps kept" if start != self.state.start_powerSGD_iter else ""
+        self.state.start_powerSGD_iter = start
         errors = saved["errors"]
         count = errors if isinstance(errors, int) else len(errors)
         if not saved["names"] or not count:
-            return f"PowerSGD continues at step {saved['iter']} (no memory yet)"
-        note = ""
+            return f"PowerSGD continues at step {saved['iter']} (no memory yet{kept})"
+        note = kept
         if saved["rank"] != self.state.matrix_approximation_rank:
             saved, note = {**saved, "p": {}, "q": {}}, f"; saved with rank {saved['rank']}: the warm start afresh"
         sizes = {name: p.numel() for p, name in self.names.items()}
