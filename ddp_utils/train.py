@@ -190,9 +190,11 @@ SKIPPED_IN_A_ROW = 20   # fp16 steps skipped one after another (scale / 2**20) b
 
 
 def _local_gradients(model, local: bool):
-    """DDP's ``no_sync()`` while ``local``: this batch's gradients are added to the ones already there
-    and not all-reduced (gradient accumulation). Nothing for a model without it (one process, DataParallel)."""
-    return model.no_sync() if local and hasattr(model, "no_sync") else contextlib.nullcontext()
+    """DDP's ``no_sync()`` (FSDP: ``sharding.no_sync``) while ``local``: this batch's gradients are added to the
+    ones already there, not all-reduced (gradient accumulation). Nothing for one process or DataParallel."""
+    if not local:
+        return contextlib.nullcontext()
+    return model.no_sync() if hasattr(model, "no_sync") else sharding.no_sync(unwrap(model))
 
 
 def _after_a_skipped_step(stepper, comm, step: int, lr: float) -> None:

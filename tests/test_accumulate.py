@@ -72,6 +72,33 @@ def test_ddp_all_reduces_once_per_group_and_the_optimizer_steps_once_per_group(c
 
 
 @pytest.mark.slow
+def test_fsdp_reduce_scatters_once_per_group(clean_env, monkeypatch):
+    """Issue 43, finding 7: under --parallel fsdp every batch reduce-scattered, so accumulate=3 saved no traffic.
+    7 batches in groups of 3, 3 and 1: each FSDP unit reduce-scatters 3 times, once per group."""
+    from ddp_utils.robust import compat
+    from ddp_utils.speed import sharding
+    refusal = compat.fsdp_refusal("cpu", "gloo")
+    if refusal:
+        pytest.skip(refusal)
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
+    reduces = []
+    real = param_group.foreach_reduce
+    monkeypatch.setattr(param_group, "foreach_reduce", lambda *a, **k: (reduces.append(1), real(*a, **k))[1])
+    settings = Settings(dataset="fake", image_size=32, arch="convnet", batch_size=4, max_steps_per_epoch=7,
+                        workers=0, accumulate=3, progress="off", wandb="disabled", parallel="fsdp")
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
+    data = build_loaders(settings, 0, 1, "cpu")
+    with one_rank_group():
+        model = sharding.shard_model(build_model("convnet", data.num_classes, seed=0), ctx)
+        optimizer = build_optimizer(model, settings)
+        scheduler = build_scheduler(optimizer, settings, optimizer_steps(7, 3))
+        train_one_epoch(model, data, optimizer, scheduler, make_scaler(None, ctx.device), 0, settings, ctx,
+                        NullLogger())
+    assert len(reduces) == 3 * len(sharding.units(model)), reduces
+    assert scheduler.last_epoch == 3
+
+
+@pytest.mark.slow
 def test_two_ranks_accumulating_two_batches_train_like_one_process_with_four_times_the_batch(tmp_path):
     """2 ranks x 8 images x 2 accumulated batches = 1 process x 32 images: the same weights after 2 optimizer
     steps an epoch (GroupNorm and fake images without random crops: nothing differs between the ranks)."""

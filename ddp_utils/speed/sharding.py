@@ -26,6 +26,7 @@ in any mode and on any number of ranks. ``held_bytes`` measures what this rank h
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 
@@ -70,6 +71,21 @@ def shard_model(model: nn.Module, ctx) -> nn.Module:
         fully_shard(block, mesh=mesh)   # FSDP: this block's parameters are split over the ranks
     fully_shard(model, mesh=mesh)       # FSDP: the root: what the blocks left (stem, classifier)
     return model
+
+
+@contextlib.contextmanager
+def no_sync(net: nn.Module):
+    """FSDP's counterpart of DDP's ``no_sync()`` (gradient accumulation): the backward passes inside keep whole
+    gradients on each rank and reduce-scatter nothing; the next one outside sends the sum. Nothing for a model
+    that is not sharded."""
+    if not is_fsdp(net):
+        yield
+        return
+    net.set_requires_gradient_sync(False)   # FSDP2: for the root and every block
+    try:
+        yield
+    finally:
+        net.set_requires_gradient_sync(True)
 
 
 def is_fsdp(net: nn.Module) -> bool:
