@@ -364,6 +364,25 @@ def test_a_restarted_rank_never_joins_a_generation_that_formed_but_whose_rank_0_
     del server
 
 
+def test_a_worker_that_re_ran_setup_alone_is_told_rank_0_still_runs_the_earlier_group():
+    """Issue 43, finding 8: the hint for a worker whose rank 0 still runs the group it formed (closed, and formed)
+    was never shown: the text asked `formed` first and said rank 0 had not opened the attempt yet."""
+    import datetime
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False)
+    server.add(rendezvous.GENERATION, 1)
+    for r in range(2):
+        server.set(f"ddp_utils/1/arrived/{r}", json.dumps({"rank": r}))
+    server.set("ddp_utils/1/closed", "1")   # rank 0 formed its group and trains in it
+    settings = Settings(world_size=2, rank=1, master_addr="127.0.0.1", master_port=port, init_timeout=1, workers=0)
+    lines = []
+    with pytest.raises(distributed.DistSetupError, match=r"still runs an earlier process group \(has rank 0 re-run setup\?\)"):
+        rendezvous.open_store(settings, log=lines.append)
+    assert any("still runs an earlier process group" in line for line in lines)
+    del server
+
+
 def test_torchruns_store_listens_on_every_interface_as_the_faults_page_says():
     """Issue 37, finding 7: under launch and torchrun the store is torchrun's, a TCPStore made as its rendezvous
     makes it (is_master, host master_addr): it listens on every interface, whatever master_addr says. The faults

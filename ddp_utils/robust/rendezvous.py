@@ -86,12 +86,13 @@ def open_store(settings, log) -> Keys:
             store = _client_store(settings, left)
             generation = int(store.get(GENERATION))  # waits for rank 0 to publish one
             formed = store.check([f"ddp_utils/{generation}/arrived/{r}" for r in range(settings.world_size)])
-            # formed and not closed: every rank arrived, this one's earlier self too, and rank 0 stopped before it
-            # closed it (killed hard in that window); the restarted rank 0 will open the next one
-            if not formed and not store.check([f"ddp_utils/{generation}/closed"]):
+            closed = store.check([f"ddp_utils/{generation}/closed"])
+            if not formed and not closed:
                 return Keys(f"ddp_utils/{generation}", store)
-            why = ("has not opened this attempt's rendezvous yet" if agent or formed else
-                   "still runs an earlier process group (has rank 0 re-run setup?)")
+            # closed: rank 0 formed its group and runs it (this worker re-ran setup alone); formed and not closed:
+            # rank 0 stopped before it closed it (killed hard in that window): a restarted one opens the next
+            why = ("still runs an earlier process group (has rank 0 re-run setup?)" if closed and not agent else
+                   "has not opened this attempt's rendezvous yet")
         except DistSetupError:   # rank 0's own paragraph (it subclasses RuntimeError): no retry
             raise
         except (RuntimeError, ValueError) as e:  # DistError subclasses RuntimeError
