@@ -707,3 +707,39 @@ def test_a_peers_last_beat_seen_after_the_break_is_not_taken_for_a_sign_of_life(
         assert beat.name_the_lost(timeout=1.5) == ""
         took = _time.monotonic() - start
         assert (took < 1.2) == early, (changes, took)   # alive only once it beat again after the break
+
+
+# -- "after rank N on the same machine had ended" (robust/devices.py) ---------------------------------------------
+def _peer(pid: int, **facts) -> dict:
+    from ddp_utils.robust import devices
+    return {"machine": devices.machine_id(), "pid_space": devices.pid_space(), "pid": pid, **facts}
+
+
+def test_a_rank_that_ended_on_this_machine_is_named_also_while_a_zombie():
+    """Issue 43, finding 10: a rank that ended but that its launcher has not reaped yet (a zombie) counted as running."""
+    import subprocess
+    import time as _time
+    from ddp_utils.robust import devices
+    child = subprocess.Popen(["true"])
+    try:
+        deadline = _time.monotonic() + 10
+        while _time.monotonic() < deadline:   # ended, not reaped: /proc says Z
+            with open(f"/proc/{child.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            _time.sleep(0.05)
+        said = devices.ended_beside({3: _peer(child.pid), 4: _peer(os.getppid())})
+        assert said.startswith(", after rank 3 on the same machine had ended"), said
+    finally:
+        child.wait()
+
+
+def test_a_pid_from_another_containers_pid_namespace_is_not_looked_up_here():
+    """Issue 43, finding 8: containers without --pid=host share the machine's boot id but number their processes
+    apart: a rank's PID from there named whatever process has that number here (or none)."""
+    from ddp_utils.robust import devices
+    import subprocess
+    gone = subprocess.Popen(["true"])
+    gone.wait()   # a PID that no process has here now
+    assert devices.ended_beside({1: _peer(gone.pid)}).startswith(", after rank 1")
+    assert devices.ended_beside({1: _peer(gone.pid, pid_space="pid:[1]")}) == ""   # another container's

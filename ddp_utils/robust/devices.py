@@ -39,7 +39,31 @@ def device_facts(settings, device: torch.device) -> dict:
         precision = f"error: {e}"
     return {"rank": settings.rank, "host": socket.gethostname(), "machine": machine_id(), "gpu": gpu,
             "gpu_name": name, "auto": alone, "precision": precision, "torch": str(torch.__version__),
-            "pid": os.getpid()}
+            "pid": os.getpid(), "pid_space": pid_space()}
+
+
+def pid_space() -> str | None:
+    """This process's PID namespace: two containers on one machine (without --pid=host) share its boot id but
+    number their processes apart, so a PID names a process only within one of these."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs: a zombie (ended, not yet reaped by its launcher) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:   # it exists (another user's: not ours to signal)
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # the state follows the command's name
+    except (OSError, IndexError):
+        return True
 
 
 def ended_beside(peers: dict[int, dict]) -> str:
@@ -49,14 +73,11 @@ def ended_beside(peers: dict[int, dict]) -> str:
     when none has (a scheduler's SIGTERM to every rank: they all still run)."""
     ended = []
     for rank, facts in sorted(peers.items()):
-        if facts.get("machine") != machine_id() or facts.get("pid") in (None, os.getpid()):
-            continue
-        try:
-            os.kill(facts["pid"], 0)
-        except ProcessLookupError:
+        if (facts.get("machine") != machine_id() or facts.get("pid_space") != pid_space()
+                or facts.get("pid") in (None, os.getpid())):
+            continue   # another machine, or another container's PIDs (its numbers mean nothing here)
+        if not _running(facts["pid"]):
             ended.append(str(rank))
-        except OSError:   # it exists (another user's: not ours to signal)
-            pass
     if not ended:
         return ""
     which = f"rank {ended[0]}" if len(ended) == 1 else f"ranks {', '.join(ended)}"
