@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Iterator, Sized
 
 import numpy as np
-
+import psutil   # here, not in the forked workers: a C extension loaded after fork in a threaded parent can hang
 import torch
 from PIL import Image
 from torch import Tensor
@@ -383,9 +383,8 @@ def close_inherited_listeners(worker_id: int = 0) -> None:
     Rank 0 hosts the rendezvous store on master_port; a worker forked from it holds a copy of that
     listening socket for as long as it lives (persistent validation workers: until the loader is gone),
     so re-running the notebook found its own port "in use by pid <worker>". A worker never listens.
+    It imports nothing: psutil was imported by the parent before the fork.
     """
-    import psutil
-
     for conn in psutil.Process().net_connections(kind="tcp"):
         if conn.status == psutil.CONN_LISTEN and conn.fd >= 0:
             try:

@@ -635,3 +635,19 @@ def test_an_interrupt_while_waiting_for_a_batch_lets_the_loaders_workers_go():
         time.sleep(0.1)
     assert not workers() and caught.value.__traceback__ is not None
     assert not [c for c in me.children() if c.pid not in before], "a worker left unreaped (a zombie)"
+
+
+def test_a_forked_loader_worker_imports_nothing_when_it_closes_the_inherited_listeners(monkeypatch):
+    """Issue 43, finding 8: the workers imported psutil after the fork, in a parent whose threads (the watch, the
+    store's) may hold the loader's lock then: a C extension loaded there can hang the worker for good."""
+    import builtins
+    from ddp_utils import datasets
+    imported, real = [], builtins.__import__
+
+    def noted(name, *args, **kwargs):
+        imported.append(name)
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", noted)
+    datasets.close_inherited_listeners(0)
+    monkeypatch.undo()
+    assert imported == []
