@@ -282,3 +282,32 @@ def test_check_on_two_gpus_prints_nccls_interface_line_and_the_sweep(tmp_path):
     assert [r.returncode for r in results] == [0, 0], describe(results)
     assert "NET/Socket" in results[0].output or "Bootstrap" in results[0].output, describe(results)
     assert "all-reduce over the process group (nccl, 2 ranks)" in results[0].output
+
+
+def test_every_resend_of_a_dropped_stop_is_cancelled_when_the_command_ends(monkeypatch):
+    """Issue 43, finding 8: a Ctrl-C and a SIGTERM both dropped by Python each schedule a resend; only the last
+    was kept and cancelled, so the first fired after main() had made the stop (into whatever ran next)."""
+    import types
+    from ddp_utils import distributed
+    from ddp_utils.robust import interrupts
+    from ddp_utils.tools import cli
+    timers = []
+
+    class Timer:
+        def __init__(self, delay, call, args):
+            self.cancelled, self.daemon = False, False
+            timers.append(self)
+
+        def start(self):
+            pass
+
+        def cancel(self):
+            self.cancelled = True
+    monkeypatch.setattr(interrupts.threading, "Timer", Timer)
+    monkeypatch.setattr(cli, "_resends", [])
+    monkeypatch.setattr(distributed, "stop_signal", None)
+    for exc in (KeyboardInterrupt(), cli.Terminated("SIGTERM")):
+        cli._dropped(lambda unraisable: None, types.SimpleNamespace(exc_value=exc))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # _dropped re-armed the kit's handler for the resend
+    cli.cancel_resends()
+    assert len(timers) == 2 and all(timer.cancelled for timer in timers)

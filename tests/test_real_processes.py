@@ -254,7 +254,7 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
         def cancel(self):
             sent.append("cancelled")
     monkeypatch.setattr(interrupts.threading, "Timer", Timer)
-    monkeypatch.setattr(cli, "_resend", None)
+    monkeypatch.setattr(cli, "_resends", [])
     monkeypatch.setattr(distributed, "stop_signal", None)
     monkeypatch.setattr(distributed, "_peers", {})
     monkeypatch.setattr(sys, "unraisablehook", functools.partial(cli._dropped, sys.unraisablehook))
@@ -292,7 +292,8 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
 
         def run_job(*args, **kwargs):
             raise RuntimeError("DataLoader worker (pid(s) 26981) exited unexpectedly")
-        monkeypatch.setattr(sys.modules["ddp_utils.job"], "run_job", run_job)
+        import ddp_utils.job   # alone, the test would find it not yet imported
+        monkeypatch.setattr(ddp_utils.job, "run_job", run_job)
         assert cli.main(["train", "--dataset", "fake"]) == (143 if sig == signal.SIGTERM else 130)
         assert ("terminated (SIGTERM): " if sig == signal.SIGTERM else "interrupted: ") in capsys.readouterr().err
         assert sent[-1] == "cancelled"   # main ended first: the stop the resend would make is made

@@ -119,7 +119,7 @@ class Terminated(KeyboardInterrupt):
     description = "SIGTERM (the process was told to stop)"   # what the other ranks are told
 
 
-_resend = None   # the timer of a dropped signal's resend, cancelled when main() ends first (the stop is made)
+_resends: list = []   # the timers of dropped signals' resends, all cancelled when main() ends first (the stop is made)
 
 
 def _terminate(signum, frame):
@@ -146,7 +146,6 @@ def _dropped(previous, unraisable) -> None:
     a SIGTERM or a Ctrl-C: nothing printed, the cause kept (what breaks meanwhile, the workers the same signal to
     the process group ended, is reported as it), and the signal delivered again a moment later, where it stops
     the run."""
-    global _resend
     if isinstance(unraisable.exc_value, KeyboardInterrupt):   # cli.Terminated is one too
         if isinstance(unraisable.exc_value, Terminated):
             signal.signal(signal.SIGTERM, _terminate)
@@ -154,7 +153,7 @@ def _dropped(previous, unraisable) -> None:
         else:
             distributed.stop_signal = distributed.stop_signal or distributed.INTERRUPTED
             signum = signal.SIGINT
-        _resend = resend_later(signum)
+        _resends.append(resend_later(signum))   # each dropped one: a resend that only a finished stop cancels
         return
     previous(unraisable)
 
@@ -213,8 +212,13 @@ def main(argv=None) -> int:
         return 2
     finally:
         sys.unraisablehook = previous_hook
-        if _resend is not None:
-            _resend.cancel()
+        cancel_resends()
+
+
+def cancel_resends() -> None:
+    """Cancel every resend still pending (a stop dropped twice, a Ctrl-C and a SIGTERM: a timer each)."""
+    while _resends:
+        _resends.pop().cancel()
 
 
 def _stopped(exc: KeyboardInterrupt) -> int:
