@@ -536,3 +536,23 @@ def test_a_two_rank_run_resumes_on_four_ranks_started_by_launch(tmp_path):
     steps_4 = checkpoint.load_checkpoint(run / "last.pt")["step"] - steps_2
     assert steps_4 == steps_2, (steps_2, steps_4)   # 2 epochs at half the steps each: every image once an epoch
     assert "rank 3 of 4" in (tmp_path / "logs4" / "rank3.log").read_text()
+
+
+def test_the_launcher_forgets_the_workers_that_ended():
+    """Issue 43, finding 8: the launcher's list of torchrun's processes only grew (every attempt of a run with
+    restarts added its workers, and a PID that came back stood for an ended process). What ended is dropped."""
+    import subprocess
+    import psutil
+    from ddp_utils.tools.launch import Launcher
+    launcher = Launcher.__new__(Launcher)
+    ended = subprocess.Popen(["true"])
+    remembered = psutil.Process(ended.pid)
+    ended.wait()
+    launcher.popen = subprocess.Popen(["sleep", "5"])
+    try:
+        launcher.workers = {ended.pid: remembered}
+        launcher.remember_workers()
+        assert launcher.workers == {}
+    finally:
+        launcher.popen.kill()
+        launcher.popen.wait()

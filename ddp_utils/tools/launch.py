@@ -305,6 +305,8 @@ class Launcher:
         torchrun itself was killed (they would train on as orphans, holding the GPU and the port)."""
         import psutil
         self._looked_at = time.monotonic()
+        # what ended is forgotten: a run with restarts makes new workers each attempt (and PIDs come back)
+        self.workers = {pid: child for pid, child in self.workers.items() if child.is_running()}
         try:
             for child in psutil.Process(self.popen.pid).children(recursive=True):
                 self.workers.setdefault(child.pid, child)
