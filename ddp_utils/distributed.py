@@ -261,7 +261,10 @@ def _init_process_group(settings, keys, backend: str, report: dict, log) -> None
                                 timeout=timeout, store=keys)
         # NCCL connects lazily: a first collective makes its network problems show up here.
         dist.barrier(device_ids=[settings.local_rank] if backend == "nccl" else None)
-        _store = keys
+        # The kit's own messages (failures, explicit waits, the watch's beats) go through a connection of their
+        # own with a short timeout: a lost link must not block a rank's look at the store for minutes. torch's
+        # group keeps its connection and init_timeout (NCCL makes later communicators through it).
+        _store = rendezvous.second_client(settings, keys, timeout=STORE_TIMEOUT_S)
         _waits = _watches = 0
         _aborted = None
         # gloo's connections to the other ranks are the ones init made (the store's use master_port)
@@ -279,9 +282,6 @@ def _init_process_group(settings, keys, backend: str, report: dict, log) -> None
             log(f"rank {settings.rank}: collectives may wait up to {timeout.total_seconds():g} s, not collective_timeout "
                 f"({settings.collective_timeout:g} s): {backend} on torch {torch.__version__} keeps the timeout its "
                 f"group was made with, {why}; the kit's watch still names a silent rank within seconds")
-        # The store now only carries short messages (failures, explicit waits): a lost link must not
-        # block a rank's look at it for minutes.
-        _store.set_timeout(timedelta(seconds=10))
     except Exception as e:
         raise DistSetupError(_init_failure(settings, backend, report, e)) from e
 
@@ -482,6 +482,7 @@ def wait_for_all(what: str, ctx: DistContext, timeout: float, log=print) -> None
             next_note += 30.0
 
 
+STORE_TIMEOUT_S = 10.0   # the kit's own store connection: a request waits this long at most
 STORE_PATIENCE = 15.0   # seconds a store call may take before rank 0's node counts as unreachable
 
 

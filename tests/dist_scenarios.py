@@ -36,6 +36,9 @@ def basics(s: Settings) -> None:
     check("sum", distributed.all_reduce_sum(t, ctx).tolist())
     check("broadcast", distributed.broadcast_object({"from": ctx.rank}, ctx))
     group = dist.group.WORLD  # also keeps the old group (and its store) alive, as a DDP model would
+    # issue 43, finding 9: torch's group keeps init_timeout on its store; the kit's messages have their own client
+    check("store_timeouts", [dist.distributed_c10d._get_default_store().timeout.total_seconds(),
+                             distributed._store.timeout.total_seconds()])
     check("same_ctx", distributed.setup(s) is ctx)
     check("same_group", dist.group.WORLD is group)
     check("inits_after_same", len(inits))

@@ -37,6 +37,7 @@ def checks(result) -> dict:
 
 
 # -- two ranks on loopback --------------------------------------------------------------------
+@pytest.mark.slow
 def test_what_rank_0_alone_writes_between_collectives_is_waited_for_outside_them():
     """Issue 43, finding 5: rank 0 wrote the profiler's traces and a mended best.pt while the others waited in the
     next collective: a disk slower than its timeout broke training. Now they wait through the store."""
@@ -50,6 +51,7 @@ def test_what_rank_0_alone_writes_between_collectives_is_waited_for_outside_them
     assert main["mended"] is True and other["mended"] is False
     for said in (main, other):
         assert said["sum_after_traces"] == said["sum_after_best"] == [2.0]
+
 
 @pytest.fixture(scope="module")
 def basics():
@@ -66,6 +68,16 @@ def test_two_ranks_init_and_all_reduce_sum_and_broadcast(basics):
     for c in basics[0]:
         assert c["sum"] == [3.0, 3.0, 3.0]  # (0 + 1) + (1 + 1)
         assert c["broadcast"] == {"from": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_torchs_group_keeps_init_timeout_and_the_kits_messages_have_a_store_client_of_their_own(basics):
+    """Issue 43, finding 9: one store client served torch's group and the kit's threads, and the kit set its
+    timeout to 10 s after init, so torch's own later use of it (NCCL's new communicators) had 10 s too."""
+    for c in basics[0]:
+        group, kits = c["store_timeouts"]
+        assert 29 < group <= 30 and kits == 10.0   # what was left of the scenarios' init_timeout; the kit's own
 
 
 @pytest.mark.slow
