@@ -12,8 +12,9 @@ as ``fit`` does (``checkpoint.save_state``).
 ``resume``: for every checkpoint in FOLDER (saved on any number of ranks) and every mode: restore it as a resume
 does (``checkpoint.load_state`` and ``restore``), then print one line per round trip::
 
-    CHECK <from> -> <mode>@<WORLD> input=<the state sent to restore unchanged> equal=<gathered back: the file's
-    model and optimizer state, bit for bit> mended=<mend_best wrote best.pt> stepped=<one more step saved>
+    CHECK <from> -> <mode>@<WORLD> input=<the state given to restore unchanged, also after a step> mended=<mend_best
+    wrote best.pt> stepped=<one more step saved> equal=<gathered back: the file's model and optimizer state, bit
+    for bit; else where they first differ>
 
 and leave ``<from>/to-<mode>-<WORLD>/{last,best}.pt`` for the test to load in a fresh process. An exception in a
 round trip prints ``FAIL <from> -> <mode>@<WORLD>: <error>`` and goes on (every rank meets it alike).
@@ -129,6 +130,7 @@ def resume(settings, ctx, source: Path) -> str:
         shutil.copy(source / "last.pt", target / "last.pt")
     mended = checkpoint.mend_best(state, target if ctx.is_main else None, ctx, 60) or not ctx.is_main
     train(model, optimizer, scheduler, scaler, settings, ctx, steps=1, seed=2)
+    unchanged = unchanged and same(state, sent)   # training shares no tensor with it either
     checkpoint.save_state([target / "last.pt"], model, optimizer, scheduler, scaler, 1, 3, 50.0,
                           state["history"], settings, ctx)
     distributed.wait_for_all("save after the resume", ctx, 60)

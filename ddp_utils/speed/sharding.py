@@ -21,7 +21,10 @@ rank::
 The kit's checkpoints stay plain whatever the mode (``full_state``, ``load_model_state``, ``load_optimizer_state``):
 rank 0 writes one process's ``model.state_dict()`` and SGD's ``state_dict()`` (ZeRO consolidates its shards on rank
 0 first; FSDP gathers with ``torch.distributed.checkpoint.state_dict``, full and on the CPU), so a checkpoint resumes
-in any mode and on any number of ranks. ``held_bytes`` measures what this rank holds (local shards only),
+in any mode and on any number of ranks. Loading converts without side effects: the state given is never
+changed, then or later (torch's FSDP loader gets a copy of the mapping, which it fills with shards; SGD and ZeRO a
+copy of the optimizer state, whose tensors a CPU run would otherwise step in place), and nothing of it is held
+after the call but what the model and optimizer copied (tests/test_mode_matrix.py checks both). ``held_bytes`` measures what this rank holds (local shards only),
 ``memory_results`` puts it beside the formula in results.json. docs/zero-fsdp.md says when each wins.
 """
 from __future__ import annotations
@@ -207,7 +210,9 @@ def load_optimizer_state(net: nn.Module, optimizer, state: dict) -> None:
         # it also keeps a copy of its own entries in .state, which its step never reads: freed
         optimizer.state.clear()
     else:
-        optimizer.load_state_dict(state)
+        # a copy: on a CPU torch keeps the tensors it is given as the momentum, and each step would change the
+        # caller's state (a resume's, which mend_best may still write)
+        optimizer.load_state_dict(copy.deepcopy(state))
 
 
 def _by_index(state: dict) -> dict:
