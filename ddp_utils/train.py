@@ -155,6 +155,8 @@ def train_one_epoch(model, data, optimizer, scheduler, scaler, epoch: int, setti
             t_end = time.perf_counter()
             if first_step_s is None:
                 first_step_s = t_end - t_epoch
+        if heartbeat is not None:   # out of the loop: from here on this rank waits in collectives, not for data
+            heartbeat.fetching(False)
         if profiler is not None:
             profiler.finish()   # a window the epoch's end cut short
         if local_sgd is not None:
@@ -555,10 +557,8 @@ def early_stop(history: list[dict], patience: int, ctx) -> str | None:
         return None
     accs = [h["val"]["acc1"] for h in history]
     best = max(range(len(accs)), key=lambda i: (accs[i], -i))   # the first epoch with the best Acc@1
-    reason = None
-    if len(accs) - 1 - best >= patience:
-        reason = (f"no better validation Acc@1 for {patience} epoch(s) (best {accs[best]:.2f} % at epoch "
-                  f"{history[best]['epoch']}, kept in best.pt)")
+    reason = (f"no better validation Acc@1 for {patience} epoch(s) (best {accs[best]:.2f} % at epoch "
+              f"{history[best]['epoch']}, kept in best.pt)") if len(accs) - 1 - best >= patience else None
     return distributed.broadcast_object(reason, ctx)   # DDP: rank 0 decides for all
 
 
@@ -567,8 +567,7 @@ def _weights_finite(model, ctx) -> bool:
     net = unwrap(model)
     tensors = map(sharding.local, (*net.parameters(), *net.buffers()))   # FSDP: this rank's shards
     bad = sum(int(not torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
-    flag = torch.tensor([float(bad)], device=ctx.device)
-    return distributed.all_reduce_sum(flag, ctx).item() == 0
+    return distributed.all_reduce_sum(torch.tensor([float(bad)], device=ctx.device), ctx).item() == 0
 
 
 def kept_checkpoint(run_dir, ctx) -> str:

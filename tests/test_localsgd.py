@@ -118,3 +118,29 @@ def test_two_ranks_train_apart_and_end_every_epoch_with_one_model(tmp_path):
     assert ranks[0]["weights"] != exact[0]["weights"], "the steps were not local"
     assert ranks[0]["results"]["comm"] == "localsgd" and float(ranks[0]["comm_s"]) > 0   # the averages, timed
     assert float(ranks[0]["loss"]) == pytest.approx(float(exact[0]["loss"]), rel=0.05)   # still the same training
+
+
+def test_a_rank_waiting_in_the_epochs_last_average_is_not_waiting_for_its_data():
+    """Issue 43, finding 9: after the epoch's last step the watch still counted this rank as fetching its next
+    batch, so a wait in local SGD's end-of-epoch average (a slower peer) named this rank's own loader as stuck."""
+    from ddp_utils.robust.heartbeat import Heartbeat
+    settings = Settings(dataset="fake", image_size=32, arch="convnet", batch_size=4, max_steps_per_epoch=3,
+                        workers=0, progress="off", wandb="disabled")
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
+    data = build_loaders(settings, 0, 1, "cpu")
+    model = build_model("convnet", data.num_classes, seed=0)
+    optimizer = build_optimizer(model, settings)
+    heartbeat = Heartbeat(ctx, log=lambda *_: None)   # not started: the loop only marks what it does
+    seen = []
+
+    class Averaging:   # what train_one_epoch asks of LocalSGD; the average is where a slower peer is waited for
+        local = False
+
+        def step_done(self, last=False):
+            pass
+
+        def end_of_epoch(self):
+            seen.append(heartbeat.fetching_since)
+    train_one_epoch(model, data, optimizer, build_scheduler(optimizer, settings, 3), make_scaler(None, ctx.device),
+                    0, settings, ctx, NullLogger(), heartbeat=heartbeat, local_sgd=Averaging())
+    assert seen == [None]
