@@ -203,7 +203,8 @@ def _join_process_group(settings, ctx: DistContext, report: dict, facts: dict, m
         with watch:
             try:
                 # every rank can reach every other on a random port, as gloo and NCCL will (seconds, not their retries)
-                mesh.probe(keys, settings.rank, settings.world_size, report.get("local_ip"), settings.master_port)
+                mesh.probe(keys, settings.rank, settings.world_size, report.get("local_ip"), settings.master_port,
+                           settings.init_timeout)
                 _init_process_group(settings, keys, backend, report, log)
                 agree({**must_agree, "backend": backend}, dataclasses.replace(ctx, backend=backend))
             except SettingsMismatch:   # every rank found the same difference

@@ -105,6 +105,18 @@ def test_a_rank_that_never_publishes_is_left_to_init_process_group(monkeypatch):
     assert time.monotonic() - start < 3
 
 
+def test_a_vanished_rank_is_waited_for_once_and_no_longer_than_init_timeout(monkeypatch):
+    """Issue 43, finding 10: the probe waited RESULTS_S for a vanished rank's address and again for its result,
+    whatever init_timeout was. Now once, and init_timeout bounds it."""
+    monkeypatch.setattr(mesh, "RESULTS_S", 1.0)
+    start = time.monotonic()
+    mesh.probe(dist.HashStore(), 0, 2, "127.0.0.1", 29500)
+    assert 1.0 <= time.monotonic() - start < 1.6   # was 2 s: its address, then its result
+    start = time.monotonic()
+    mesh.probe(dist.HashStore(), 0, 2, "127.0.0.1", 29500, wait_s=0.3)   # init_timeout=0.3
+    assert time.monotonic() - start < 0.8
+
+
 # -- two hosts whose firewall opens only the master port --------------------------------------------
 @pytest.fixture(scope="module")
 def firewalled():

@@ -25,25 +25,27 @@ class Blocked(DistSetupError):
     """Some rank could not reach another on a random port: the same paragraph on every rank."""
 
 
-def probe(keys, rank: int, world_size: int, addr: str | None, master_port: int) -> float:
+def probe(keys, rank: int, world_size: int, addr: str | None, master_port: int, wait_s: float = RESULTS_S) -> float:
     """Listen on ``addr`` (this rank's address on the interface that routes to the master), publish it, connect to
     every other rank's listener, publish what failed, and read everyone's. Returns the seconds it took; raises
-    :class:`Blocked` on every rank when some connection failed. Ranks that publish nothing in time (gone, stopped)
-    are left to init_process_group's own bounded wait."""
+    :class:`Blocked` on every rank when some connection failed. Ranks that publish nothing within ``wait_s`` (gone,
+    stopped; at most RESULTS_S, at most init_timeout) are left to init_process_group's own bounded wait: one wait
+    for them in all, not one for their address and another for their result."""
     if world_size < 2 or not addr:
         return 0.0
     start = time.monotonic()
+    wait_s = min(wait_s, RESULTS_S)
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     with socket.create_server((addr, 0), family=family, backlog=max(16, world_size)) as server:
         keys.set(f"mesh/addr/{rank}", json.dumps([addr, server.getsockname()[1]]))
         others = [r for r in range(world_size) if r != rank]
-        peers = _read_all(keys, "mesh/addr", others, start + RESULTS_S)
+        peers = _read_all(keys, "mesh/addr", others, start + wait_s)
         with ThreadPoolExecutor(max_workers=min(16, max(1, len(peers)))) as pool:
             failed = [f for f in pool.map(lambda item: _connect(*item), peers.items()) if f]
         keys.set(f"mesh/result/{rank}", json.dumps(failed))
         # keep listening until the others are done connecting to this rank: reading their results waits for that
         try:
-            results = _read_all(keys, "mesh/result", others, time.monotonic() + RESULTS_S)
+            results = _read_all(keys, "mesh/result", list(peers), time.monotonic() + wait_s)   # those that came
         except Exception:   # noqa: BLE001 - the store's rank 0 read every result and left first (its check ended)
             if not failed:
                 raise
