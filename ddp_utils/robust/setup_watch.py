@@ -12,12 +12,12 @@ follow (a connection the first one closed) are its consequences.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch.distributed as dist
 
 from . import compat, failures, rendezvous, sockets
+from .stderr import HeldStderr, store_noise
 
 POLL_S = 0.5   # how often the watch looks: a peer's failure is known here within this
 FIRST_S = 5.0  # how long a rank that failed second waits to read who failed first
@@ -44,7 +44,7 @@ class SetupWatch:
     def __init__(self, settings, keys: rendezvous.Keys):
         self.settings, self.keys = settings, keys
         self.cut = False
-        self._stderr: int | None = None   # the real stderr while the cut waits fail (_quiet_stderr)
+        self._held = HeldStderr(store_noise)   # C++'s frames of the cut waits, held back until they have failed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -67,19 +67,7 @@ class SetupWatch:
             self._thread.join()
             if not self.cut:
                 self._own = None   # closes the watch's connection (once cut, it is the one left: self.keys)
-        if self._stderr is not None:   # the waits have failed: C++ may write to stderr again
-            os.dup2(self._stderr, 2)
-            os.close(self._stderr)
-            self._stderr = None
-
-    def _quiet_stderr(self) -> None:
-        """Until the cut waits have failed (``__exit__``), C++ writes to stderr go nowhere: torch's store client
-        logs a failed read with some 40 lines of C++ frames, in front of the paragraph that explains it."""
-        with contextlib.suppress(OSError):
-            self._stderr = os.dup(2)
-            nowhere = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(nowhere, 2)
-            os.close(nowhere)
+        self._held.release()   # the waits have failed: what was written meanwhile, but C++'s frames, comes out
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -100,7 +88,9 @@ class SetupWatch:
         now = sockets.tcp_connections() - self._mine
         waits = {c for c in now if c[1][1] != port and (c[2][1] == port or c not in self._before)}
         self.keys, self.cut = self._own, True   # this rank's own connection to the store is cut next
-        self._quiet_stderr()
+        # until the cut waits have failed (__exit__): torch's store client logs a failed read with some 40 lines of
+        # C++ frames, in front of the paragraph that explains it
+        self._held.hold()
         sockets.shut_down(waits)
         if dist.is_initialized() and dist.get_backend() == "nccl":
             _, abort = compat.abort_path("nccl", dist.distributed_c10d._get_default_group())

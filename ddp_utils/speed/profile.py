@@ -9,7 +9,6 @@ chrome://tracing (drag the file in). Profiling slows the traced steps; the epoch
 """
 from __future__ import annotations
 
-import contextlib
 import gzip
 import os
 import tempfile
@@ -19,6 +18,7 @@ import torch
 
 from .. import distributed
 from ..robust.files import atomic_write
+from ..robust.stderr import HeldStderr, profiler_noise
 
 
 def parse_window(text: str) -> tuple[int, int] | None:
@@ -102,19 +102,8 @@ class StepProfiler:
                  f"or chrome://tracing; find the all-reduce and what it overlaps)")
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
+def _quiet_stderr() -> HeldStderr:
     """The profiler library prints "USDT: profiler_start" lines to stderr from C++ at every start and stop, and on a
-    CUDA build of torch without a GPU an "ERROR ... gpuGetDeviceCount" that is none: kept off the student's output."""
-    try:
-        saved = os.dup(2)
-    except OSError:
-        yield
-        return
-    try:
-        with open(os.devnull, "wb") as nowhere:
-            os.dup2(nowhere.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    CUDA build of torch without a GPU an "ERROR ... gpuGetDeviceCount" that is none: kept off the student's output
+    (anything else written meanwhile, by any thread, comes through: robust/stderr.py)."""
+    return HeldStderr(profiler_noise)

@@ -1,0 +1,73 @@
+"""C++ noise kept off a student's output without losing anything else written meanwhile.
+
+torch's store client logs a failed read with some 40 lines of C++ frames, and the profiler library prints
+"USDT: profiler_start" lines at every start and stop. They write to file descriptor 2 from C++, past Python's
+``sys.stderr``, so only the descriptor itself can be turned away, and it is the whole process's: any other
+thread's output goes with it. ``HeldStderr`` therefore holds fd 2's output in a temporary file instead of
+dropping it, and on release writes back to the real stderr every line that ``is_noise`` does not match.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+import threading
+from typing import Callable
+
+
+class HeldStderr:
+    """``hold()`` ... ``release()`` (or ``with HeldStderr(is_noise):``): fd 2's output in between is held, and
+    written back on release but for the lines ``is_noise`` matches. Hold and release may come from two threads."""
+
+    def __init__(self, is_noise: Callable[[str], bool]):
+        self.is_noise = is_noise
+        self._lock = threading.Lock()
+        self._saved: int | None = None   # the real fd 2 while held
+        self._file = None
+
+    def hold(self) -> None:
+        with self._lock:
+            if self._saved is not None:
+                return
+            with contextlib.suppress(OSError):
+                self._file = tempfile.TemporaryFile()
+                self._saved = os.dup(2)
+                os.dup2(self._file.fileno(), 2)
+
+    def release(self) -> None:
+        with self._lock:
+            if self._saved is None:
+                return
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+            self._saved = None
+            self._file.seek(0)
+            kept = [line for line in self._file.read().decode(errors="replace").splitlines(keepends=True)
+                    if not self.is_noise(line)]
+            self._file.close()
+        if kept:
+            with contextlib.suppress(OSError):
+                os.write(2, "".join(kept).encode())
+
+    def __enter__(self) -> HeldStderr:
+        self.hold()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# the profiler library's lines ("USDT:2026-11-28 20:05:21 20305:20305 SyncActivityProfilerHandler.cpp:39]
+# profiler_start"; on a CUDA build without a GPU an "ERROR:... gpuGetDeviceCount" that is none)
+_KINETO = re.compile(r"^\s*[A-Z]*:?\s*\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+:\d+\]")
+# torch's C++ log lines ("[W1128 20:05:21.123456 12345 TCPStore.cpp:123] ...") and an exception's C++ frames
+_CPP = re.compile(r"^(\[[WEIF]\d{4} |frame #\d+:|Exception raised from |\s*$)")
+
+
+def profiler_noise(line: str) -> bool:
+    return bool(_KINETO.match(line)) or "gpuGetDeviceCount" in line
+
+
+def store_noise(line: str) -> bool:
+    return bool(_CPP.match(line))
