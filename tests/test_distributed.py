@@ -756,3 +756,19 @@ def test_a_pid_from_another_containers_pid_namespace_is_not_looked_up_here():
     gone.wait()   # a PID that no process has here now
     assert devices.ended_beside({1: _peer(gone.pid)}).startswith(", after rank 1")
     assert devices.ended_beside({1: _peer(gone.pid, pid_space="pid:[1]")}) == ""   # another container's
+
+
+def test_a_stuck_loaders_worker_processes_are_described_by_their_state_and_wait_channel():
+    """Issue 43, finding 10: a worker that took 40 s for its first batch went unexplained; the watch's lines now say
+    what each of the rank's child processes is doing (its /proc state and the kernel function it waits in)."""
+    import subprocess
+    from ddp_utils.robust.heartbeat import child_states
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        import time as _time
+        _time.sleep(0.3)
+        said = child_states(os.getpid())
+        assert re.search(rf"pid {child.pid} sleeping( in \w+)?(;|$)", said), said
+    finally:
+        child.kill()
+        child.wait()

@@ -261,9 +261,39 @@ class Heartbeat:
             where = "; ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
                               for f in traceback.extract_stack(frame)[-3:])
             self.log(f"rank {self.ctx.rank}: its training thread is at: {where}")
+        workers = child_states(os.getpid())
+        if workers:   # D (disk wait) in an nfs_* or io_* wait channel: the file system, not the code
+            self.log(f"rank {self.ctx.rank}: its child processes (DataLoader workers): {workers}")
         if self._main is threading.main_thread():
             self.interrupted = True
             os.kill(os.getpid(), signal.SIGINT)
 
     def _age(self, rank: int) -> float:
         return time.monotonic() - self.seen.get(rank, ("", self._store_ok))[1]
+
+
+STATES = {"R": "running", "S": "sleeping", "D": "waiting for a disk or network file system", "Z": "ended, not reaped",
+          "T": "stopped", "t": "stopped by a debugger"}
+
+
+def child_states(pid: int) -> str:
+    """"pid 812 sleeping in pipe_read; pid 813 waiting for a disk or network file system in nfs_wait_bit_killable"
+    for the children of ``pid`` (a rank's DataLoader workers), from /proc: what a stuck worker is doing; "" when
+    it has none or /proc cannot tell."""
+    try:
+        import psutil
+        children = psutil.Process(pid).children(recursive=True)
+    except Exception:   # noqa: BLE001 - only for the message
+        return ""
+    said = []
+    for child in children:
+        try:
+            with open(f"/proc/{child.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{child.pid}/wchan") as f:
+                channel = f.read().strip()
+        except (OSError, IndexError):
+            continue
+        where = f" in {channel}" if channel not in ("", "0") else ""
+        said.append(f"pid {child.pid} {STATES.get(state, state)}{where}")
+    return "; ".join(said)
