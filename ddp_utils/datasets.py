@@ -38,6 +38,8 @@ from torchvision import transforms as T
 from torchvision.datasets import FakeData, ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
+from .robust.workers import end_workers_in
+
 from .demo_data import DEMO_JSON, prepare_demo, read_demo_info
 from .presets import PRESETS, Preset
 
@@ -527,6 +529,7 @@ def release_workers(exc: BaseException) -> None:
     the kernel). Clearing the locals of the loaders' own frames (torch's DataLoader, the kit's loaders) frees it;
     the frames of your model and of the kit's loop keep theirs for a debugger.
     """
+    end_workers_in(exc.__traceback__)   # wherever the iterator sits: the loop's own frame, a generator (robust/)
     tb = exc.__traceback__
     while tb is not None:
         if any(part in tb.tb_frame.f_code.co_filename for part in _LOADER_FRAMES):

@@ -637,6 +637,53 @@ def test_an_interrupt_while_waiting_for_a_batch_lets_the_loaders_workers_go():
     assert not [c for c in me.children() if c.pid not in before], "a worker left unreaped (a zombie)"
 
 
+def test_an_error_in_the_loops_own_code_also_lets_the_loaders_workers_go():
+    """Issue 43, finding 10: release_workers cleared only the loaders' own frames, so an error raised in other code
+    (a model's forward, a Stop during the step) whose frame holds the loader's iterator left its workers alive.
+    That frame keeps its locals for a debugger."""
+    import time
+    import psutil
+    from torch.utils.data import DataLoader, DistributedSampler
+    me = psutil.Process()
+    before = {c.pid for c in me.children()}
+    dataset = _SlowImages()
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
+    loader = EpochLoader(DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=2, drop_last=True,
+                                    generator=torch.Generator()))
+
+    def training_loop():   # an explicit iterator, as a prefetcher or a lab's loop keeps one
+        step, batches = 0, iter(loader.epoch(0))
+        images, _ = next(batches)
+        step += 1
+        raise RuntimeError(f"the model's forward failed at step {step}")
+    with pytest.raises(RuntimeError) as caught:
+        training_loop()
+
+    def workers():
+        return [c for c in me.children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+    assert len(workers()) == 2   # kept alive by the traceback
+    data_mod.release_workers(caught.value)
+    deadline = time.monotonic() + 10
+    while workers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not workers()
+    assert caught.value.__traceback__.tb_next.tb_frame.f_locals["step"] == 1   # the loop's frame kept its locals
+
+
+def test_the_iterator_of_a_loop_that_is_still_running_keeps_its_workers():
+    """The frame that caught the error (and its callers) still run: their iterators are left alone."""
+    from torch.utils.data import DataLoader
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1)
+    seen = []
+    for batch in loader:   # the outer loop goes on after each failed attempt
+        try:
+            raise RuntimeError("one attempt failed")
+        except RuntimeError as exc:
+            data_mod.release_workers(exc)
+        seen.append(batch.tolist())
+    assert seen == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
 def test_a_forked_loader_worker_imports_nothing_when_it_closes_the_inherited_listeners(monkeypatch):
     """Issue 43, finding 8: the workers imported psutil after the fork, in a parent whose threads (the watch, the
     store's) may hold the loader's lock then: a C extension loaded there can hang the worker for good."""
