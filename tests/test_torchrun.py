@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ddp_utils import checkpoint
-from tests import netns
+from tests import netns, zygote
 from tests.procs import base_env, describe, free_port, run_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.floor]   # torchrun's store and restarts differ by release
@@ -65,8 +65,8 @@ def kill_after_first_checkpoint(hosts, run_dir: Path, killed: list, deadline: fl
     while time.monotonic() < deadline:
         if (run_dir / "last.pt").exists():
             pid = training_process(hosts.names[1])
-            if pid:
-                os.kill(pid, signal.SIGKILL)
+            if pid:   # the rank's own command first, as the out-of-memory killer does (see test_launch.kill_rank)
+                os.kill(zygote.command_of(pid) or pid, signal.SIGKILL)
                 killed.append(pid)
                 return
         time.sleep(0.1)
