@@ -207,13 +207,13 @@ def test_a_sigterm_report_names_a_rank_on_the_same_machine_that_had_already_ende
     (SIGKILLed, out of memory) reports nothing, so the SIGTERMed rank's report, the first the others read, must name
     it. A rank on another machine, or one still running, is not named (a scheduler's SIGTERM reaches them all)."""
     from ddp_utils import distributed
-    from ddp_utils.robust.devices import machine_id
+    from ddp_utils.robust.devices import machine_id, pid_space
     from ddp_utils.tools import cli
     ended = subprocess.Popen(["true"])
     ended.wait()   # its pid is free now
-    here = machine_id()
-    peers = {0: {"machine": here, "pid": os.getpid()}, 1: {"machine": here, "pid": os.getppid()},   # this, running
-             2: {"machine": "another machine", "pid": ended.pid}, 3: {"machine": here, "pid": ended.pid}}
+    here = {"machine": machine_id(), "pid_space": pid_space()}   # what every rank's facts carry
+    peers = {0: {**here, "pid": os.getpid()}, 1: {**here, "pid": os.getppid()},   # this, running
+             2: {"machine": "another machine", "pid": ended.pid}, 3: {**here, "pid": ended.pid}}
     monkeypatch.setattr(distributed, "_peers", peers)
     monkeypatch.setattr(distributed, "stop_signal", None)
     said = distributed.describe_failure(cli.Terminated("SIGTERM"))
