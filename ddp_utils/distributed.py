@@ -98,6 +98,9 @@ GROUP_FIELDS = tuple(dict.fromkeys(("master_addr", "master_port", "rank", "world
 _active: tuple | None = None  # (settings, DistContext)
 # The rendezvous store the ranks share: the failure channel and the explicit waits use it, kept after teardown.
 _store = None
+# The generation's keys through torch's group's own connection; on rank 0 its store's server too, which lives as long
+# as this object: kept after teardown, so that the others can still read why this rank stopped before it exits.
+_group_store = None
 _waits = 0   # explicit waits made in this process group (their keys in the store)
 _watches = 0  # training runs watched in this process group (heartbeat.py; their keys in the store)
 # What the watch may cut to end a collective from another thread (abort_group): gloo's connections to
@@ -249,7 +252,7 @@ def _agree_on_backend(settings, everyone: list, report: dict, log) -> str:
 def _init_process_group(settings, keys, backend: str, report: dict, log) -> None:
     """``init_process_group`` on the generation's ``keys`` and a first barrier; raises DistSetupError with a
     readable paragraph."""
-    global _store, _waits, _watches, _group_sockets, _aborted, _collective_s
+    global _store, _group_store, _waits, _watches, _group_sockets, _aborted, _collective_s
     if backend == "nccl":
         _set_nccl_env(log)
     # Joining may take long (the other ranks start late): made with init_timeout, lowered below -- except
@@ -266,6 +269,7 @@ def _init_process_group(settings, keys, backend: str, report: dict, log) -> None
         # own with a short timeout: a lost link must not block a rank's look at the store for minutes. torch's
         # group keeps its connection and init_timeout (NCCL makes later communicators through it).
         _store = rendezvous.second_client(settings, keys, timeout=STORE_TIMEOUT_S)
+        _group_store = keys
         _waits = _watches = 0
         _aborted = None
         # gloo's connections to the other ranks are the ones init made (the store's use master_port)
