@@ -44,6 +44,74 @@ def test_check_on_two_ranks_proves_the_collective_and_saves_the_all_reduce_sweep
     assert not list((tmp_path / "runs" / "check").glob("*.tmp"))
 
 
+def data_copies(tmp_path, rank1: str) -> tuple[Path, Path]:
+    """Rank 0's imagenet folder (3 classes: train 9 images, val 6) and rank 1's, which ``rank1`` says how it
+    differs: "a class short" (the subset on one node), "an image short" (a partial copy), "missing"."""
+    import shutil
+    from tests.test_data import WNIDS, make_imagenet
+    full, other = make_imagenet(tmp_path / "node-a"), tmp_path / "node-b"
+    if rank1 != "missing":
+        make_imagenet(other)
+    if rank1 == "a class short":
+        for split in ("train", "val"):
+            shutil.rmtree(other / split / WNIDS[-1])
+    if rank1 == "an image short":
+        sorted((other / "train" / WNIDS[0]).iterdir())[0].unlink()
+    return full, other
+
+
+# what each rank says of rank 1's copy, and the counts rank 1 reads of rank 0's
+RANK1_SEES = {"a class short": "train 6 images / 2 classes, val 4 images / 2 classes",
+              "an image short": "train 8 images / 3 classes, val 6 images / 3 classes",
+              "missing": "does not exist"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank1", list(RANK1_SEES))
+def test_check_on_nodes_whose_data_differ_is_not_ready_on_both_naming_the_data_not_the_network(tmp_path, rank1):
+    """Issue 43, finding 4: each rank sized the all-reduce from its own class count, so over gloo one died of
+    SIGABRT and the other blamed the network. Now the ranks compare their data first and both say which node has
+    which, before any collective whose size depends on it."""
+    port = free_port()
+    dirs = data_copies(tmp_path, rank1)
+    start = time.monotonic()
+    results = run_all([python("-m", "ddp_utils", "check", "--dataset", "imagenet", "--arch", "convnet", "--data-dir",
+                              str(dirs[r]), "--backend", "gloo", "--master-addr", "127.0.0.1", "--master-port",
+                              str(port), "--rank", str(r), "--world-size", "2", "--init-timeout", "30")
+                       for r in (0, 1)], timeout=90, stagger=1.0)
+    took = time.monotonic() - start
+    assert [r.returncode for r in results] == [1, 1], describe(results)
+    assert took < 60, f"took {took:.0f} s\n{describe(results)}"
+    for r in results:
+        said = r.output.split("NOT READY (data): the nodes' data differ", 1)
+        assert len(said) == 2, describe([r])
+        assert re.search(rf"rank 1 \(on [^)]*\) .*{RANK1_SEES[rank1]}", said[1]), describe([r])
+        assert re.search(r"rank 0 \(on [^)]*\) sees train 9 images / 3 classes, val 6 images / 3 classes",
+                         said[1]), describe([r])
+        assert "rsync" in said[1] and "every node" in said[1], describe([r])
+        for never in ("NOT READY (network)", "SIGABRT", "Traceback", "all-reduce over the process group"):
+            assert never not in r.output, describe([r])
+        assert r.output.rstrip().splitlines()[-1] == "NOT READY", describe([r])
+
+
+def test_the_data_paragraph_groups_the_ranks_by_node_and_names_other_class_folders_behind_equal_counts():
+    from ddp_utils.tools.check import _data_differ
+
+    def rank(r, where, classes, images=9):
+        return {"rank": r, "where": where, "classes": classes,
+                "splits": {"train": {"images": images, "classes": len(classes)}}}
+    a, b = " (on host-a, 10.0.0.1)", " (on host-b, 10.0.0.2)"
+    same = [rank(0, a, ["x", "y"]), rank(1, a, ["x", "y"]), rank(2, b, ["x", "y"])]
+    assert _data_differ(same) is None
+    said = _data_differ([*same[:2], rank(2, b, ["x", "z"]), rank(3, b, ["x", "z"], images=8)])
+    assert said.startswith("the nodes' data differ: ranks 0, 1 (on host-a, 10.0.0.1) see train 9 images / 2 classes; "
+                           "rank 2 (on host-b, 10.0.0.2) sees train 9 images / 2 classes, but class folders 'z' where "
+                           "rank 0 has 'y'; rank 3 (on host-b, 10.0.0.2) sees train 8 images / 2 classes, but class "
+                           "folders 'z' where rank 0 has 'y'. Every rank must train on the same data"), said
+    failed = _data_differ([{"rank": 0, "where": a, "error": "its data check did not run"}, same[2]])
+    assert "rank 0 (on host-a, 10.0.0.1) cannot use its data (its data check did not run;" in failed, failed
+
+
 @pytest.mark.slow
 def test_check_fails_when_nobody_listens_on_the_master_port_and_says_where_it_knocked():
     port = free_port()

@@ -191,3 +191,25 @@ def test_check_on_two_hosts_with_an_open_link_is_ready_and_prints_the_all_reduce
         assert sizes[0] == "4096" and sizes[-1] == str(grad), describe([r])   # from latency up to the gradient
         assert r.output.rstrip().splitlines()[-1] == "READY", describe([r])
     assert len(list((tmp_path / "runs" / "check").glob("allreduce-*.json"))) == 1   # rank 0 wrote, rank 1 did not
+
+
+@pytest.mark.slow
+def test_check_on_two_hosts_whose_data_differ_is_not_ready_on_both_naming_the_node_and_its_counts(tmp_path):
+    """Issue 43, finding 4, on two hosts: host 2 holds a subset (a class short). Before, each rank sized the
+    all-reduce from its own classes: one died of SIGABRT, the other said NOT READY (network). Now both say which
+    host sees which data, within the check's timeout, and never blame the network."""
+    from tests.test_cli import RANK1_SEES, data_copies
+    port, dirs = free_port(), data_copies(tmp_path, "a class short")
+    with netns.two_hosts_or_skip("10.213.43") as net:
+        results, took = _both(net, lambda r: python(
+            "-m", "ddp_utils", "check", "--dataset", "imagenet", "--arch", "convnet", "--data-dir", str(dirs[r]),
+            "--backend", "gloo", "--master-addr", net.addrs[0], "--master-port", str(port), "--world-size", "2",
+            "--rank", str(r), "--init-timeout", "30"), timeout=90)
+    assert [r.returncode for r in results] == [1, 1], describe(results)
+    assert took < 30 + 15, f"took {took:.0f} s with --init-timeout 30\n{describe(results)}"
+    for r in results:
+        said = r.output.split("NOT READY (data): the nodes' data differ", 1)[-1]
+        assert re.search(rf"rank 1 \(on [^)]*{net.addrs[1]}\) sees {RANK1_SEES['a class short']}", said), describe([r])
+        assert re.search(rf"rank 0 \(on [^)]*{net.addrs[0]}\) sees train 9 images / 3 classes", said), describe([r])
+        assert "rsync" in said and "NOT READY (network)" not in r.output and "SIGABRT" not in r.output, describe([r])
+        assert r.output.rstrip().splitlines()[-1] == "NOT READY", describe([r])

@@ -2,13 +2,15 @@
 
 Run it on every node with the same flags as ``train``. With several ranks the checks build the real process group
 (``distributed.setup``: the store on master_port, every rank reaching every other on a random port as gloo and
-NCCL will, ``init_process_group`` on the chosen backend) and all-reduce payloads up to the model's gradient size,
-so READY proves the collective training will run, not just a TCP hello to one port; rank 0 saves the sweep for
-``report``.
+NCCL will, ``init_process_group`` on the chosen backend), compare every node's data (images and classes per split:
+NOT READY (data) on every rank, naming which node sees what, if they differ) and all-reduce payloads up to the
+model's gradient size, so READY proves the collective training will run, not just a TCP hello to one port; rank 0
+saves the sweep for ``report``.
 """
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 from .. import datasets, distributed
@@ -44,12 +46,10 @@ def run_check(settings, log=print, verify_images: bool = False) -> bool:
     for problem in hardware_problems(settings, hardware_report()):
         log(f"NOT READY (hardware): {problem}")
         ok = False
-    summary = None
+    summary, data_error = None, None
     try:
         summary = check_data(settings)
-        splits = ", ".join(f"{name} {s['images']} images / {s['classes']} classes"
-                           for name, s in summary["splits"].items())
-        log(f"data {settings.dataset} at {settings.data_dir}: {splits}")
+        log(f"data {settings.dataset} at {settings.data_dir}: {_splits(summary)}")
         if settings.loader == "dali":   # training would stop at its first batch without it
             from ..speed.dali import check_dali_dataset
             log(f"loader dali: NVIDIA DALI {check_dali_dataset(settings.dataset)}")
@@ -68,9 +68,9 @@ def run_check(settings, log=print, verify_images: bool = False) -> bool:
             log(f"verified {checked} images: every one decodes")
     except DataError as exc:
         log(f"NOT READY (data): {exc}")
-        ok = False
+        ok, data_error = False, str(exc)
     if network and settings.distributed:   # also when this node's data is wrong: the others wait for it
-        ok = _prove_collective(settings, summary, log) and ok
+        ok = _prove_collective(settings, summary, log, data_error) and ok
     log("READY" if ok else "NOT READY")
     return ok
 
@@ -93,9 +93,9 @@ def hardware_problems(settings, report: dict) -> list[str]:
     return problems
 
 
-def _prove_collective(settings, summary: dict | None, log) -> bool:
-    """Join the real process group (as train does), all-reduce payloads up to the model's gradient size, leave.
-    Rank 0 saves the sweep under the runs folder's ``check/`` for ``report``."""
+def _prove_collective(settings, summary: dict | None, log, data_error: str | None = None) -> bool:
+    """Join the real process group (as train does), compare every node's data, all-reduce payloads up to the model's
+    gradient size, leave. Rank 0 saves the sweep under the runs folder's ``check/`` for ``report``."""
     if resolve_backend(settings) == "nccl":
         os.environ.setdefault("NCCL_DEBUG", "INFO")         # NCCL's own lines: which interface it uses (NET/Socket)
         os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
@@ -105,7 +105,14 @@ def _prove_collective(settings, summary: dict | None, log) -> bool:
         log(f"NOT READY (network): {exc}")
         return False
     try:
-        gradient_bytes = _gradient_bytes(settings, summary)
+        # First the data, with a collective whose size depends on nothing: a rank sizing the sweep from its own class
+        # count would all-reduce another size than the others (gloo aborts the process, NCCL hangs)
+        facts = distributed.gather_objects(_data_facts(ctx.rank, summary, data_error), ctx)
+        differ = _data_differ(facts)
+        if differ:
+            log(f"NOT READY (data): {differ}")
+            return False
+        gradient_bytes = _gradient_bytes(settings, facts[0])   # rank 0's data: the same plan on every rank
         log(f"all-reduce over the process group ({ctx.backend}, {ctx.world_size} ranks), up to the "
             f"{gradient_bytes / 1e6:.1f} MB of {settings.arch}'s gradients; busbw as nccl-tests defines it:")
         rows = sweep.run(ctx, gradient_bytes)
@@ -122,6 +129,62 @@ def _prove_collective(settings, summary: dict | None, log) -> bool:
         return False
     finally:
         distributed.teardown()
+
+
+def _data_facts(rank: int, summary: dict | None, data_error: str | None) -> dict:
+    """What this rank tells the others of its data: images and classes per split and the class names, or why its
+    data check failed; and where it runs (hosts in namespaces share one name, so also its address)."""
+    where = distributed.where(rank) or f" (on {socket.gethostname()})"
+    if summary is None:
+        return {"rank": rank, "where": where, "error": data_error or "its data check did not run"}
+    return {"rank": rank, "where": where, "splits": summary["splits"], "classes": summary.get("classes")}
+
+
+def _data_differ(facts: list[dict]) -> str | None:
+    """The NOT READY (data) paragraph when the ranks' data differ or a rank's check failed; None when they agree."""
+    def seen(f: dict) -> tuple:
+        return f.get("error"), f.get("splits"), f.get("classes")
+    if all(seen(f) == seen(facts[0]) and not f.get("error") for f in facts):
+        return None
+    groups: dict[str, list[dict]] = {}   # the ranks that see the same, in rank order
+    for f in facts:
+        groups.setdefault(repr(seen(f)), []).append(f)
+    said = []
+    for same in groups.values():
+        f, many = same[0], len(same) > 1
+        if f.get("error"):   # its own output has the whole paragraph; here the first sentence says enough
+            said.append(f"{_who(same)} cannot use {'their' if many else 'its'} data "
+                        f"({f['error'].split('. ')[0][:300]}; {'their' if many else 'its'} own output says more)")
+        else:
+            said.append(f"{_who(same)} {'see' if many else 'sees'} {_splits(f)}{_other_classes(f, facts[0])}")
+    return (f"the nodes' data differ: {'; '.join(said)}. Every rank must train on the same data (the model has one "
+            f"output per class folder, and each step all-reduces gradients of one size on every rank). Put the same "
+            f"data folder on every node (copy the full one: `rsync -a DATA_DIR/ other-node:DATA_DIR/`), then run the "
+            f"check again on every node.")
+
+
+def _who(same: list[dict]) -> str:
+    """``rank 1 (on host-b, 10.0.0.2)``, or ``ranks 0, 1 (on host-a, 10.0.0.1)`` for ranks on one node."""
+    by_node: dict[str, list[int]] = {}
+    for f in same:
+        by_node.setdefault(f["where"], []).append(f["rank"])
+    return " and ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}{where}"
+                        for where, ranks in by_node.items())
+
+
+def _other_classes(f: dict, first: dict) -> str:
+    """`` but class folders 'x' where rank 0 has 'y'`` when the same counts hide other class names, else ""."""
+    mine, theirs = f.get("classes") or [], first.get("classes") or []
+    if len(mine) != len(theirs) or mine == theirs:   # other counts say it already
+        return ""
+    own, others = [c for c in mine if c not in theirs][:3], [c for c in theirs if c not in mine][:3]
+    return (f", but class folders {', '.join(map(repr, own)) or 'in another order'} where rank {first['rank']} has "
+            f"{', '.join(map(repr, others)) or 'them in another order'}")
+
+
+def _splits(summary: dict) -> str:
+    """``train 900 images / 10 classes, val 50 images / 10 classes``."""
+    return ", ".join(f"{name} {s['images']} images / {s['classes']} classes" for name, s in summary["splits"].items())
 
 
 def _gradient_bytes(settings, summary: dict | None) -> int:
