@@ -113,6 +113,20 @@ def test_the_data_paragraph_groups_the_ranks_by_node_and_names_other_class_folde
 
 
 @pytest.mark.slow
+def test_wrong_sums_on_one_rank_end_the_sweep_on_every_rank_with_the_same_verdict():
+    """Issue 43, finding 4: the sweep's wrong-sum check raised on the rank that saw them, and the others went on to
+    the next size's all-reduce, waiting for it until their timeout. Now the verdict is agreed (tests/sweep_ranks.py)."""
+    port = free_port()
+    results = run_all([python("-m", "tests.sweep_ranks", str(r), str(port)) for r in (0, 1)], timeout=60)
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    for r in results:
+        said = dict(re.findall(r"^CHECK (\w+)=(.*)$", r.output, re.M))
+        assert said.get("error", "").startswith('"WrongSum: the all-reduce of 65536 bytes did not add up to 2 on '
+                                                'rank 1 of 2'), describe([r])
+        assert float(said["seconds"]) < 10, describe([r])
+
+
+@pytest.mark.slow
 def test_check_fails_when_nobody_listens_on_the_master_port_and_says_where_it_knocked():
     port = free_port()
     [worker] = run_all([check_cmd(1, 2, port, "--init-timeout", "2")], timeout=60)

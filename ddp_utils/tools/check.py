@@ -122,6 +122,10 @@ def _prove_collective(settings, summary: dict | None, log, data_error: str | Non
             log(f"saved {sweep.save(folder, settings, ctx.backend, rows)} (`python -m ddp_utils report` shows it "
                 f"beside the run's link probe)")
         return True
+    except sweep.WrongSum as exc:   # every rank got the same verdict (sweep.run agrees on it)
+        log(f"NOT READY (network): the process group formed, but {exc}. Training would average wrong gradients: "
+            f"compare the torch and NCCL versions each node printed above, then run the check again on every node.")
+        return False
     except Exception as exc:   # noqa: BLE001 - a collective that fails after the group formed is the finding
         log(f"NOT READY (network): the process group formed, but an all-reduce failed: "
             f"{(str(exc).splitlines() or [type(exc).__name__])[0][:300]}. Allow all TCP between the nodes and "

@@ -19,6 +19,10 @@ SMALLEST = 4 << 10     # 4 KiB
 REPEATS = 5            # timed rounds per size (after one warm-up); the median is kept
 
 
+class WrongSum(RuntimeError):
+    """The all-reduce returned wrong numbers on some rank; raised by ``run`` on every rank alike."""
+
+
 def sizes(gradient_bytes: int) -> list[int]:
     """Payload sizes in bytes: 4 KiB, x4 each, up to the gradient's size, which is always the last."""
     out, size = [], SMALLEST
@@ -30,7 +34,8 @@ def sizes(gradient_bytes: int) -> list[int]:
 
 def run(ctx, gradient_bytes: int) -> list[dict]:
     """Every rank: the sweep over ``sizes(gradient_bytes)`` on the process group (the same rows on every rank: each
-    time is the slowest rank's median, as a step waits for the slowest)."""
+    time is the slowest rank's median, as a step waits for the slowest). Raises WrongSum on every rank when any
+    rank's sum came out wrong."""
     import torch   # here: `report` reads saved sweeps without torch
     import torch.distributed as dist
     rows = []
@@ -45,15 +50,23 @@ def run(ctx, gradient_bytes: int) -> list[dict]:
             _sync(ctx)
             if i:   # the first round warms up (NCCL builds its rings, gloo its buffers)
                 times.append(time.perf_counter() - start)
-        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        seconds, n, nbytes = float(slowest), ctx.world_size, tensor.numel() * 4
+        n, nbytes = ctx.world_size, tensor.numel() * 4
+        # One MAX all-reduce carries the slowest rank's median and which ranks' ones did not add up to n, so every
+        # rank reaches the same verdict: one rank raising alone would leave the others in the next size's all-reduce
+        verdict = torch.zeros(1 + n, dtype=torch.float64, device=ctx.device)
+        verdict[0] = statistics.median(times)
+        verdict[1 + ctx.rank] = float(not bool((tensor == n).all()))
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        slowest, *flags = verdict.tolist()
+        wrong = [r for r, flag in enumerate(flags) if flag > 0]
+        if wrong:
+            raise WrongSum(f"the all-reduce of {nbytes} bytes did not add up to {n} on rank"
+                           f"{'s' if len(wrong) > 1 else ''} {', '.join(map(str, wrong))} of {n}: the collective "
+                           f"returned wrong numbers")
+        seconds = slowest
         algbw = nbytes / seconds
         rows.append({"bytes": nbytes, "seconds": seconds, "algbw_gbit_s": algbw * 8 / 1e9,
                      "busbw_gbit_s": algbw * 2 * (n - 1) / n * 8 / 1e9})
-        if not bool((tensor == n).all()):   # every rank's ones added up
-            raise RuntimeError(f"the all-reduce of {nbytes} bytes did not add up to {n} everywhere: the collective "
-                               f"returned wrong numbers")
     return rows
 
 
