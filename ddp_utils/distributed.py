@@ -96,11 +96,8 @@ GROUP_FIELDS = tuple(dict.fromkeys(("master_addr", "master_port", "rank", "world
 
 # The settings the current context was built from: setup() compares against them (idempotency).
 _active: tuple | None = None  # (settings, DistContext)
-# The rendezvous store the ranks share: the failure channel and the explicit waits use it, kept after teardown.
-_store = None
-# The generation's keys through torch's group's own connection; on rank 0 its store's server too, which lives as long
-# as this object: kept after teardown, so that the others can still read why this rank stopped before it exits.
-_group_store = None
+_store = None   # the kit's own client of the rendezvous store (failures, explicit waits), kept after teardown
+_group_store = None   # torch's group's keys; on rank 0 the store's server, kept so the others can read its failure
 _waits = 0   # explicit waits made in this process group (their keys in the store)
 _watches = 0  # training runs watched in this process group (heartbeat.py; their keys in the store)
 # What the watch may cut to end a collective from another thread (abort_group): gloo's connections to
@@ -586,11 +583,10 @@ def gather_objects(obj, ctx: DistContext) -> list:
 
 
 def gather_to_main(obj, ctx: DistContext) -> list | None:
-    """Every rank's ``obj`` as a list by rank on rank 0, None on the others: what only rank 0 writes (a trace of
-    every rank) need not be held by every rank."""
+    """Every rank's ``obj`` as a list by rank on rank 0 (what it alone writes), None on the others."""
     if not ctx.distributed:
         return [obj]
-    out: list | None = [None] * ctx.world_size if ctx.is_main else None
+    out = [None] * ctx.world_size if ctx.is_main else None
     dist.gather_object(obj, out, dst=0)
     return out
 
