@@ -606,6 +606,22 @@ class _SlowImages(torch.utils.data.Dataset):
         return torch.zeros(3), 0
 
 
+def _slow_loader_and_its_workers():
+    """A two-worker EpochLoader over _SlowImages, and a function that lists its live (not zombie) workers."""
+    import psutil
+    from torch.utils.data import DataLoader, DistributedSampler
+    me = psutil.Process()
+    before = {c.pid for c in me.children()}
+    dataset = _SlowImages()
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
+    loader = EpochLoader(DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=2, drop_last=True,
+                                    generator=torch.Generator()))
+
+    def workers():
+        return [c for c in me.children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+    return loader, workers, lambda: [c for c in me.children() if c.pid not in before]
+
+
 def test_an_interrupt_while_waiting_for_a_batch_lets_the_loaders_workers_go():
     """Stop pressed while the loop waits for a batch: the KeyboardInterrupt's traceback holds the DataLoader's
     iterator, and a notebook keeps that traceback, so the workers were never joined (zombies under the kernel once
@@ -613,28 +629,18 @@ def test_an_interrupt_while_waiting_for_a_batch_lets_the_loaders_workers_go():
     import _thread
     import threading
     import time
-    import psutil
-    from torch.utils.data import DataLoader, DistributedSampler
-    me = psutil.Process()
-    before = {c.pid for c in me.children()}
-    dataset = _SlowImages()
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
-    loader = EpochLoader(DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=2, drop_last=True,
-                                    generator=torch.Generator()))
+    loader, workers, children = _slow_loader_and_its_workers()
     threading.Timer(1.0, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt) as caught:
         for _ in loader.epoch(0):
             pass
-
-    def workers():
-        return [c for c in me.children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
     assert len(workers()) == 2   # kept alive by the traceback a notebook would keep
     data_mod.release_workers(caught.value)
     deadline = time.monotonic() + 10
     while workers() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not workers() and caught.value.__traceback__ is not None
-    assert not [c for c in me.children() if c.pid not in before], "a worker left unreaped (a zombie)"
+    assert not children(), "a worker left unreaped (a zombie)"
 
 
 def test_an_error_in_the_loops_own_code_also_lets_the_loaders_workers_go():
@@ -642,14 +648,7 @@ def test_an_error_in_the_loops_own_code_also_lets_the_loaders_workers_go():
     (a model's forward, a Stop during the step) whose frame holds the loader's iterator left its workers alive.
     That frame keeps its locals for a debugger."""
     import time
-    import psutil
-    from torch.utils.data import DataLoader, DistributedSampler
-    me = psutil.Process()
-    before = {c.pid for c in me.children()}
-    dataset = _SlowImages()
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
-    loader = EpochLoader(DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=2, drop_last=True,
-                                    generator=torch.Generator()))
+    loader, workers, _ = _slow_loader_and_its_workers()
 
     def training_loop():   # an explicit iterator, as a prefetcher or a lab's loop keeps one
         step, batches = 0, iter(loader.epoch(0))
@@ -658,9 +657,6 @@ def test_an_error_in_the_loops_own_code_also_lets_the_loaders_workers_go():
         raise RuntimeError(f"the model's forward failed at step {step}")
     with pytest.raises(RuntimeError) as caught:
         training_loop()
-
-    def workers():
-        return [c for c in me.children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
     assert len(workers()) == 2   # kept alive by the traceback
     data_mod.release_workers(caught.value)
     deadline = time.monotonic() + 10
