@@ -61,7 +61,7 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             os.environ.setdefault("KINETO_LOG_LEVEL", "5")   # the profiler library's own notes: errors only
             self._prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
-            with _quiet_stderr():
+            with HeldStderr(profiler_noise):   # its C++ start/stop lines (robust/stderr.py)
                 self._prof.start()
             self._first = step
 
@@ -78,7 +78,7 @@ class StepProfiler:
         prof, self._prof, self.done = self._prof, None, True
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
-        with _quiet_stderr():
+        with HeldStderr(profiler_noise):
             prof.stop()
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
@@ -100,10 +100,3 @@ class StepProfiler:
         self.log(f"profile: training steps {self._first} to {self._first + self.steps - 1} traced on "
                  f"{len(traces)} rank(s): {self.folder}/rank<N>.pt.trace.json (open them in https://ui.perfetto.dev "
                  f"or chrome://tracing; find the all-reduce and what it overlaps)")
-
-
-def _quiet_stderr() -> HeldStderr:
-    """The profiler library prints "USDT: profiler_start" lines to stderr from C++ at every start and stop, and on a
-    CUDA build of torch without a GPU an "ERROR ... gpuGetDeviceCount" that is none: kept off the student's output
-    (anything else written meanwhile, by any thread, comes through: robust/stderr.py)."""
-    return HeldStderr(profiler_noise)

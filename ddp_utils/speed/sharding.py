@@ -24,8 +24,8 @@ rank 0 writes one process's ``model.state_dict()`` and SGD's ``state_dict()`` (Z
 in any mode and on any number of ranks. Loading converts without side effects: the state given is never
 changed, then or later (torch's FSDP loader gets a copy of the mapping, which it fills with shards; SGD and ZeRO a
 copy of the optimizer state, whose tensors a CPU run would otherwise step in place), and nothing of it is held
-after the call but what the model and optimizer copied (tests/test_mode_matrix.py checks both). ``held_bytes`` measures what this rank holds (local shards only),
-``memory_results`` puts it beside the formula in results.json. docs/zero-fsdp.md says when each wins.
+after the call but what the model and optimizer copied (tests/test_mode_matrix.py checks both). ``held_bytes``
+measures what this rank holds (local shards only), ``memory_results`` puts it beside the formula in results.json. docs/zero-fsdp.md says when each wins.
 """
 from __future__ import annotations
 
@@ -191,11 +191,9 @@ def load_optimizer_state(net: nn.Module, optimizer, state: dict) -> None:
         raise ValueError("build_ddp=f does not resume: your ShardedOptimizer (lab/build_ddp, part f) keeps its state "
                          "where the kit cannot put it back. Start a new run, or resume with parallel=zero1 (torch's "
                          "ZeRO-1 reads the same checkpoint)")
-    if is_fsdp(net) and not state["state"]:
-        # SGD without momentum keeps no state: only the groups' values (torch's loader below cannot tell on
-        # which device an empty state goes, and stops)
-        optimizer.load_state_dict(state)
-    elif is_fsdp(net):
+    # FSDP with a state to shard (SGD without momentum keeps none: torch's loader cannot tell on which device an
+    # empty state goes, and stops; the plain load below takes the groups' values)
+    if is_fsdp(net) and state["state"]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         # strict=False: a parameter that no forward used has no momentum yet, and keeps none
         set_optimizer_state_dict(net, optimizer, _by_name(state, net, optimizer),
