@@ -18,7 +18,7 @@ from .datasets import DataError, release_workers
 from .speed.gpu_monitor import GpuMonitor, reduce_summaries
 from .speed.gpu_monitor import describe as describe_gpu
 from .robust.heartbeat import Heartbeat
-from .robust.interrupts import stops_kept
+from .robust.guard import guarded
 from .metrics import Meter
 from .model import devices_used, unwrap
 from .speed.comm import algorithm, forget_overflow, gradient_communication
@@ -272,11 +272,11 @@ def fit(job) -> dict:
     percent), the same on every rank. When another rank stops answering, raises
     ``distributed.PeerLost`` with a paragraph that says what was saved and how to resume.
     """
-    with stops_kept() as stops:   # a Stop that Python drops, in the notebooks (robust/interrupts.py)
-        return _watched_fit(job, stops)
+    with guarded() as run:   # what the run sets in the process (signals, a Stop Python drops): put back at its end
+        return _watched_fit(job, run)
 
 
-def _watched_fit(job, stops) -> dict:
+def _watched_fit(job, run) -> dict:
     """``fit`` under the kit's watch, turning each way a run breaks into the paragraph that names its cause."""
     heartbeat = Heartbeat(job.ctx, log=print, stall_after=distributed.stall_limit)   # the watch (robust/heartbeat.py)
     # DDP: the other notebook's Train cell may start minutes later: wait for it (up to init_timeout) before the
@@ -312,13 +312,13 @@ def _watched_fit(job, stops) -> dict:
             raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, kept, what=heartbeat.verdict)) from None
         raise
     except Exception as exc:
-        stops.cancel()   # a Stop that Python dropped is made here, by what broke after it: no second one
+        run.cancel_resends()   # a Stop that Python dropped is made here, by what broke after it: no second one
         release_workers(exc)
         if job.ctx.distributed and heartbeat.verdict:   # the watch ended the group: whatever broke next, this is why
             kept = kept_checkpoint(job.logger.run_dir, job.ctx)
             raise distributed.PeerLost(distributed.peer_lost_text(job.ctx, kept, what=heartbeat.verdict)) from None
-        if stops.dropped:   # what broke after a Stop that Python dropped (the workers the Stop ended): the Stop
-            raise KeyboardInterrupt from None
+        if run.dropped:   # what broke after a Stop that Python dropped (the workers the Stop ended): the Stop
+            raise run.stop() from None
         if isinstance(exc, DataError):   # an unreadable image met in a worker process: the paragraph, not a traceback
             raise exc.plain() from None
         if isinstance(exc, Diverged):    # the same paragraph on every rank, naming what rank 0 kept

@@ -371,8 +371,7 @@ def test_every_resend_of_a_dropped_stop_is_cancelled_when_the_command_ends(monke
     was kept and cancelled, so the first fired after main() had made the stop (into whatever ran next)."""
     import types
     from ddp_utils import distributed
-    from ddp_utils.robust import interrupts
-    from ddp_utils.tools import cli
+    from ddp_utils.robust import guard
     timers = []
 
     class Timer:
@@ -385,11 +384,11 @@ def test_every_resend_of_a_dropped_stop_is_cancelled_when_the_command_ends(monke
 
         def cancel(self):
             self.cancelled = True
-    monkeypatch.setattr(interrupts.threading, "Timer", Timer)
-    monkeypatch.setattr(cli, "_resends", [])
+    monkeypatch.setattr(guard.threading, "Timer", Timer)
     monkeypatch.setattr(distributed, "stop_signal", None)
-    for exc in (KeyboardInterrupt(), cli.Terminated("SIGTERM")):
-        cli._dropped(lambda unraisable: None, types.SimpleNamespace(exc_value=exc))
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # _dropped re-armed the kit's handler for the resend
-    cli.cancel_resends()
+    before = signal.getsignal(signal.SIGTERM)
+    with guard.RunGuard(sigterm=True) as run:
+        for exc in (KeyboardInterrupt(), guard.Terminated("SIGTERM")):
+            run._unraisable(types.SimpleNamespace(exc_value=exc))
+    assert signal.getsignal(signal.SIGTERM) is before   # the kit's handler, re-armed for the resend, taken back
     assert len(timers) == 2 and all(timer.cancelled for timer in timers)

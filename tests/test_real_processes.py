@@ -116,12 +116,14 @@ def test_a_sigterm_whose_exception_python_ignored_is_still_the_cause_said_and_re
     at-fork handler, so the rank went on until the workers the same signal ended broke the loader, and reported
     "DataLoader worker ... exited unexpectedly" (exit 2) to the user and the other ranks instead of the SIGTERM."""
     from ddp_utils import distributed, job
+    from ddp_utils.robust import guard
     from ddp_utils.tools import cli
     monkeypatch.setattr(distributed, "stop_signal", None)
     monkeypatch.setattr(distributed, "_peers", {})
     with pytest.raises(cli.Terminated):
-        cli._terminate(signal.SIGTERM, None)   # the handler: it also leaves the cause where it cannot be lost
+        guard.on_sigterm(signal.SIGTERM, None)   # the handler: it also leaves the cause where it cannot be lost
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     assert distributed.stop_signal == cli.Terminated.description
 
     def broken(*args, **kwargs):
@@ -240,9 +242,9 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
     nothing printed, the signal sent again a moment later, its cause kept for this rank and the others."""
     import sys
     from ddp_utils import distributed
-    from ddp_utils.robust import interrupts
+    from ddp_utils.robust import guard
     from ddp_utils.tools import cli
-    sent = []
+    sent, during = [], {}
 
     class Timer:
         def __init__(self, delay, call, args):
@@ -253,18 +255,17 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
 
         def cancel(self):
             sent.append("cancelled")
-    monkeypatch.setattr(interrupts.threading, "Timer", Timer)
-    monkeypatch.setattr(cli, "_resends", [])
+    monkeypatch.setattr(guard.threading, "Timer", Timer)
     monkeypatch.setattr(distributed, "stop_signal", None)
     monkeypatch.setattr(distributed, "_peers", {})
-    monkeypatch.setattr(sys, "unraisablehook", functools.partial(cli._dropped, sys.unraisablehook))
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
     def handler():   # what the signal's handler does: the kit's for SIGTERM, Python's own for SIGINT
         if sig == signal.SIGTERM:
-            cli._terminate(sig, sys._getframe())
+            signal.getsignal(signal.SIGTERM)(sig, sys._getframe())
         signal.default_int_handler(sig, sys._getframe())
-    try:
+
+    def run_job(*args, **kwargs):   # the command's run: the signal lands where Python drops it, then the loader breaks
         if where == "destructor":
             class Joining:   # a destructor interrupted by the signal
                 def __del__(self):
@@ -283,26 +284,29 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
             finally:
                 _AT_FORK["armed"] = False
             os.waitpid(pid, 0)
-        assert "Exception ignored" not in capsys.readouterr().err
-        assert sent == [(interrupts.RESEND_S, os.kill, (os.getpid(), sig), True)]
-        said = cli.Terminated.description if sig == signal.SIGTERM else distributed.INTERRUPTED
-        # what breaks before the signal comes again is told to the others, and said here, as the signal
-        broken = RuntimeError("DataLoader worker (pid 31031) is killed by signal: Terminated.")
-        assert distributed.describe_failure(broken) == said
-
-        def run_job(*args, **kwargs):
-            raise RuntimeError("DataLoader worker (pid(s) 26981) exited unexpectedly")
-        import ddp_utils.job   # alone, the test would find it not yet imported
-        monkeypatch.setattr(ddp_utils.job, "run_job", run_job)
+        during.update(sent=list(sent), sigterm=signal.getsignal(signal.SIGTERM), sigchld=signal.getsignal(signal.SIGCHLD),
+                      # what breaks before the signal comes again is told to the others, and said here, as the signal
+                      said=distributed.describe_failure(RuntimeError("DataLoader worker (pid 31031) is killed by "
+                                                                     "signal: Terminated.")))
+        raise RuntimeError("DataLoader worker (pid(s) 26981) exited unexpectedly")
+    import ddp_utils.job   # alone, the test would find it not yet imported
+    monkeypatch.setattr(ddp_utils.job, "run_job", run_job)
+    try:
         assert cli.main(["train", "--dataset", "fake"]) == (143 if sig == signal.SIGTERM else 130)
-        assert ("terminated (SIGTERM): " if sig == signal.SIGTERM else "interrupted: ") in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "Exception ignored" not in err
+        assert ("terminated (SIGTERM): " if sig == signal.SIGTERM else "interrupted: ") in err
+        assert during["sent"] == [(guard.RESEND_S, os.kill, (os.getpid(), sig), True)]
+        assert during["said"] == (cli.Terminated.description if sig == signal.SIGTERM else distributed.INTERRUPTED)
         assert sent[-1] == "cancelled"   # main ended first: the stop the resend would make is made
         if sig == signal.SIGTERM:
-            assert signal.getsignal(signal.SIGTERM) is cli._terminate   # the resend is handled, not ignored
-            assert callable(signal.getsignal(signal.SIGCHLD))   # a no-op: the workers' end raises nothing
-            # anywhere else it stops the process the kit's way, as before
-            with pytest.raises(cli.Terminated):
-                cli._terminate(signal.SIGTERM, sys._getframe())
+            assert during["sigterm"] is guard.on_sigterm   # the resend is handled, not ignored
+            assert callable(during["sigchld"])   # a no-op: the workers' end raises nothing
+        # the command has ended: the process's handlers are as they were before it
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGCHLD) is signal.SIG_DFL
+        # anywhere else it stops the process the kit's way, as before
+        with pytest.raises(cli.Terminated):
+            guard.on_sigterm(signal.SIGTERM, sys._getframe())
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -360,13 +364,13 @@ def test_a_notebook_stop_python_drops_as_a_loader_forks_its_workers_still_stops_
     assert "hook restored: True | cause cleared: True" in out, out[-3000:]
 
 
-def test_stops_kept_leaves_other_dropped_errors_and_the_command_lines_own_hook_alone(monkeypatch, capsys):
+def test_the_guard_leaves_other_dropped_errors_and_a_fit_in_a_command_keeps_the_commands_guard(monkeypatch, capsys):
     """Only a KeyboardInterrupt is kept: any other exception Python drops is printed as before. Under the command
     line's hook (which handles SIGTERM too, for the whole command) fit's does nothing."""
     import sys
 
     import ddp_utils.job   # noqa: F401 - its run_job is replaced below, as cli.main imports it
-    from ddp_utils.robust import interrupts
+    from ddp_utils.robust import guard
     from ddp_utils.tools import cli
 
     class Dropping:
@@ -376,15 +380,15 @@ def test_stops_kept_leaves_other_dropped_errors_and_the_command_lines_own_hook_a
         def __del__(self):
             raise self.exc
     monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
-    with interrupts.stops_kept() as kept:
+    with guard.guarded() as run:
         Dropping(ValueError("a destructor's own error"))
-    assert "ValueError: a destructor's own error" in capsys.readouterr().err and not kept.dropped
+    assert "ValueError: a destructor's own error" in capsys.readouterr().err and not run.dropped
     hooks = []
 
-    def run_job(*args, **kwargs):   # the command line's train, with fit's hook inside it
+    def run_job(*args, **kwargs):   # the command line's train, with fit's guard inside it
         hooks.append(sys.unraisablehook)
-        with interrupts.stops_kept():
+        with guard.guarded():
             hooks.append(sys.unraisablehook)
     monkeypatch.setattr(sys.modules["ddp_utils.job"], "run_job", run_job)
     assert cli.main(["train", "--dataset", "fake"]) == 0
-    assert hooks[0].func is cli._dropped and hooks[1] is hooks[0], hooks
+    assert hooks[0].__self__.sigterm and hooks[1] == hooks[0], hooks   # the command's guard, SIGTERM and all

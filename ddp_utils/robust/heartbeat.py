@@ -33,6 +33,7 @@ import time
 import traceback
 
 from .. import distributed
+from . import guard
 
 SILENT_AFTER = 15.0   # seconds without a beat before a rank counts as gone (beats come every 2 s)
 
@@ -49,7 +50,6 @@ class Heartbeat:
         self.stalled: int | None = None   # the rank the judge found stuck waiting for its next batch
         self.interrupted = False   # this rank's stalled main thread was interrupted by its own watch
         self._main = None          # the thread that trains (the judge interrupts it only if it is the main one)
-        self._sigint = None        # SIGINT's handler before the watch made it raise KeyboardInterrupt (ignored at start)
         self.seen: dict[int, tuple[str, float]] = {}   # rank -> (its last beat, when we saw it change)
         self.changes: dict[int, int] = {}              # rank -> how many changes of its beat we have seen
         self.verdict: str | None = None   # why the judge aborted the process group; None while all is well
@@ -66,11 +66,8 @@ class Heartbeat:
             self._keys = distributed.watch_store()   # this fit's own keys: a re-run fit starts clean
             start = self._store_ok = self.progress_at = time.monotonic()
             self._main = threading.current_thread()
-            if self._main is threading.main_thread() and signal.getsignal(signal.SIGINT) in (signal.SIG_IGN,
-                                                                                          signal.SIG_DFL, None):
-                # started with SIGINT ignored (`cmd &` from a script, ssh without a terminal): the self-interrupt of
-                # a stalled loop below would do nothing and the rank would hang while its peers leave
-                self._sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+            if guard.current() is not None:   # the self-interrupt of a stalled loop below must raise (robust/guard.py)
+                guard.current().interruptible()
             self.seen = {r: ("", start) for r in range(self.ctx.world_size) if r != self.ctx.rank}
             for thread in self._threads:
                 thread.start()
@@ -82,9 +79,6 @@ class Heartbeat:
     def __exit__(self, exc_type, *exc) -> None:
         self._finished = exc_type is None   # a finished rank says "done": its silence is no failure
         self._stop.set()
-        if self._sigint is not None:        # SIGINT as this process was started with
-            signal.signal(signal.SIGINT, self._sigint)
-            self._sigint = None
         if self._finished and self._threads[0].is_alive():
             self._threads[0].join(timeout=2.0)   # the "done" is written before the others can miss a beat
 

@@ -4,7 +4,8 @@ torch's store client logs a failed read with some 40 lines of C++ frames, and th
 "USDT: profiler_start" lines at every start and stop. They write to file descriptor 2 from C++, past Python's
 ``sys.stderr``, so only the descriptor itself can be turned away, and it is the whole process's: any other
 thread's output goes with it. ``HeldStderr`` therefore holds fd 2's output in a temporary file instead of
-dropping it, and on release writes back to the real stderr every line that ``is_noise`` does not match.
+dropping it, and on release writes back to the real stderr every line that ``is_noise`` does not match. A hold
+still on when its run ends (robust/guard.py) is released there: fd 2 never stays turned away from the student.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import re
 import tempfile
 import threading
 from typing import Callable
+
+_holding: list = []   # the HeldStderr now holding fd 2, in the order they took it (release_all's)
 
 
 class HeldStderr:
@@ -34,6 +37,7 @@ class HeldStderr:
                 self._file = tempfile.TemporaryFile()
                 self._saved = os.dup(2)
                 os.dup2(self._file.fileno(), 2)
+                _holding.append(self)
 
     def release(self) -> None:
         with self._lock:
@@ -42,6 +46,7 @@ class HeldStderr:
             os.dup2(self._saved, 2)
             os.close(self._saved)
             self._saved = None
+            _holding.remove(self)
             self._file.seek(0)
             kept = [line for line in self._file.read().decode(errors="replace").splitlines(keepends=True)
                     if not self.is_noise(line)]
@@ -56,6 +61,12 @@ class HeldStderr:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def release_all() -> None:
+    """Every hold still on released, the last one first (each restores the fd 2 it found)."""
+    for held in reversed(list(_holding)):
+        held.release()
 
 
 # the profiler library's lines ("USDT:2026-11-28 20:05:21 20305:20305 SyncActivityProfilerHandler.cpp:39]

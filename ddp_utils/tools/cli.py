@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
-import signal
 import sys
 import traceback
 
 from .. import distributed
 from .. import settings as settings_module
-from ..robust.interrupts import resend_later
+from ..robust.guard import RunGuard, Terminated
 
 # Errors whose message already says what is wrong and what to do: no traceback for these.
 CLEAR_ERRORS = (ValueError, FileExistsError, FileNotFoundError, RuntimeError)
@@ -114,55 +112,14 @@ def seed_list(text: str) -> list[int]:
     return seeds
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler, `kill`, the container stopping): stop like an interrupt, telling the others."""
-    description = "SIGTERM (the process was told to stop)"   # what the other ranks are told
-
-
-_resends: list = []   # the timers of dropped signals' resends, all cancelled when main() ends first (the stop is made)
-
-
-def _terminate(signum, frame):
-    # A SIGTERM to the process group (scancel, a job's end, `kill -- -PGID`) ends this rank's DataLoader workers too,
-    # and torch's SIGCHLD handler would then raise "DataLoader worker ... is killed by signal" at any point of the
-    # clean stop, in place of its paragraph. Their end is part of this stop: the iterator's shutdown reaps them.
-    # A Python no-op, not SIG_DFL: a SIGCHLD already pending (a worker just ended) would then raise "Signal 17
-    # ignored due to race condition" at the next bytecode (seen on the floor torch's Python).
-    with contextlib.suppress(ValueError, OSError):
-        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    # The exception below may land where Python drops it (see _dropped), and what breaks next (the workers the same
-    # SIGTERM ended) would be reported instead: the flag keeps the cause, for this rank and the others.
-    distributed.stop_signal = Terminated.description
-    # One is enough. A second SIGTERM (the launcher's death signal and a scheduler's, say) must not cut the
-    # clean stop short: telling the others and writing why to log.txt take a moment. main() sets it again.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated("SIGTERM")
-
-
-def _dropped(previous, unraisable) -> None:
-    """``sys.unraisablehook`` while the CLI runs. Python drops an exception raised in a destructor (a DataLoader
-    iterator's ``__del__`` joining its workers at an epoch's end) or in an at-fork handler (logging's lock, as a
-    DataLoader forks its workers), and prints "Exception ignored in ..." with a traceback before the paragraph. For
-    a SIGTERM or a Ctrl-C: nothing printed, the cause kept (what breaks meanwhile, the workers the same signal to
-    the process group ended, is reported as it), and the signal delivered again a moment later, where it stops
-    the run."""
-    if isinstance(unraisable.exc_value, KeyboardInterrupt):   # cli.Terminated is one too
-        if isinstance(unraisable.exc_value, Terminated):
-            signal.signal(signal.SIGTERM, _terminate)
-            signum = signal.SIGTERM
-        else:
-            distributed.stop_signal = distributed.stop_signal or distributed.INTERRUPTED
-            signum = signal.SIGINT
-        _resends.append(resend_later(signum))   # each dropped one: a resend that only a finished stop cancels
-        return
-    previous(unraisable)
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)   # without it SIGTERM ends the process with no word to the others
-    previous_hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_dropped, sys.unraisablehook)
-    sys.unraisablehook.keeps_stops = True   # fit's own hook for the notebooks (robust/interrupts.py) leaves it be
+    # signals, a stop Python drops, the cause told to the others, fd 2: set and put back by the guard alone
+    with RunGuard(sigterm=True) as run:
+        return _command(args, run)
+
+
+def _command(args, run: RunGuard) -> int:
     try:
         if args.command == "train":
             from ..job import grid_axes, run_grid, run_job, run_seeds
@@ -203,22 +160,12 @@ def main(argv=None) -> int:
         return _stopped(exc)
     except CLEAR_ERRORS as exc:
         if distributed.stop_signal:   # what broke after a signal whose exception Python dropped: the signal
-            interrupted = distributed.stop_signal == distributed.INTERRUPTED
-            return _stopped(KeyboardInterrupt() if interrupted else Terminated("SIGTERM"))
+            return _stopped(run.stop())
         if not isinstance(exc, (ValueError, FileExistsError, FileNotFoundError)) and not _is_ours(exc):
             traceback.print_exc()
         print(f"\nerror: {exc}", file=sys.stderr)
         _tell_torchrun(exc)
         return 2
-    finally:
-        sys.unraisablehook = previous_hook
-        cancel_resends()
-
-
-def cancel_resends() -> None:
-    """Cancel every resend still pending (a stop dropped twice, a Ctrl-C and a SIGTERM: a timer each)."""
-    while _resends:
-        _resends.pop().cancel()
 
 
 def _stopped(exc: KeyboardInterrupt) -> int:
