@@ -337,17 +337,16 @@ def _init_failure(settings, backend, report: dict, error: BaseException) -> str:
 def teardown(abort: bool = False) -> None:
     """Destroy the process group if there is one. Safe to call any time, any number of times.
 
-    ``abort`` (after an error or an interrupt) first aborts the group's pending work (NCCL; gloo ignores
-    it). What really closes gloo's connections at once is the group being freed: see job.release_group.
+    ``abort`` (after an error or an interrupt): the others' next collective fails now. NCCL: aborted; gloo: its
+    connections shut down (ZeRO's and FSDP's C++ objects keep a freed group alive while the process holds them).
     """
     global _active
     _active = None
     if dist.is_available() and dist.is_initialized():
         if abort:
             _, call = compat.abort_path(dist.get_backend(), dist.distributed_c10d._get_default_group())
-            if call is not None:
-                with contextlib.suppress(RuntimeError):   # an NCCL communicator already broken by the failure
-                    call()
+            with contextlib.suppress(RuntimeError):   # an NCCL communicator already broken by the failure
+                call() if call is not None else sockets.shut_down(_group_sockets)
         with contextlib.suppress(Exception):  # a broken group (a peer died) must not stop the cleanup
             compat.destroy_process_group(dist.get_backend())   # torch 2.6 and 2.7's gloo need a moment first
 

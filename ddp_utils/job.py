@@ -79,9 +79,9 @@ class Job:
 
 
 def release_group(model) -> None:
-    """Make a DDP model let go of its process group, so that tearing the group down closes its
-    connections now. Otherwise the model (still referenced by the notebook and by the traceback of
-    the error) keeps them open, and the other ranks wait in their next collective until it times out."""
+    """Make a DDP model let go of its process group, so that tearing the group down frees it (its
+    threads and buffers) although the notebook and the error's traceback still reference the model.
+    The other ranks' collectives fail at once either way: teardown(abort=True) shuts the connections."""
     import gc
 
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -163,7 +163,36 @@ def slow_rank0_writes(s: Settings) -> None:
     distributed.teardown()
 
 
-SCENARIOS = {"slow_rank0_writes": slow_rank0_writes, "devices": devices, "basics": basics, "joined": joined, "mismatch": mismatch, "init_fails": init_fails,
+def left_group(s: Settings, mode: str) -> None:
+    """Rank 1 fails after a training step and leaves the group as ``Job.fail`` does, its model and optimizer still
+    referenced (a notebook's kernel lives on, holding them); rank 0 then waits in a collective rank 1 never joins.
+    It must fail at once, not when rank 1's process ends (12 s later) or at the collective timeout (60 s)."""
+    from tests.mode_matrix import build, settings_for, train
+    from ddp_utils.job import release_group
+    settings = settings_for(mode, 0.9, "nchw", s.rank, s.world_size, s.master_port)
+    ctx = distributed.setup(settings)
+    distributed.set_collective_timeout(60.0)
+    model, optimizer, scheduler, scaler = build(settings, ctx)
+    train(model, optimizer, scheduler, scaler, settings, ctx, steps=2, seed=1)
+    distributed.wait_for_all("trained", ctx, 60)
+    if ctx.rank == 1:
+        release_group(model)
+        distributed.teardown(abort=True)
+        check("left", True)
+        time.sleep(12)   # the kernel lives on
+        return
+    start = time.monotonic()
+    try:
+        distributed.all_reduce_sum(torch.ones(1), ctx)
+        check("collective", "completed")
+    except RuntimeError as e:
+        check("collective", f"failed: {str(e)[:80]}")
+    check("seconds_in_collective", round(time.monotonic() - start, 1))
+    distributed.teardown()
+
+
+SCENARIOS = {"slow_rank0_writes": slow_rank0_writes,
+             **{f"left_group_{mode}": lambda s, mode=mode: left_group(s, mode) for mode in ("ddp", "zero1", "fsdp")}, "devices": devices, "basics": basics, "joined": joined, "mismatch": mismatch, "init_fails": init_fails,
              "interrupted": interrupted, "stopped_in_init": lambda s: stopped_in_setup(s, "init"),
              "stopped_in_agree": lambda s: stopped_in_setup(s, "agree")}
 
