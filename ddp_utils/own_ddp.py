@@ -16,7 +16,8 @@ adapter decides).
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import sys
 from pathlib import Path
 
 from torch import nn
@@ -63,10 +64,9 @@ def _adapter():
         raise FileNotFoundError(f"--build-ddp trains with the DDP written in the kit's lab/build_ddp/, but there is no "
                                 f"{adapter} (an installed ddp_utils without the kit's folder): run from a checkout of "
                                 f"the kit")
-    spec = importlib.util.spec_from_file_location("build_ddp_adapter", adapter)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if str(LAB.parent) not in sys.path:   # lab/ holds the package build_ddp (the tests import the same module)
+        sys.path.insert(0, str(LAB.parent))
+    return importlib.import_module("build_ddp.adapter")
 
 
 def sharded_optimizer(groups: list[dict], optimizer_cls, **kwargs):

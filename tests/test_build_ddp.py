@@ -298,3 +298,31 @@ def test_the_handout_has_no_solution_and_its_untouched_student_file_fails_every_
                                 "part_a and 2-ranks"], cwd=out, env=lab_env(BUILD_DDP="reference"),
                                capture_output=True, text=True, timeout=RUN_LIMIT_S)
     assert reference.returncode != 0 and "the student handout and the Docker image leave it out" in reference.stdout
+
+
+PROBE = """
+import sys
+
+
+def pytest_collection_finish(session):
+    lab = [name for name in ("adapter", "harness", "checks", "student", "reference") if name in sys.modules]
+    print("TOP-LEVEL", lab, "PACKAGE", sorted(m for m in sys.modules if m.startswith("build_ddp.")))
+"""
+
+
+def test_the_lab_imports_its_modules_as_a_package_never_under_top_level_names(tmp_path):
+    """Issue 43, finding 8: the lab's conftest put lab/build_ddp first on sys.path and imported adapter, harness and
+    checks as top-level modules: names any other code in the process (a student's checks.py, an installed package)
+    then got the lab's file for. They are build_ddp.<name> now, and --build-ddp uses the same adapter module."""
+    (tmp_path / "lab_probe.py").write_text(PROBE)
+    env = lab_env(BUILD_DDP="reference")
+    env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
+    done = subprocess.run([sys.executable, "-m", "pytest", "lab/build_ddp", "-p", "no:cacheprovider", "-p",
+                           "lab_probe", "--collect-only", "-q"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("TOP-LEVEL")), done.stdout + done.stderr)
+    assert line.startswith("TOP-LEVEL [] PACKAGE"), line
+    for module in ("build_ddp.adapter", "build_ddp.checks", "build_ddp.harness"):
+        assert module in line, line
+    from ddp_utils import own_ddp
+    assert own_ddp._adapter() is sys.modules["build_ddp.adapter"]

@@ -93,7 +93,7 @@ def test_collectives_writes_its_rows_fit_and_figure(tmp_path):
 
 
 WRONG_RING = """
-import adapter
+from build_ddp import adapter
 solution = adapter.solution()
 broadcast_parameters, allreduce_gradients = solution.broadcast_parameters, solution.allreduce_gradients
 OverlapDDP, BucketDDP = solution.OverlapDDP, solution.BucketDDP

@@ -38,8 +38,12 @@ def test_without_the_solution_build_ddp_reference_says_what_to_do(monkeypatch, t
     import shutil
     lab = tmp_path / "lab" / "build_ddp"
     shutil.copytree(own_ddp.LAB, lab, ignore=shutil.ignore_patterns("solution"))
+    # the kit's own lab package, imported by other tests, out of the way of the copy's (put back after)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(own_ddp.LAB.parent)])
     monkeypatch.setattr(own_ddp, "LAB", lab)
     monkeypatch.setenv("BUILD_DDP", "reference")
+    for name in [m for m in sys.modules if m == "build_ddp" or m.startswith("build_ddp.")]:
+        monkeypatch.delitem(sys.modules, name)
     with pytest.raises(FileNotFoundError, match="the student handout and the Docker image leave it out"):
         own_ddp.implementation()
 

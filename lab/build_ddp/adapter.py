@@ -60,8 +60,8 @@ def solution() -> ModuleType:
 
 
 def load(path: Path) -> ModuleType:
-    if str(HERE) not in sys.path:   # the file may import the lab's own modules (adapter, as the mistakes do)
-        sys.path.insert(0, str(HERE))
+    if str(HERE.parent) not in sys.path:   # the file may import the lab's modules (build_ddp.adapter, as the mistakes do)
+        sys.path.insert(0, str(HERE.parent))
     path = Path(path).resolve()
     tag = "" if path.parent in (HERE, SOLUTION.parent) else "_" + hashlib.sha1(str(path).encode()).hexdigest()[:8]
     name = f"build_ddp_{path.stem}{tag}"

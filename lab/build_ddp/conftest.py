@@ -1,16 +1,15 @@
-"""Lets the tests import this folder's modules (adapter, harness) whatever pytest's import mode, and says in
+"""Lets the tests import this folder's modules as ``build_ddp.<name>`` whatever pytest's import mode, and says in
 pytest's header which file is under test."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-HERE = str(Path(__file__).resolve().parent)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+LAB = str(Path(__file__).resolve().parents[1])   # lab/: the package build_ddp is found there
+if LAB not in sys.path:
+    sys.path.insert(0, LAB)
 
-import adapter  # noqa: E402  (needs HERE on sys.path)
-import harness  # noqa: E402
+from build_ddp import adapter, harness  # noqa: E402  (needs LAB on sys.path)
 
 
 def pytest_report_header(config):

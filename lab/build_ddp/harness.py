@@ -251,9 +251,9 @@ def _rank_main(job: _Job, rank: int, conn) -> None:
 
 def _load(path: str, name: str):
     """The function ``name`` of the file ``path``, loaded in this process whatever pytest's import mode was."""
-    folder = str(Path(path).parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
+    lab = str(Path(__file__).resolve().parents[1])   # the test file imports build_ddp.<module>: lab/ holds the package
+    if lab not in sys.path:
+        sys.path.insert(0, lab)
     spec = importlib.util.spec_from_file_location(f"build_ddp_{Path(path).stem}", path)
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # registered, as an import would
     spec.loader.exec_module(module)

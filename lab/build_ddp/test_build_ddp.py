@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import checks
-from adapter import implementation
-from checks import ATOL, RTOL, AllReduce, AllReduceLog, Arrivals
-from harness import run_ranks
+from build_ddp import checks
+from build_ddp.adapter import implementation
+from build_ddp.checks import ATOL, RTOL, AllReduce, AllReduceLog, Arrivals
+from build_ddp.harness import run_ranks
 
 ddp = implementation()   # student.py, or the kit's solution with BUILD_DDP=reference (adapter.py)
 

@@ -1,6 +1,6 @@
 """(c) whose buckets keep the declared order (reversed parameters()) for ever: correct numbers, but a gradient
 that backward() produces early can sit in a bucket that fills late, and its communication waits with it."""
-import adapter
+from build_ddp import adapter
 
 solution = adapter.solution()
 broadcast_parameters, allreduce_gradients, OverlapDDP = (solution.broadcast_parameters, solution.allreduce_gradients,

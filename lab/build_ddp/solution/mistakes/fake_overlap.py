@@ -2,7 +2,7 @@
 numbers are right, every call is async and inside backward(), yet communication waits for all of backward."""
 import torch.distributed as dist
 
-import adapter
+from build_ddp import adapter
 
 solution = adapter.solution()
 broadcast_parameters, allreduce_gradients, BucketDDP = (solution.broadcast_parameters, solution.allreduce_gradients,

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import adapter
+from build_ddp import adapter
 
 solution = adapter.solution()
 broadcast_parameters, allreduce_gradients, OverlapDDP = (solution.broadcast_parameters, solution.allreduce_gradients,

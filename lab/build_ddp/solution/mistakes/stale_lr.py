@@ -1,7 +1,7 @@
 """(f) whose local optimizer never hears of the schedule: its param_groups keep the first learning rate."""
 import torch
 
-import adapter
+from build_ddp import adapter
 
 solution = adapter.solution()
 broadcast_parameters, allreduce_gradients = solution.broadcast_parameters, solution.allreduce_gradients

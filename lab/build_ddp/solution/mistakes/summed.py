@@ -1,7 +1,7 @@
 """(a) without the division: every gradient ends as the sum over the ranks, world_size times the mean."""
 import torch.distributed as dist
 
-import adapter
+from build_ddp import adapter
 
 solution = adapter.solution()
 broadcast_parameters, OverlapDDP, BucketDDP = solution.broadcast_parameters, solution.OverlapDDP, solution.BucketDDP

@@ -1,5 +1,5 @@
 """(b) that never waits: finish_gradient_sync() forgets the works, so step() may read a gradient mid-sum."""
-import adapter
+from build_ddp import adapter
 
 solution = adapter.solution()
 broadcast_parameters, allreduce_gradients, BucketDDP = (solution.broadcast_parameters, solution.allreduce_gradients,
