@@ -22,6 +22,7 @@ round trip prints ``FAIL <from> -> <mode>@<WORLD>: <error>`` and goes on (every 
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import sys
 import traceback
@@ -65,15 +66,18 @@ def difference(a, b, path: str = "") -> str | None:
     return None if same(a, b) else f"{path}: {str(a)[:60]!r} != {str(b)[:60]!r}"
 
 
+BACKEND = os.environ.get("MATRIX_BACKEND", "gloo")   # nccl: the GPU suite's run (tests/test_gpu.py), one GPU a rank
+
+
 def modes() -> list[str]:
-    runnable = not compat.fsdp_refusal("cpu", "gloo")   # FSDP2 on a CPU needs torch 2.7 (the floor is 2.6)
+    runnable = not compat.fsdp_refusal("cuda" if BACKEND == "nccl" else "cpu", BACKEND)   # on a CPU: torch 2.7+
     return ["ddp", "zero1", *(["fsdp"] if runnable else [])]
 
 
 def settings_for(mode: str, momentum: float, layout: str, rank: int, world: int, port: int) -> Settings:
     # static_graph: DDP's way to train a model with a parameter that no forward uses
     return Settings(dataset="demo", arch="convnet", parallel=mode, world_size=world, rank=rank, master_port=port,
-                    backend="gloo", init_timeout=60, momentum=momentum, channels_last=layout == "nhwc",
+                    backend=BACKEND, init_timeout=60, momentum=momentum, channels_last=layout == "nhwc",
                     amp="bf16", static_graph=mode != "fsdp", epochs=2, warmup_epochs=0)
 
 

@@ -27,6 +27,20 @@ def train(tmp_path, *extra) -> tuple[str, dict]:
 
 
 @gpu_only
+def test_the_mode_matrix_on_a_gpu_where_its_defaults_are_real(tmp_path):
+    """tests/test_mode_matrix.py's round trips on one GPU over NCCL: channels_last, bf16 autocast and fp16's scaler
+    as a GPU run takes them (not forced), cudnn.benchmark and TF32 on, pinned memory and non-blocking copies."""
+    from tests.test_mode_matrix import _phase
+    env = base_env(MATRIX_BACKEND="nccl")
+    _phase("save", 1, tmp_path, env)
+    lines = _phase("resume", 1, tmp_path, env)
+    checks = [line for line in lines if line.startswith("CHECK")]
+    assert checks and not [line for line in lines if line.startswith("FAIL")], "\n".join(lines)
+    assert all(line.endswith("input=True mended=True stepped=True equal=True") for line in checks), "\n".join(checks)
+    assert len(checks) == 3 * 3 * 2 * 2   # ddp, zero1, fsdp saved and resumed x momentum x layout
+
+
+@gpu_only
 def test_nccl_process_group_with_one_rank_all_reduces_and_trains_a_ddp_step():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP

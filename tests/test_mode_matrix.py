@@ -23,10 +23,10 @@ WORLDS = (1, 2, 3)
 LIMIT_S = 300   # a phase on 3 ranks: about 60 s alone on two cores
 
 
-def _phase(phase: str, world: int, folder) -> list[str]:
+def _phase(phase: str, world: int, folder, env=None) -> list[str]:
     port = free_port()
     results = run_all([python("-m", "tests.mode_matrix", phase, str(rank), str(world), str(port), str(folder))
-                       for rank in range(world)], timeout=LIMIT_S)
+                       for rank in range(world)], timeout=LIMIT_S, env=env)
     for res in results:
         assert res.returncode == 0, describe(results)
     return results[0].output.splitlines()
