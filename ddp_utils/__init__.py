@@ -5,7 +5,8 @@ The calls a notebook makes, in order (``# DDP:`` marks what a one-GPU script wou
     settings = Settings(dataset="demo", world_size=2, rank=0, master_addr="10.0.0.1")
     ctx = setup(settings)                      # DDP: join the process group (init_process_group)
     data = build_data(settings, ctx)           # DDP: this rank's share of the data (DistributedSampler)
-    model = prepare_model(build_model(settings.arch, data.num_classes, settings.seed), settings, ctx)
+    model = build_model(settings.arch, data.num_classes, settings.seed, data.image_size)
+    model = prepare_model(model, settings, ctx)
                                                # DDP: DistributedDataParallel(model)
     job = open_run(settings, ctx, data, model) # DDP: rank 0 writes the run folder, the others do not
     with job:                                  # closes the logs; after an error also leaves the group

@@ -32,10 +32,11 @@ from . import distributed
 from .datasets import (Data, EpochLoader, EvalShardSampler, ImageFolderDataset, check_batch_fits, check_data,
                        close_inherited_listeners, eval_transform, fake_dataset, load_preset, train_sampler,
                        train_transform, worker_context)
+from .presets import auto_loader
 from .speed import fastjpeg
 from .speed.dali import build_dali_data, check_dali_dataset
 from .robust.threads import set_threads
-from .speed.memdata import MEMORY_DATASETS, build_memory_data, check_memory_dataset
+from .speed.memdata import build_memory_data, check_memory_dataset
 from .speed.nvjpeg import build_nvjpeg_data, check_nvjpeg_dataset
 
 __all__ = ["build_data", "build_loaders"]
@@ -61,12 +62,8 @@ def build_data(settings, ctx, log=print) -> Data:
 
 
 def loader_for(settings) -> str:
-    """``settings.loader`` with ``auto`` resolved: the small-image presets are decoded once into memory (no worker
-    processes competing with the ranks for the cores: on a CPU rehearsal that is most of the difference), ImageNet
-    goes to the DataLoader workers."""
-    if settings.loader != "auto":
-        return settings.loader
-    return "memory" if settings.dataset in MEMORY_DATASETS else "workers"
+    """``settings.loader`` with ``auto`` resolved by the preset (``presets.auto_loader``)."""
+    return settings.loader if settings.loader != "auto" else auto_loader(settings.dataset)
 
 
 def build_loaders(settings, rank: int, world_size: int, device: torch.device | str | None = None) -> Data:

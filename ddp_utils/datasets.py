@@ -210,7 +210,7 @@ def check_data(settings) -> dict:
                 "splits": {name: {"images": FAKE_SIZES[name], "classes": preset.num_classes}
                            for name in (preset.train_split, preset.val_split)}}
     root = Path(settings.data_dir).expanduser()
-    if preset.name == "demo":
+    if preset.made_here:
         try:
             prepare_demo(root)  # writes the set the first time (race-safe across ranks), then a no-op
         except FileExistsError as e:
@@ -341,12 +341,15 @@ def _check_images(folder: Path, samples: list[tuple[str, int]], preset: Preset) 
 def _layout_hint(root: Path, preset: Preset) -> str:
     """A guess at the right preset from the folders that are there."""
     names = {p.name for p in root.iterdir()} if root.is_dir() else set()
-    if "val" in names and "valid" not in names and preset.name != "imagenet":
-        return "These folders look like the ImageNet layout (train/ and val/): use dataset='imagenet'."
-    if "valid" in names and "val" not in names and preset.name == "imagenet":
-        guess = "demo" if DEMO_JSON in names else "cinic10"
-        return f"These folders look like the CINIC-10 layout (train/, valid/, test/): use dataset='{guess}'."
-    return ""
+    if preset.val_split in names:
+        return ""
+    fits = [p for p in PRESETS.values() if p.folders and {p.train_split, p.val_split} <= names
+            and (p.test_split is None or p.test_split in names)]
+    fits.sort(key=lambda p: p.made_here != (DEMO_JSON in names))   # demo.json: the kit's own set first
+    if not fits:
+        return ""
+    splits = "/, ".join(dict.fromkeys(s for s in (fits[0].train_split, fits[0].val_split, fits[0].test_split) if s))
+    return f"These folders look like the {fits[0].name} layout ({splits}/): use dataset='{fits[0].name}'."
 
 
 def _few(names: list[str], k: int = 5) -> str:

@@ -5,7 +5,8 @@
 
     ctx = setup(settings)                                      # DDP: join the process group
     data = build_data(settings, ctx)                           # DDP: this rank's share (DistributedSampler)
-    model = prepare_model(build_model(settings.arch, data.num_classes, settings.seed), settings, ctx)   # DDP: wrap
+    model = build_model(settings.arch, data.num_classes, settings.seed, data.image_size)
+    model = prepare_model(model, settings, ctx)   # DDP: wrap
     job = open_run(settings, ctx, data, model, resume)         # DDP: rank 0 writes the run folder
     with job:                                                  # closes the logs; after an error leaves the group
         results = fit(job)                                     # train.fit: the epochs
@@ -106,7 +107,8 @@ def prepare(settings, resume: str | None = None, evaluate: bool = False, log=pri
     _check_evaluate(resume, evaluate)   # before joining: a wrong command fails at once
     ctx = setup(settings, log)   # DDP: pre-flight, init_process_group, settings agreement
     data = build_data(settings, ctx, log)   # DDP: DistributedSampler shards; the ranks agree on the data
-    model = prepare_model(build_model(settings.arch, data.num_classes, settings.seed), settings, ctx, log)   # DDP: wrap
+    model = build_model(settings.arch, data.num_classes, settings.seed, data.image_size)   # seeded, for this size
+    model = prepare_model(model, settings, ctx, log)   # DDP: wrap
     return open_run(settings, ctx, data, model, resume, evaluate, log)   # DDP: rank 0 writes the run folder
 
 

@@ -1,4 +1,5 @@
-"""Models: build one by name, then place it on the device and (DDP:) wrap it for several ranks."""
+"""Models: build one by name (its facts: architectures.py; the kit's own small nets: nets.py), then place it on
+the device and (DDP:) wrap it for several ranks."""
 from __future__ import annotations
 
 import torch
@@ -6,68 +7,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import distributed, own_ddp
+from .architectures import architecture
 from .optim import amp_dtype, channels_last_on, use_fast_gpu_kernels
 from .speed import sharding
 
 
-def _conv_block(c_in: int, c_out: int, norm: str) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
-                         nn.BatchNorm2d(c_out) if norm == "bn" else nn.GroupNorm(8, c_out),
-                         nn.ReLU(inplace=True))
-
-
-def convnet(num_classes: int, width: int = 32, norm: str = "bn") -> nn.Sequential:
-    """A small CNN for 32x32 images that trains in seconds on a CPU. Input (N, 3, H, W) -> (N, classes).
-
-    norm="bn": BatchNorm, whose statistics are per rank under DDP (sync_bn makes them global on GPUs).
-    norm="gn": GroupNorm normalises each image on its own, so 2 ranks x batch b compute exactly what
-    1 process x batch 2b does (the tests use it to check DDP's gradient averaging); it trains slower.
-    """
-    w = width
-    return nn.Sequential(
-        _conv_block(3, w, norm), _conv_block(w, w, norm), nn.MaxPool2d(2),              # 32 -> 16 px
-        _conv_block(w, 2 * w, norm), _conv_block(2 * w, 2 * w, norm), nn.MaxPool2d(2),  # 16 -> 8 px
-        _conv_block(2 * w, 4 * w, norm),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, num_classes))
-
-
-def mlp(num_classes: int, width: int = 2048) -> nn.Sequential:
-    """A wide MLP on the flattened image: many gradient bytes per FLOP (2048 wide: 10.5 M parameters, 42 MB of fp32
-    gradients with 10 classes, 12.5 M and 50 MB with 1000, for 21-25 MFLOP a forward pass). Communication is then a
-    real share of a DDP step even on a CPU: the lab's part (e) measures its all-reduces with it. Input (N, 3, H, W),
-    any size (pooled to 32 x 32 first) -> (N, classes)."""
-    return nn.Sequential(nn.AdaptiveAvgPool2d(32), nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU(inplace=True),
-                         nn.Linear(width, width), nn.ReLU(inplace=True), nn.Linear(width, num_classes))
-
-
-def resnet18_cifar(num_classes: int) -> nn.Module:
-    """torchvision's ResNet-18 with the usual small-image stem: 3x3 stride-1 conv, no max-pool."""
-    import torchvision
-    model = torchvision.models.resnet18(num_classes=num_classes)
-    model.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
-    model.maxpool = nn.Identity()
-    return model
-
-
-def build_model(arch: str, num_classes: int, seed: int | None = None) -> nn.Module:
-    """A freshly initialised classifier by name: convnet, convnet_gn, resnet18_cifar or any torchvision model.
+def build_model(arch: str, num_classes: int, seed: int | None = None, image_size: int = 0) -> nn.Module:
+    """A freshly initialised classifier by name (the registry's, architectures.py, or any torchvision one) for
+    images of ``image_size`` px (0: the size it is made for; a ViT is built for the size it will see).
 
     ``seed``: seeds PyTorch's global generator first (``torch.manual_seed``), so that the initial
     weights are reproducible; under DDP every rank then starts from rank 0's copy anyway."""
+    entry = architecture(arch)   # ValueError for an unknown name, before the seed is touched
     if seed is not None:
         torch.manual_seed(seed)
-    if arch in ("convnet", "convnet_gn"):
-        return convnet(num_classes, norm="gn" if arch == "convnet_gn" else "bn")
-    if arch == "resnet18_cifar":
-        return resnet18_cifar(num_classes)
-    if arch == "mlp":
-        return mlp(num_classes)
-    import torchvision
-    try:
-        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
-    except ValueError:
-        raise ValueError(f"Unknown arch {arch!r}. Use convnet, convnet_gn, resnet18_cifar, mlp or a torchvision "
-                         f"classifier such as resnet18, resnet50 (torchvision.models.list_models()).") from None
+    return entry.build(num_classes, image_size or entry.default_size)
 
 
 class AutocastInReplicas(nn.Module):
@@ -185,7 +139,7 @@ def _place(model: nn.Module, settings, ctx) -> nn.Module:
     if channels_last_on(settings, ctx.device) and not fsdp:
         model = model.to(memory_format=torch.channels_last)
     if fsdp:   # FSDP: no wrapper; the model's blocks are sharded in place
-        model = sharding.shard_model(model, ctx)
+        model = sharding.shard_model(model, ctx, architecture(settings.arch).units)
         return torch.compile(model) if settings.compile else model
     if ctx.distributed and settings.build_ddp in own_ddp.WRAPPERS:   # the DDP you wrote (lab/build_ddp)
         model = own_ddp.wrap(model, settings.build_ddp, settings.bucket_mb)

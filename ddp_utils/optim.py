@@ -12,20 +12,27 @@ import torch
 
 
 def build_optimizer(model: torch.nn.Module, settings, zero: bool = False) -> torch.optim.Optimizer:
-    """SGD with momentum; no weight decay on biases and normalisation weights (1-D tensors). ``zero``
-    (parallel=zero1): the same SGD inside ZeroRedundancyOptimizer, each rank keeping the state of its share, or
-    inside the ShardedOptimizer you wrote (build_ddp=f: lab/build_ddp, part f)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    """SGD with momentum, or AdamW (``settings.optimizer``); no weight decay on biases and normalisation weights
+    (1-D tensors) nor on what the model's registry entry exempts (a ViT's position embedding and class token).
+    ``zero`` (parallel=zero1): the same optimizer inside ZeroRedundancyOptimizer, each rank keeping the state of its
+    share, or inside the ShardedOptimizer you wrote (build_ddp=f: lab/build_ddp, part f)."""
+    from .architectures import architecture
+    exempt = architecture(settings.arch).no_decay
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:   # a wrapper's prefix ("module.", "_orig_mod.") before the registry's names
+            free = p.ndim <= 1 or any(name == n or name.endswith("." + n) for n in exempt)
+            (no_decay if free else decay).append(p)
     groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kind, options = ((torch.optim.AdamW, {}) if settings.optimizer == "adamw" else
+                     (torch.optim.SGD, {"momentum": settings.momentum}))
     if zero and settings.build_ddp == "f":   # yours: the same contract as torch's ZeRO-1
         from .own_ddp import sharded_optimizer
-        return sharded_optimizer(groups, torch.optim.SGD, lr=settings.effective_lr, momentum=settings.momentum)
+        return sharded_optimizer(groups, kind, lr=settings.effective_lr, **options)
     if zero:   # each rank steps the parameters it owns (about 1/N, by size) and broadcasts them (speed/sharding.py)
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.SGD, lr=settings.effective_lr,
-                                       momentum=settings.momentum)
-    return torch.optim.SGD(groups, lr=settings.effective_lr, momentum=settings.momentum)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=kind, lr=settings.effective_lr, **options)
+    return kind(groups, lr=settings.effective_lr, **options)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:

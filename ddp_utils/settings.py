@@ -18,10 +18,11 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .architectures import ARCHITECTURES, architecture
 from .slurm import first_host
-from .presets import LR_REFERENCE_BATCH, PRESETS
+from .presets import LR_REFERENCE_BATCH, PRESETS, default_of, suited
 
-DATASETS = tuple(PRESETS)
+DATASETS = PRESETS.keys()   # live: a preset added to PRESETS (a test's) is a choice too
 BACKENDS = ("auto", "gloo", "nccl")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -30,12 +31,14 @@ COMM_MODES = ("auto", "none", "fp16", "bf16", "powersgd", "localsgd")
 PROGRESS_MODES = ("auto", "steps", "bar", "off")
 PARALLEL_MODES = ("ddp", "dp", "none", "zero1", "fsdp")
 
-# The fields a preset's recipe fills in when they are left out (None).
-RECIPE_FIELDS = ("arch", "batch_size", "epochs", "lr", "warmup_epochs")
+# The fields a preset's recipe fills in when they are left out (None); a model whose registry entry pairs it with
+# another optimizer (architectures.py) brings that optimizer, its lr and its weight decay.
+RECIPE_FIELDS = ("arch", "batch_size", "epochs", "lr", "warmup_epochs", "optimizer", "weight_decay")
+OPTIMIZERS = ("sgd", "adamw")
 
 # Fields that every rank must share, or the ranks would silently train different things.
 MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_reference_batch",
-              "warmup_epochs", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
+              "warmup_epochs", "optimizer", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
               "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps",
               "powersgd_min_compression", "comm_auto_share", "average_every", "localsgd_warmup_steps",
@@ -50,27 +53,27 @@ def _f(default, help: str, **kw):
 @dataclass(frozen=True)
 class Settings:
     # -- data ---------------------------------------------------------------------------------
-    dataset: str = _f("demo", "data preset: imagenet, cinic10, demo (ships with the kit) or fake",
+    dataset: str = _f("demo", f"data preset: {', '.join(PRESETS)} ("
+                              f"{', '.join(n for n, p in PRESETS.items() if p.made_here)} made by the kit)",
                       choices=DATASETS)
     data_dir: str = _f("data/demo", "folder holding the preset's split folders (train/, val/ or valid/)")
-    val_split: str = _f("", "split to evaluate on; empty = the preset's (val for imagenet, valid for cinic10)")
-    image_size: int = _f(0, "training crop in pixels; 0 = the preset's (224 imagenet, 32 cinic10/demo)")
+    val_split: str = _f("", f"split to evaluate on; empty = the preset's ({default_of('val_split')})")
+    image_size: int = _f(0, f"training crop in pixels; 0 = the preset's ({default_of('image_size')})")
     workers: int = _f(2, "DataLoader worker processes per rank (the course used 2 per GPU)")
     # Not in MUST_AGREE, like workers: every loader gives a rank the same shard, steps and
     # validation tensors; only the random crop/flip draws differ, and those differ per rank anyway.
-    loader: str = _f("workers", "auto: memory for the small-image presets (cinic10, demo), workers otherwise; "
-                                "workers: DataLoader worker processes decode images each epoch (for imagenet "
-                                "they send uint8 crops, normalised per batch on the device); memory: decode the "
-                                "split once into a uint8 tensor kept in memory "
-                                "(on the GPU when there is one), batched augmentation, no worker processes "
-                                "(cinic10 and demo only); dali: NVIDIA DALI decodes and augments (on the GPU "
-                                "with a GPU, its CPU pipeline otherwise; imagenet); nvjpeg: the workers read the "
-                                "files, torchvision's nvJPEG decodes and crops on the GPU (imagenet)",
+    loader: str = _f("workers", f"auto: memory where the preset fits in memory ({', '.join(suited('memory'))}), "
+                                f"workers otherwise; workers: DataLoader worker processes decode images each epoch "
+                                f"(JPEGs as uint8 crops, normalised per batch on the device); memory: decode the "
+                                f"split once into a uint8 tensor kept in memory (on the GPU when there is one), "
+                                f"batched augmentation, no worker processes ({', '.join(suited('memory'))}); dali: "
+                                f"NVIDIA DALI decodes and augments (on the GPU with a GPU, its CPU pipeline "
+                                f"otherwise; {', '.join(suited('dali'))}); nvjpeg: the workers read the files, "
+                                f"torchvision's nvJPEG decodes and crops on the GPU ({', '.join(suited('nvjpeg'))})",
                        choices=LOADERS)
     # -- model --------------------------------------------------------------------------------
-    arch: str = _f(None, "convnet (small, fast on CPU; convnet_gn with GroupNorm), resnet18_cifar "
-                         "(32 px stem), mlp (wide: many gradient bytes per FLOP, the lab's part e) or any "
-                         "torchvision classifier name such as resnet18, resnet50; default: the preset's recipe",
+    arch: str = _f(None, "; ".join(f"{name} ({entry.about})" for name, entry in ARCHITECTURES.items()) +
+                   "; or any torchvision classifier name such as resnet18, resnet50; default: the preset's recipe",
                    type=str)
     sync_bn: bool = _f(False, "convert BatchNorm to SyncBatchNorm so statistics use the global batch")
     # -- optimisation -------------------------------------------------------------------------
@@ -83,8 +86,12 @@ class Settings:
     lr_reference_batch: int = _f(LR_REFERENCE_BATCH, "global batch at which lr is given (Goyal et al. use 256)")
     warmup_epochs: float = _f(None, "linear warm-up length before the cosine decay, in epochs; default: "
                                     "the preset's recipe", type=float)
+    optimizer: str = _f(None, "sgd (with momentum) or adamw; default: the model's (a ViT's adamw) or the preset's "
+                              "recipe", choices=OPTIMIZERS, type=str)
     momentum: float = _f(0.9, "SGD momentum")
-    weight_decay: float = _f(1e-4, "SGD weight decay (not applied to norm layers and biases)")
+    weight_decay: float = _f(None, "weight decay (not applied to norm layers, biases and what the model's registry "
+                                   "entry exempts); default: the model's optimizer's or the preset's recipe",
+                             type=float)
     max_steps_per_epoch: int = _f(0, "stop each epoch after this many steps; 0 = the whole split")
     patience: int = _f(0, "early stopping: stop after this many epochs without a better validation Acc@1 "
                           "(best.pt keeps the best epoch); 0 = train every epoch")
@@ -180,12 +187,26 @@ class Settings:
     def __post_init__(self):
         # Fill what was left out from the preset's recipe (frozen: hence object.__setattr__).
         recipe = PRESETS[self.dataset if self.dataset in PRESETS else "demo"].recipe
+        if self.arch is None:
+            object.__setattr__(self, "arch", recipe.arch)
+        paired = self._paired_optimizer()   # the model's own optimizer, lr and weight decay, if it has them
         for name in RECIPE_FIELDS:
             if getattr(self, name) is None:
-                object.__setattr__(self, name, getattr(recipe, name))
+                object.__setattr__(self, name, paired.get(name, getattr(recipe, name)))
         problems = self.problems()
         if problems:
             raise ValueError("Invalid settings:\n  - " + "\n  - ".join(problems))
+
+    def _paired_optimizer(self) -> dict:
+        """What the model's registry entry says to train it with, where it is not the recipe's; {} for the rest
+        (an unknown arch, said by ``problems``)."""
+        try:
+            entry = architecture(self.arch) if isinstance(self.arch, str) else None
+        except ValueError:
+            return {}
+        if entry is None or entry.optimizer is None or self.optimizer not in (None, entry.optimizer):
+            return {}
+        return {"optimizer": entry.optimizer, "lr": entry.lr, "weight_decay": entry.weight_decay}
 
     def problems(self) -> list[str]:
         """Every inconsistency in these settings, phrased as what is wrong and what to do."""
@@ -250,7 +271,19 @@ class Settings:
                        f"(e.g. 20:25 traces steps 20 to 24), or leave it empty")
         if not str(self.master_addr).strip():
             out.append("master_addr is empty: set it to the master node's IP address")
+        out += self._model_problems()
         return out
+
+    def _model_problems(self) -> list[str]:
+        """An arch the kit cannot build, or one that cannot take the images it would be given."""
+        if self.dataset not in PRESETS or not isinstance(self.arch, str):
+            return []
+        try:
+            entry = architecture(self.arch)
+        except ValueError as e:
+            return [str(e)]
+        refusal = entry.refusal(self.arch, self.image_size or PRESETS[self.dataset].image_size)
+        return [refusal] if refusal else []
 
     # -- derived values (computed, never stored, so they cannot go stale) ---------------------
     @property

@@ -475,6 +475,12 @@ def cells() -> None:
     _out("\n".join(rows))
 
 
+def recipes() -> None:
+    """Cog: docs/commands.md's table of every preset's recipe and loaders, made from ddp_utils/presets.py."""
+    from ddp_utils.presets import recipe_table
+    _out(recipe_table())
+
+
 def pages(check: bool = False) -> int:
     from cogapp import Cog
     argv = ["cog", "--check" if check else "-r", "-p", "from docs.quotes import *; from docs import figures",

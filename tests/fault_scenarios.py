@@ -103,7 +103,8 @@ def paced(settings, pause: float = 6.0) -> None:
     cell()
     data = build_data(settings, ctx)
     cell()
-    model = prepare_model(build_model(settings.arch, data.num_classes, settings.seed), settings, ctx)
+    model = prepare_model(build_model(settings.arch, data.num_classes, settings.seed, data.image_size), settings,
+                          ctx)
     cell()
     job = open_run(settings, ctx, data, model, resume="auto")
     cell()

@@ -33,11 +33,10 @@ from torch import Tensor
 
 from ..datasets import (Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, TrainLoader,
                         augmentation_seed, check_batch_fits, load_rgb, train_sampler)
+from ..presets import loader_refusal
 
-__all__ = ["DALI_DATASETS", "require_dali", "check_dali_dataset", "DaliTrainLoader", "DaliEvalLoader",
+__all__ = ["require_dali", "check_dali_dataset", "DaliTrainLoader", "DaliEvalLoader",
            "build_dali_data"]
-
-DALI_DATASETS = ("imagenet",)   # JPEG presets; CINIC-10's 32 px PNGs: the memory loader decodes them once instead
 
 
 def require_dali() -> str:
@@ -55,13 +54,10 @@ def require_dali() -> str:
 
 
 def check_dali_dataset(dataset: str) -> str:
-    """DALI's version; DataError unless ``dataset`` is a preset this loader serves and DALI is installed."""
-    if dataset not in DALI_DATASETS:
-        hint = {"cinic10": "CINIC-10's 32 px PNGs are best decoded once: use loader='memory' (--loader memory)",
-                "demo": "the demo's 32 px PNGs are best decoded once: use loader='memory' (--loader memory)",
-                "fake": "the fake preset makes its images on the fly: use loader='workers'"}.get(dataset, "")
-        raise DataError(f"loader='dali' is for {', '.join(DALI_DATASETS)} (JPEG photos) only"
-                        f"{': ' + hint if hint else ''}.")
+    """DALI's version; DataError unless ``dataset``'s preset takes this loader (presets.py) and DALI is installed."""
+    refusal = loader_refusal(dataset, "dali")
+    if refusal:
+        raise DataError(refusal)
     return require_dali()
 
 

@@ -37,12 +37,12 @@ from torchvision import transforms as T
 
 from ..datasets import (Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, TrainLoader, augmentation_seed,
                         check_batch_fits, train_sampler, worker_context)
+from ..presets import loader_refusal
 
-__all__ = ["MEMORY_DATASETS", "MemorySplit", "MemoryLoader", "MemoryEvalLoader", "decode_split",
+__all__ = ["MemorySplit", "MemoryLoader", "MemoryEvalLoader", "decode_split",
            "crop_flip", "normalize", "augmentation_generator", "check_memory_dataset",
            "build_memory_data"]
 
-MEMORY_DATASETS = ("cinic10", "demo")   # presets whose splits fit in memory as uint8
 PARALLEL_DECODE_FROM = 10_000           # splits this big are decoded by `workers` processes (once)
 
 
@@ -203,15 +203,10 @@ class MemoryEvalLoader:
 
 
 def check_memory_dataset(dataset: str) -> None:
-    """DataError unless ``dataset`` is a preset whose splits fit in memory (cinic10, demo)."""
-    if dataset in MEMORY_DATASETS:
-        return
-    why = {"imagenet": "ImageNet does not fit in memory (its 1.28 million training images are about 190 GB "
-                       "as uint8 at 224 px)",
-           "fake": "the fake preset makes its images on the fly, so there is nothing to decode"}.get(dataset, "")
-    raise DataError(f"loader='memory' is for the small-image presets ({', '.join(MEMORY_DATASETS)}) only"
-                    f"{': ' + why if why else ''}. Use loader='workers' (--loader workers) for "
-                    f"dataset={dataset!r}.")
+    """DataError unless ``dataset``'s preset says its splits fit in memory (presets.py)."""
+    refusal = loader_refusal(dataset, "memory")
+    if refusal:
+        raise DataError(refusal)
 
 
 def build_memory_data(root: Path, preset: Preset, image_size: int, val_split: str, classes: list[str],

@@ -40,6 +40,7 @@ from torchvision.transforms import v2
 
 from ..datasets import (Data, DataError, EpochLoader, EvalShardSampler, ImageFolderDataset, Preset, check_batch_fits,
                         close_inherited_listeners, train_sampler, worker_context)
+from ..presets import loader_refusal
 from . import fastjpeg
 from .memdata import _stats, normalize
 
@@ -48,19 +49,18 @@ try:
 except ImportError:       # a torchvision built without its image decoders
     decode_jpeg = None
 
-__all__ = ["NVJPEG_DATASETS", "check_nvjpeg_dataset", "jpeg_header", "JpegBytes", "RawBatch", "DeviceCrops",
+__all__ = ["check_nvjpeg_dataset", "jpeg_header", "JpegBytes", "RawBatch", "DeviceCrops",
            "NvjpegTrainLoader", "NvjpegEvalLoader", "build_nvjpeg_data"]
 
-NVJPEG_DATASETS = ("imagenet",)   # JPEG photos; the 32 px PNG presets are decoded once by the memory loader
 BYTES, DECODED = 0, 1             # what a JpegBytes item holds: the file's bytes, or the image decoded on the CPU
 NVJPEG_FRAMES = (0xC0, 0xC1, 0xC2)   # baseline, extended and progressive Huffman-coded frames
 
 
 def check_nvjpeg_dataset(dataset: str) -> None:
-    """DataError unless ``dataset`` is a preset this loader serves and torchvision can decode JPEGs."""
-    if dataset not in NVJPEG_DATASETS:
-        raise DataError(f"loader='nvjpeg' is for {', '.join(NVJPEG_DATASETS)} (JPEG photos) only: the 32 px PNG "
-                        f"presets are best decoded once (--loader memory), fake data with --loader workers.")
+    """DataError unless ``dataset``'s preset takes this loader (presets.py) and torchvision can decode JPEGs."""
+    refusal = loader_refusal(dataset, "nvjpeg")
+    if refusal:
+        raise DataError(refusal)
     if decode_jpeg is None:
         raise DataError("loader='nvjpeg' needs torchvision.io.decode_jpeg, which this torchvision lacks: train "
                         "with --loader workers, or install the torchvision built for your torch.")

@@ -46,20 +46,26 @@ NOT_ON_CPU = "not measured on CPU"    # results.json's peak on a CPU run (torch 
 # FSDP: a meta-device copy of each sharded model, taken before sharding: the layer table's forward runs on it on
 # rank 0 alone (the sharded model's forward all-gathers: the other ranks would have to join)
 _BLUEPRINTS: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+# FSDP: the units a model's registry entry chose (architectures.py: a ViT's encoder blocks), by name, for the model
+# and its blueprint alike
+_UNITS: "weakref.WeakKeyDictionary[nn.Module, list[str]]" = weakref.WeakKeyDictionary()
 
 
 # -- FSDP: sharding the model ------------------------------------------------------------------------
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's children that hold layers of their own and parameters (a conv block, a ResNet stage): each
-    becomes an FSDP unit, all-gathered for its own forward and backward. Single layers at the top (a stem
-    conv, the classifier) stay with the root's unit."""
+    """The model's FSDP units: those its registry entry chose when it was sharded, else its children that hold
+    layers of their own and parameters (a conv block, a ResNet stage), each all-gathered for its own forward and
+    backward. Single layers at the top (a stem conv, the classifier) stay with the root's unit."""
+    if model in _UNITS:
+        return [model.get_submodule(name) for name in _UNITS[model]]
     return [child for child in model.children()
             if next(child.children(), None) is not None and any(p.requires_grad for p in child.parameters())]
 
 
-def shard_model(model: nn.Module, ctx) -> nn.Module:
-    """FSDP2: ``fully_shard`` each of ``blocks(model)``, then the root, over all ranks of ``ctx`` (the model is on
-    ``ctx.device``). Raises ValueError (before any collective) where this torch cannot run it here."""
+def shard_model(model: nn.Module, ctx, units=None) -> nn.Module:
+    """FSDP2: ``fully_shard`` each of ``blocks(model)`` (or of ``units(model)``: a registry entry's choice), then
+    the root, over all ranks of ``ctx`` (the model is on ``ctx.device``). Raises ValueError (before any collective)
+    where this torch cannot run it here."""
     refusal = compat.fsdp_refusal(ctx.device.type, ctx.backend)
     if refusal:
         raise ValueError(refusal)
@@ -69,6 +75,9 @@ def shard_model(model: nn.Module, ctx) -> nn.Module:
     meta = {id(t): nn.Parameter(t.detach().to("meta"), t.requires_grad) if isinstance(t, nn.Parameter) else t.to("meta")
             for t in (*model.parameters(), *model.buffers())}
     _BLUEPRINTS[model] = copy.deepcopy(model, meta)
+    if units is not None:
+        names = {id(module): name for name, module in model.named_modules()}
+        _UNITS[model] = _UNITS[_BLUEPRINTS[model]] = [names[id(unit)] for unit in units(model)]
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))   # the default group: no new communicator
     for block in blocks(model):
         fully_shard(block, mesh=mesh)   # FSDP: this block's parameters are split over the ranks

@@ -198,7 +198,8 @@ def _gradient_bytes(settings, summary: dict | None) -> int:
     classes = PRESETS[settings.dataset].num_classes if settings.dataset in PRESETS else None
     if summary and summary.get("splits"):
         classes = next(iter(summary["splits"].values()))["classes"]
-    model = build_model(settings.arch, classes or 1000)
+    size = settings.image_size or (PRESETS[settings.dataset].image_size if settings.dataset in PRESETS else 0)
+    model = build_model(settings.arch, classes or 1000, image_size=size)   # a ViT's position embedding: size's
     return 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
