@@ -50,6 +50,7 @@ class RunGuard:
     def __init__(self, *, sigterm: bool = False):
         self.sigterm = sigterm   # the command line's: SIGTERM stops the run as a Stop does
         self.dropped = False     # Python dropped a stop during the run
+        self.terminated = False  # a SIGTERM stopped the run: the process is on its way out
         self._resends: list = []   # every dropped stop's resend timer, all cancelled once the stop is made
         self._signals: dict = {}   # signal -> its handler before this run
 
@@ -66,6 +67,8 @@ class RunGuard:
         global _active
         self.cancel_resends()   # the run has stopped (or ended): a stop arriving later would land in what runs next
         stderr.release_all()
+        if self.terminated:   # the process is ending: a later SIGTERM must not cut its exit short (exit 143)
+            self._signals.pop(signal.SIGTERM, None)
         for signum, handler in self._signals.items():
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(signum, handler)
@@ -141,6 +144,7 @@ def on_sigterm(signum, frame):
     # The exception below may land where Python drops it, and what breaks next (the workers the same SIGTERM ended)
     # would be reported instead: the cause is kept, for this rank and the others.
     run.stopped_by(Terminated.description, first=False)
+    run.terminated = True
     # One is enough. A second SIGTERM (the launcher's death signal and a scheduler's, say) must not cut the clean
     # stop short: telling the others and writing why to log.txt take a moment. A dropped one re-arms it.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
