@@ -41,8 +41,10 @@ def test_a_command_puts_back_every_process_wide_setting_it_changed(monkeypatch, 
         code = cli.main(["train", "--dataset", "fake"])
         assert code == {"returns": 0, "sigterm": 143, "error": 2}[ending]
         after = process_settings()
-        if ending == "sigterm":   # the process is ending: a second SIGTERM must not cut its exit short
+        if ending == "sigterm":   # the process is ending: a second SIGTERM must not cut its exit short, nor a
             assert after.pop("SIGTERM") is signal.SIG_IGN and before.pop("SIGTERM") is not signal.SIG_IGN
+            no_op = after.pop("SIGCHLD")   # worker's end raise in torch's SIGCHLD handler
+            assert callable(no_op) and no_op is not before.pop("SIGCHLD")
         assert after == before
         assert seen["during"]["SIGTERM"] is guard.on_sigterm and seen["during"]["guard"] is not None
         print("fd 2 is the terminal's again", file=sys.stderr, flush=True)

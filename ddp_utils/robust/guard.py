@@ -67,8 +67,10 @@ class RunGuard:
         global _active
         self.cancel_resends()   # the run has stopped (or ended): a stop arriving later would land in what runs next
         stderr.release_all()
-        if self.terminated:   # the process is ending: a later SIGTERM must not cut its exit short (exit 143)
+        if self.terminated:   # the process is ending: a later SIGTERM must not cut its exit short (exit 143), nor
+            self._signals.pop(signal.SIGCHLD, None)   # a loader worker's end raise in torch's SIGCHLD handler
             self._signals.pop(signal.SIGTERM, None)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)   # also where a dropped one re-armed the handler
         for signum, handler in self._signals.items():
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(signum, handler)
