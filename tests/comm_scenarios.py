@@ -52,8 +52,8 @@ def with_overflow(spec: dict) -> None:
         train.SKIPPED_IN_A_ROW = spec["in_a_row"]
     real = job.build_model
 
-    def build_model(arch, classes, seed=None):
-        model = real(arch, classes, seed)
+    def build_model(arch, classes, seed=None, image_size=0):
+        model = real(arch, classes, seed, image_size)
         return torch.nn.Sequential(*model[:-1], OverflowLayer(), model[-1])
     job.build_model = build_model
 
