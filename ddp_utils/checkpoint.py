@@ -280,3 +280,17 @@ def restore(state, model, optimizer, scheduler, scaler, ctx) -> None:
             scaler.load_state_dict(own)
     rngs = state["rng"]
     set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0])
+
+
+def kept_checkpoint(run_dir, ctx) -> str:
+    """What rank 0's run folder holds now, said only if it exists; "" on other ranks (they cannot see it)."""
+    if not ctx.is_main:
+        return ""
+    last = checkpoint_paths(run_dir)[0] if run_dir else None
+    if last is None or not last.exists():
+        return "no checkpoint was written yet"
+    try:
+        epoch = load_checkpoint(last)["epoch"] + 1
+    except Exception:   # noqa: BLE001 - only for the message
+        return f"the checkpoint {last} is kept as it was"
+    return f"the checkpoint {last} holds epoch {epoch}"   # a sentence may start with it: never capitalise a path

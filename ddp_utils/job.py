@@ -25,15 +25,18 @@ from dataclasses import dataclass
 import torch
 
 from . import checkpoint, distributed
+from .checkpoint import kept_checkpoint
 from .data import build_data
 from .datasets import Data
 from .distributed import describe_failure, setup
-from .model import build_model, parallel_mode, prepare_model
+from .model import build_model, parallel_mode, prepare_model, unwrap
 from .robust import autoresume
-from .runlog import NullLogger, RunLogger, default_run_dir, make_logger
+from .runlog import NullLogger, RunLogger, default_run_dir, make_logger, summarize
 from .settings import Settings
+from .speed import sharding
 from .speed.comm import Communication
-from .train import evaluate_only, fit, kept_checkpoint
+from .train import evaluate, fit
+from .watch import wait_for_the_others
 
 
 def _check_evaluate(resume, evaluate: bool) -> None:
@@ -251,3 +254,17 @@ def run_job(settings, resume: str | None = None, evaluate: bool = False, log=pri
         raise
     finally:
         distributed.teardown()
+
+
+def evaluate_only(job) -> dict:
+    """Evaluate the weights of ``job.state`` (rank 0's checkpoint, sent to all ranks)."""
+    settings, ctx, data, model, logger, resume = job.settings, job.ctx, job.data, job.model, job.logger, job.resume
+    wait_for_the_others("evaluating", job)
+    sharding.load_model_state(unwrap(model), job.state["model"])
+    val = evaluate(model, data.val, settings, ctx)
+    logger.info(f"evaluated {resume} on {val['count']} images: loss {val['loss']:.4f} "
+                f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}")
+    results = summarize(settings, ctx, val, [], 0.0, val["acc1"],
+                        extra={"parallel": job.parallel, "comm": "none", "resumed_from": None, "cost": None})
+    logger.results(results)
+    return results

@@ -1,5 +1,8 @@
-"""Loss and top-k accuracy kept as sums and counts, so that ranks can add them up exactly."""
+"""Loss and top-k accuracy kept as sums and counts, so that ranks can add them up exactly; and the error raised
+when they stop being finite numbers (``Diverged``)."""
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -44,3 +47,28 @@ class Meter:
 
     def reset(self) -> None:
         self.sums.zero_()
+
+
+class Diverged(RuntimeError):
+    """The loss (or the weights) stopped being finite numbers: training cannot recover by itself.
+
+    Raised on every rank at once: the values checked are the global, all-reduced ones.
+    """
+
+    def __init__(self, what: str, step: int, lr: float, message: str = ""):
+        self.what, self.step, self.lr = what, step, lr
+        super().__init__(message or f"training diverged at step {step}: {what} with lr {lr:.4g}.")
+
+    def explain(self, rank: int, kept: str) -> str:
+        kept = (f"{kept}, the last one with finite numbers" if "holds epoch" in kept
+                else kept or "rank 0's last.pt, if there is one, holds the last epoch with finite numbers")
+        return (f"rank {rank}: training diverged at step {self.step}: {self.what} with lr {self.lr:.4g}. "
+                f"Nothing of this epoch was saved; {kept}. Try a smaller lr (a tenth), a longer warm-up "
+                f"(--warmup-epochs / WARMUP_EPOCHS), or, if fp16 overflowed, no AMP (--amp off) or bf16 on a GPU "
+                f"that has it (compute capability 8.0+, not a T4: --amp bf16; in a notebook amp= in the Settings "
+                f"cell); then start again (or resume from that checkpoint with the smaller lr).")
+
+
+def check_finite(value: float, what: str, step: int, lr: float) -> None:
+    if not math.isfinite(value):
+        raise Diverged(f"{what} is {value}", step, lr)

@@ -2,6 +2,8 @@
 the device and (DDP:) wrap it for several ranks."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -161,6 +163,20 @@ def wrap_ddp(model: nn.Module, settings, ctx) -> DDP:
     """``model`` in DistributedDataParallel as the kit trains it (the link probe times a copy wrapped alike)."""
     return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                gradient_as_bucket_view=True, bucket_cap_mb=settings.bucket_mb, static_graph=settings.static_graph)
+
+
+def local_gradients(model: nn.Module, local: bool):
+    """DDP's ``no_sync()`` (FSDP: ``sharding.no_sync``) while ``local``: this batch's gradients are added to the
+    ones already there, not all-reduced (gradient accumulation). Nothing for one process or DataParallel."""
+    if not local:
+        return contextlib.nullcontext()
+    return model.no_sync() if hasattr(model, "no_sync") else sharding.no_sync(unwrap(model))
+
+
+def forwards_to_add(net: nn.Module, loader, ctx) -> int:
+    """FSDP: the empty forwards this rank adds after its evaluation batches (every rank runs as many: each
+    forward all-gathers); 0 for any other model (speed/sharding.py)."""
+    return sharding.forwards_to_add(net, loader, ctx)
 
 
 def ddp_of(model: nn.Module) -> DDP | None:

@@ -163,6 +163,10 @@ class RunLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(values, step=step)
 
+    def epoch(self, record: dict, step: int) -> None:
+        """An epoch's scalars to TensorBoard and W&B, from its record (``epoch_scalars``)."""
+        self.scalars(epoch_scalars(record), step)
+
     def model_summary(self, model, input_shape: tuple) -> str:
         """Write model_summary.txt (see summary.py) and return its text."""
         self._check_open()
@@ -261,6 +265,9 @@ class NullLogger:
         pass
 
     def scalars(self, values: dict[str, float], step: int) -> None:
+        pass
+
+    def epoch(self, record: dict, step: int) -> None:
         pass
 
     def model_summary(self, model, input_shape: tuple) -> str:
@@ -393,3 +400,25 @@ def _plain(value):
     if hasattr(value, "tolist"):
         return value.tolist()
     return str(value)
+
+
+# -- an epoch's record: {"epoch", "train", "val"}, one per epoch in results.json's history ----------------------
+def epoch_scalars(record: dict) -> dict:
+    """The epoch's TensorBoard (and W&B) scalars, from its record."""
+    train, val = record["train"], record["val"]
+    return {"Loss/val": val["loss"], "acc1/val": val["acc1"], "acc5/val": val["acc5"],
+            "throughput/images_per_s": train["images_per_s"], "throughput/images_per_s_rank": train["images_per_s_rank"],
+            **{f"time/{key}": train[key] for key in ("data_s", "compute_s", "comm_s", "idle_s")}}
+
+
+def epoch_line(settings, train: dict, val: dict, epoch: int, algorithm: str = "") -> str:
+    """The console line at each epoch end, with where the epoch's time went (and, with several ranks, the
+    ``algorithm``: DDP, how its gradients travel, or local SGD)."""
+    wall = train.get("wall_mean_s", train["wall_s"])   # the parts are the ranks' means: so is this wall time
+    shares = " ".join(f"{name} {100 * train[key] / max(wall, 1e-9):.0f}%" for name, key in
+                      (("data", "data_s"), ("compute", "compute_s"), ("comm", "comm_s"), ("idle", "idle_s")))
+    # Two lines of under 100 characters: one line of 165 wrapped mid-word in a notebook ("pe" / "r rank").
+    return (f"epoch {epoch + 1}/{settings.epochs}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | "
+            f"val loss {val['loss']:.4f} acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}\n"
+            f"  {train['images_per_s']:.0f} img/s global, {train['images_per_s_rank']:.0f} per rank | "
+            f"time: {shares} | {train['wall_s']:.1f}s" + (f" | {algorithm}" if settings.world_size > 1 else ""))

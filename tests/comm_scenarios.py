@@ -7,7 +7,7 @@ Prints ``CHECK weights=<sha256 of this rank's parameters>`` and ``CHECK comm=<ch
 ``OVERFLOW_JSON`` ``{"at": [6]}`` or ``{"from": 6}``: the gradients of those training steps (counted from 0)
 overflow, as fp16 gradients now and then do, while the loss stays finite (a layer whose backward
 multiplies by inf, in front of the classifier); ``"in_a_row": 5``: the run stops after 5 skipped steps in a
-row instead of train.SKIPPED_IN_A_ROW (fp16 on a CPU is slow: fewer steps).
+row instead of concerns.SKIPPED_IN_A_ROW (fp16 on a CPU is slow: fewer steps).
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def with_overflow(spec: dict) -> None:
     from ddp_utils import job
     Overflow.at, Overflow.start = tuple(spec.get("at", ())), spec.get("from")
     if "in_a_row" in spec:
-        from ddp_utils import train
-        train.SKIPPED_IN_A_ROW = spec["in_a_row"]
+        from ddp_utils import concerns
+        concerns.SKIPPED_IN_A_ROW = spec["in_a_row"]
     real = job.build_model
 
     def build_model(arch, classes, seed=None, image_size=0):

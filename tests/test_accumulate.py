@@ -14,6 +14,8 @@ from ddp_utils.model import build_model
 from ddp_utils.optim import build_optimizer, build_scheduler, make_scaler, optimizer_steps
 from ddp_utils.runlog import NullLogger
 from ddp_utils.settings import MUST_AGREE, Settings, describe_batch
+from ddp_utils.concerns import loop_observers
+from ddp_utils.observers import Loop
 from ddp_utils.train import train_one_epoch
 from tests.procs import base_env, describe, free_port, run_all
 from tests.test_gpu_paths import one_rank_group
@@ -65,8 +67,8 @@ def test_ddp_all_reduces_once_per_group_and_the_optimizer_steps_once_per_group(c
         rounds = count_all_reduces(model)
         optimizer = build_optimizer(model, settings)
         scheduler = build_scheduler(optimizer, settings, optimizer_steps(7, 3))
-        train_one_epoch(model, data, optimizer, scheduler, make_scaler(None, ctx.device), 0, settings, ctx,
-                        NullLogger())
+        train_one_epoch(Loop(model, data, optimizer, scheduler, make_scaler(None, ctx.device), settings, ctx,
+                             NullLogger(), loop_observers()), 0)
     assert rounds.count(0) == 3, rounds   # bucket 0 travelled once per group, not once per batch
     assert scheduler.last_epoch == 3
 
@@ -92,8 +94,8 @@ def test_fsdp_reduce_scatters_once_per_group(clean_env, monkeypatch):
         model = sharding.shard_model(build_model("convnet", data.num_classes, seed=0), ctx)
         optimizer = build_optimizer(model, settings)
         scheduler = build_scheduler(optimizer, settings, optimizer_steps(7, 3))
-        train_one_epoch(model, data, optimizer, scheduler, make_scaler(None, ctx.device), 0, settings, ctx,
-                        NullLogger())
+        train_one_epoch(Loop(model, data, optimizer, scheduler, make_scaler(None, ctx.device), settings, ctx,
+                             NullLogger(), loop_observers()), 0)
     assert len(reduces) == 3 * len(sharding.units(model)), reduces
     assert scheduler.last_epoch == 3
 

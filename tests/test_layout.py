@@ -52,7 +52,38 @@ def imports_of(module: str) -> set[str]:
 def test_the_modules_are_found_in_every_layer():
     """Guards the tests below: they see the modules of every layer (not an empty list)."""
     assert {layer_of(m) for m in MODULES} == {"core", *LAYERS}
-    assert "robust.heartbeat" in imports_of("train") and "distributed" in imports_of("robust.heartbeat")
+    assert "robust.heartbeat" in imports_of("watch") and "distributed" in imports_of("robust.heartbeat")
+
+
+def test_the_training_loop_reads_top_to_bottom_and_names_no_optional_feature():
+    """Issue 44: fit was a hub (a 115-line _fit of 13 parameters, a 121-line train_one_epoch of 15, calling the
+    watch, the profiler, local SGD and the rest by name). Each function of train.py is short with few parameters,
+    and everything optional reaches the loop through the observer interface (observers.py) alone."""
+    tree = ast.parse(FILES["train"].read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            params = len(node.args.args) + len(node.args.kwonlyargs)
+            assert node.end_lineno - node.lineno + 1 <= 60 and params <= 6, (node.name, params)
+    layers = {layer_of(m) for m in imports_of("train")}
+    assert layers == {"core"}, imports_of("train")   # none of speed/ or robust/
+    identifiers = {getattr(node, field) for node in ast.walk(tree) for field in ("id", "attr", "name", "arg")
+                   if isinstance(getattr(node, field, None), str)}
+    for word in ("heartbeat", "profiler", "sgd", "powersgd", "gpu", "patience", "cost", "held", "probe", "memory"):
+        assert not {i for i in identifiers if word in i.lower().split("_")}, f"train.py names {word}"
+
+
+def test_no_code_outside_presets_branches_on_a_preset_or_lists_their_names():
+    """Issue 44: adding CIFAR-100 meant four lists of preset names besides presets.py, and forgetting the memory
+    loader's was silent. Only presets.py may name the presets in code (docstrings and messages aside)."""
+    from ddp_utils.presets import PRESETS
+    for module, path in FILES.items():
+        if module == "presets":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            about_data = isinstance(node, ast.Compare) and re.search(r"dataset|preset|\.name\b", ast.unparse(node))
+            if about_data or isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+                names = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in PRESETS]
+                assert not names, f"{module}.py line {node.lineno} names the preset(s) {names} in code"
 
 
 def test_the_import_graph_has_no_cycle():

@@ -14,7 +14,7 @@ import torch
 from ddp_utils.robust import autoresume
 from ddp_utils.tools import report
 from ddp_utils.settings import Settings
-from ddp_utils.train import money
+from ddp_utils.concerns import money
 from tests.procs import REPO, base_env, describe, free_port, popen, stop
 from tests.test_training import run_ranks, train_cmd, weights
 

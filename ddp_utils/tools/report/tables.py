@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 
-from ...train import money
+from ...concerns import money
 from .runs import MODE_NAMES, _differing_settings, _gpus, _load_all, _ranks, _seed, group_runs, parallel_mode
 
 # -- the numbers ---------------------------------------------------------------------------------

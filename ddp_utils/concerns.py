@@ -1,0 +1,464 @@
+"""Every optional concern of a run as an observer of the training loop (observers.py), registered for a job.
+
+``observers_for`` lists them, from the outermost to the innermost: the hooks before a step or an epoch run in that
+order, the hooks after them (``after_step``, ``step_end``, ``epoch_exit``, ``epoch_trained``, ``epoch_end``,
+``results``) innermost first, as nested ``with`` blocks would. So the time split (outermost) measures a step with
+everything inside it, and the watch hears of a step's end after its log point. Each class here is one concern.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import distributed, own_ddp
+from .metrics import Diverged, Meter, check_finite
+from .model import devices_used, unwrap
+from .observers import Observer, Observers
+from .progress import Progress
+from .robust.devices import gpu_id
+from .robust.threads import machine_id
+from .runlog import TIME_PARTS
+from .speed import sharding
+from .speed.comm import forget_overflow
+from .speed.gpu_monitor import describe as describe_gpu
+from .speed.gpu_monitor import reduce_summaries
+from .speed.localsgd import LocalSGD
+from .speed.powersgd import Memory as PowerSGDMemory
+from .speed.profile import StepProfiler
+
+SKIPPED_IN_A_ROW = 20   # fp16 steps skipped one after another (scale / 2**20) before the run counts as broken
+TIME_KEYS = (*TIME_PARTS, "comm_total_s", "wall_s")   # what each rank measures per epoch
+
+
+def observers_for(job, heartbeat=None, gpu=None, started: float | None = None) -> Observers:
+    """The observers of ``job``'s run, outermost first (see the module's docstring)."""
+    comm = job.communication
+    split = TimeSplit(comm.timer if comm is not None else None)
+    return Observers([Results(job, started), split, Watch(heartbeat), LogPoints(split), GpuUse(gpu, job.parallel),
+                      Profiling(), MemoryPerRank(job.parallel), EarlyStop(), LocalSgd(split, comm),
+                      Gradients(comm), Divergence(), CompileTimeout()])
+
+
+def loop_observers(heartbeat=None, local_sgd=None) -> Observers:
+    """What a loop needs to report an epoch (its time split, log points, divergence), for ``train_one_epoch``
+    called on its own (the labs, a benchmark, tests); ``local_sgd``: a ``LocalSGD`` stepping with it."""
+    split = TimeSplit()
+    return Observers([split, Watch(heartbeat), LogPoints(split), LocalSgd(split, sgd=local_sgd), Gradients(None),
+                      Divergence()])
+
+
+def finish_queued_work(ctx) -> float:
+    """On a GPU, wait for the queued steps and return how long that took (it is their compute:
+    the CPU runs ahead of the GPU, and would otherwise count it where it next waits)."""
+    if ctx.device.type != "cuda":
+        return 0.0
+    start = time.perf_counter()
+    torch.cuda.synchronize(ctx.device)
+    return time.perf_counter() - start
+
+
+class TimeSplit(Observer):
+    """Where each epoch's time went, on each rank and as the ranks' means: ``data_s`` (waiting for the next batch),
+    ``compute_s`` (forward, backward, step, with the communication that overlapped the backward pass), ``comm_s``
+    (the communication the step waited for after it; ``comm_total_s`` all of it), ``idle_s`` (the rest: log points,
+    logging). They add up to the epoch's wall time (docs/time-split.md)."""
+
+    def __init__(self, timer=None):
+        self.timer = timer   # a CommTimer on the DDP model (speed/commtime.py), or None
+
+    def epoch_start(self, loop) -> None:
+        self.data_s = self.step_s = 0.0
+        self.first_step_s = None   # from the epoch's start to its first step's end: loader start-up, first batch
+        self.t_epoch = self.t_end = time.perf_counter()
+
+    def before_step(self, loop) -> None:
+        self.t_data = time.perf_counter()
+        self.data_s += self.t_data - self.t_end
+
+    def after_step(self, loop) -> None:
+        self.step_s += time.perf_counter() - self.t_data
+
+    def compute(self, seconds: float) -> None:
+        """Time that counts as compute outside a step (queued GPU work at a log point, local SGD's last average)."""
+        self.step_s += seconds
+
+    def data_share(self) -> float:
+        return self.data_s / max(time.perf_counter() - self.t_epoch, 1e-9)
+
+    def step_end(self, loop) -> None:
+        self.t_end = time.perf_counter()
+        if self.first_step_s is None:
+            self.first_step_s = self.t_end - self.t_epoch
+
+    def epoch_trained(self, loop, stats: dict) -> None:
+        self.step_s += finish_queued_work(loop.ctx)   # so the epoch's wall time includes queued GPU work
+        wall = time.perf_counter() - self.t_epoch
+        comm_s, comm_total_s = self.timer.take() if self.timer is not None else (0.0, 0.0)
+        mine = {"data_s": self.data_s, "compute_s": max(0.0, self.step_s - comm_s), "comm_s": comm_s,
+                "comm_total_s": comm_total_s, "idle_s": max(0.0, wall - self.data_s - self.step_s), "wall_s": wall}
+        per_rank = gather_times(mine, loop.ctx)   # DDP: a small collective; every rank gets every rank's split
+        # DDP: the epoch took as long as its slowest rank; every rank computes the same global figures from the
+        # gathered times, so every rank prints the same line. Same steps on every rank (drop_last): images/s add up.
+        wall = max(r["wall_s"] for r in per_rank)
+        means = {key: sum(r[key] for r in per_rank) / len(per_rank) for key in mine}   # the ranks' means
+        means["wall_mean_s"] = means.pop("wall_s")
+        stats.update(means, per_rank=per_rank, wall_s=wall, first_step_s=self.first_step_s,
+                     images_per_s_rank=stats["count"] / loop.ctx.world_size / max(wall, 1e-9),
+                     images_per_s=stats["count"] / max(wall, 1e-9))
+
+
+def gather_times(mine: dict, ctx) -> list[dict]:
+    """Every rank's time split, on every rank: one row per rank, summed over the ranks."""
+    table = torch.zeros(ctx.world_size, len(TIME_KEYS), dtype=torch.float64)
+    table[ctx.rank] = torch.tensor([mine[key] for key in TIME_KEYS], dtype=torch.float64)
+    distributed.all_reduce_sum(table, ctx)
+    return [{"rank": r, **dict(zip(TIME_KEYS, map(float, row)))} for r, row in enumerate(table)]
+
+
+class Watch(Observer):
+    """The kit's watch (robust/heartbeat.py) told what the loop does: a rank waiting for its data is told apart
+    from one waiting in a collective, so a stuck loader is named as such."""
+
+    def __init__(self, heartbeat=None):
+        self.heartbeat = heartbeat
+
+    def epoch_start(self, loop) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.fetching(True)
+
+    def before_step(self, loop) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.fetching(False)
+
+    def step_end(self, loop) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.step()   # it fetches the next batch now
+            if loop.last:   # none: from here on this rank waits in collectives (local SGD's average), not for data
+                self.heartbeat.fetching(False)
+
+    def epoch_exit(self, loop) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.fetching(False)
+
+
+class LogPoints(Observer):
+    """Every ``log_every`` steps the loss and accuracy since the last log point, all-reduced (a collective every
+    rank reaches at the same step), to the progress line and TensorBoard; the lr every step; the epoch's loss and
+    accuracy at its end. Every rank shows its own bar and the same global lines; rank 0 also writes them."""
+
+    def __init__(self, split: TimeSplit):
+        self.split = split
+
+    def epoch_start(self, loop) -> None:
+        s = loop.settings
+        self.epoch_meter, self.window = Meter(loop.ctx.device), Meter(loop.ctx.device)
+        self.progress = Progress(s.progress, len(loop.data.train), f"epoch {loop.epoch + 1}/{s.epochs}", show=True,
+                                 print_line=loop.logger.info, rank=loop.ctx.rank if loop.ctx.distributed else None)
+
+    def after_step(self, loop) -> None:
+        # loss and hits stay on the device between log points: the GPU is never forced to sync per step
+        self.window.update(loop.loss.detach() * loop.labels.shape[0], loop.logits, loop.labels)
+        loop.logger.scalars({"lr": loop.lr}, loop.step - 1)   # every step (rank 0 only, cheap): the schedule's shape
+
+    def step_end(self, loop) -> None:
+        if loop.step % loop.settings.log_every == 0:
+            self.split.compute(finish_queued_work(loop.ctx))
+            stats = self.window.reduced(loop.ctx)   # DDP: a collective, reached by every rank at the same step
+            self.epoch_meter.add(self.window)
+            self.window.reset()
+            check_finite(stats["loss"], "the training loss", loop.step, loop.lr)   # global: every rank stops alike
+            loop.logger.scalars({"Loss/train": stats["loss"], "acc1/train": stats["acc1"],
+                                 "acc5/train": stats["acc5"]}, loop.step)
+            self.progress.log_point(loop.step - loop.start_step, stats["loss"], stats["acc1"], loop.lr)
+        self.progress.update(self.split.data_share())
+
+    def epoch_exit(self, loop) -> None:
+        self.progress.close()   # also when a step fails: no half-drawn bar left behind
+
+    def epoch_trained(self, loop, stats: dict) -> None:
+        self.epoch_meter.add(self.window)   # the steps since the last log point
+        stats.update(self.epoch_meter.reduced(loop.ctx))
+        check_finite(stats["loss"], "the training loss of the epoch", loop.step, loop.scheduler.get_last_lr()[0])
+
+
+class GpuUse(Observer):
+    """What the GPU monitor (speed/gpu_monitor.py) saw, training and evaluating apart; every rank's, reduced."""
+
+    def __init__(self, gpu=None, parallel: str = "none"):
+        self.gpu, self.parallel = gpu, parallel
+
+    def epoch_start(self, loop) -> None:
+        if self.gpu is not None:
+            self.gpu.phase("train")
+
+    def epoch_trained(self, loop, stats: dict) -> None:
+        if self.gpu is not None:
+            self.gpu.phase("val")
+
+    def results(self, loop, results: dict) -> None:
+        ctx = loop.ctx
+        use = self._summary(loop) if self.gpu is not None else {}
+        ranks = use.pop("per_rank", [])
+        results.update(use, gpus=len(devices_used(self.parallel, ctx)) if ctx.device.type == "cuda" else 0,
+                       job_gpus=job_gpus(self.parallel, ctx))   # this process's GPUs, the job's
+        for row, mine in zip(results["per_rank"], ranks):   # one row per rank: its time split and its GPU use
+            row.update({key: mine.get(key) for key in ("gpu_util", "gpu_util_peak", "gpu_mem_peak_mb")})
+
+    def _summary(self, loop) -> dict:
+        self.gpu.stop()
+        summary = reduce_summaries(distributed.gather_objects(self.gpu.summary(), loop.ctx))   # DDP: every sampler
+        loop.logger.info(describe_gpu(summary))
+        if isinstance(summary.get("gpu_util"), (int, float)):
+            loop.logger.scalars({"gpu/util_mean": summary["gpu_util"], "gpu/mem_peak_mb": summary["gpu_mem_peak_mb"]
+                                 or 0}, loop.step)
+        return summary
+
+
+def job_gpus(parallel: str, ctx) -> int:
+    """GPUs the whole job trained on, all ranks together (``gpus`` counts one process's): DataParallel's
+    every GPU, one per DDP rank, and a GPU that several ranks share (a rehearsal on gloo, lab 4 on a
+    one-GPU node) once. 0 on CPUs."""
+    if parallel == "dp":
+        return len(devices_used(parallel, ctx)) if ctx.device.type == "cuda" else 0
+    mine = gpu_id(ctx.device) if ctx.device.type == "cuda" else None
+    return len({g for g in distributed.gather_objects(mine, ctx) if g is not None})   # DDP: every rank's GPU
+
+
+class Profiling(Observer):
+    """``--profile-steps A:B``: steps A to B-1 traced (speed/profile.py), every rank's trace gathered to rank 0."""
+    profiler = None
+
+    def start(self, loop) -> None:
+        self.profiler = StepProfiler.from_settings(loop.settings, loop.ctx, loop.logger.run_dir, loop.logger.info)
+
+    def before_step(self, loop) -> None:
+        if self.profiler is not None:
+            self.profiler.before(loop.step)
+
+    def step_end(self, loop) -> None:
+        if self.profiler is not None:
+            self.profiler.after(loop.step)   # at the window's end: every rank's trace to rank 0 (a collective)
+
+    def epoch_trained(self, loop, stats: dict) -> None:
+        if self.profiler is not None:
+            self.profiler.finish()   # a window the epoch's end cut short
+
+
+class MemoryPerRank(Observer):
+    """What each rank holds (parameters, gradients, optimizer state) beside ZeRO's formula (speed/sharding.py)."""
+
+    def __init__(self, parallel: str):
+        self.parallel, self.held = parallel, None
+
+    def epoch_trained(self, loop, stats: dict) -> None:
+        self.held = sharding.held_bytes(unwrap(loop.model), loop.optimizer)   # after training: gradients are there
+
+    def results(self, loop, results: dict) -> None:
+        held = self.held or sharding.held_bytes(unwrap(loop.model), loop.optimizer)
+        results["memory"] = sharding.memory_results(held, unwrap(loop.model), self.parallel, loop.settings.momentum,
+                                                    loop.ctx)   # gathered: a collective
+
+
+class EarlyStop(Observer):
+    """``--patience N``: stop after N epochs in a row without a better validation Acc@1."""
+
+    def epoch_end(self, loop, record: dict) -> None:
+        loop.stop_reason = early_stop(loop.history, loop.settings.patience, loop.ctx)
+
+
+def early_stop(history: list[dict], patience: int, ctx) -> str | None:
+    """Why to stop now, or None: ``patience`` epochs in a row without a better validation Acc@1.
+
+    Validation numbers are all-reduced, hence the same on every rank; the decision is still taken
+    by rank 0 and sent to all, so that no rank can stop alone and leave the others waiting.
+    """
+    if patience <= 0 or not history:
+        return None
+    accs = [h["val"]["acc1"] for h in history]
+    best = max(range(len(accs)), key=lambda i: (accs[i], -i))   # the first epoch with the best Acc@1
+    reason = (f"no better validation Acc@1 for {patience} epoch(s) (best {accs[best]:.2f} % at epoch "
+              f"{history[best]['epoch']}, kept in best.pt)") if len(accs) - 1 - best >= patience else None
+    return distributed.broadcast_object(reason, ctx)   # DDP: rank 0 decides for all
+
+
+class LocalSgd(Observer):
+    """``--comm localsgd`` (speed/localsgd.py): steps keep their gradients on the rank, and the weights are
+    averaged every few steps and at the end of each epoch (that last average counts as compute)."""
+
+    def __init__(self, split: TimeSplit, comm=None, sgd=None):
+        self.on, self.split, self.sgd = comm is not None and comm.choice == "localsgd", split, sgd
+        self.timer = comm.timer if comm is not None else None
+
+    def start(self, loop) -> None:
+        if self.on and loop.ctx.distributed and self.sgd is None:   # counts optimizer steps from the schedule's
+            s = loop.settings
+            self.sgd = LocalSGD(loop.model, loop.optimizer, s.average_every, s.localsgd_warmup_steps,
+                                loop.scheduler.last_epoch, self.timer)
+
+    def before_step(self, loop) -> None:
+        loop.keep_local = self.sgd is not None and self.sgd.local   # local SGD: no all-reduce at all
+
+    def after_step(self, loop) -> None:
+        if self.sgd is not None and loop.updated:
+            self.sgd.step_done(loop.last)   # every average_every steps: the ranks average their weights
+
+    def epoch_trained(self, loop, stats: dict) -> None:
+        if self.sgd is not None:
+            started = time.perf_counter()
+            self.sgd.end_of_epoch()   # one model on every rank again: for the evaluation and the checkpoint
+            self.split.compute(time.perf_counter() - started)
+
+    def epoch_end(self, loop, record: dict) -> None:
+        if self.sgd is not None:
+            self.sgd.finish()   # the optimizer state averaged while evaluating: every rank's is in the checkpoint
+
+    def results(self, loop, results: dict) -> None:
+        # waited after the evaluation for the momentum's average (not in the time split)
+        results["localsgd_wait_s"] = self.sgd.waited_s if self.sgd is not None else None
+
+
+class Gradients(Observer):
+    """How the gradients travel (speed/comm.py): the hook's timer told of each step, PowerSGD's memory kept in
+    the checkpoint and restored on a resume, your DDP (--build-ddp) waited for, a skipped fp16 step forgotten."""
+
+    def __init__(self, comm):
+        self.probe = comm.probe if comm is not None else None
+        self.timer = comm.timer if comm is not None else None   # a CommTimer on the DDP model, or None
+        state = self.timer.state if self.timer is not None else None
+        self.memory = state if isinstance(state, PowerSGDMemory) else None
+
+    def start(self, loop) -> None:
+        saved = ((loop.state or {}).get("comm") or {}).get("powersgd")
+        if self.memory is not None and saved:   # its error feedback and warm start: the resume is exact
+            loop.logger.info(self.memory.load_state_dict(saved, loop.ctx))
+
+    def before_update(self, loop) -> None:
+        if own_ddp.is_own(loop.model):   # --build-ddp: your DDP waits for its all-reduces here
+            started = self.timer.span()
+            loop.model.finish_gradient_sync()
+            self.timer.end_span(started)
+
+    def after_step(self, loop) -> None:
+        if not loop.updated or self.timer is None:
+            return
+        if loop.skipped:   # PowerSGD's memory of this step is inf now: it would poison every later one
+            forget_overflow(self.timer.state)
+        self.timer.step_done()
+
+    def epoch_end(self, loop, record: dict) -> None:
+        loop.extra_state["comm"] = {"choice": loop.meta.get("comm", "none"),   # gathered: a collective
+                                    "powersgd": self.memory.state_dict(loop.ctx) if self.memory is not None else None}
+
+    def results(self, loop, results: dict) -> None:
+        probe = self.probe
+        results.update(link_gbit_s=probe["link_gbit_s"] if probe else None, probe=probe,
+                       predicted_speedup=probe["predicted_speedup"] if probe else None)
+
+
+class Divergence(Observer):
+    """Numbers that stopped being finite stop the run on every rank alike (metrics.Diverged): fp16 steps skipped
+    too many times in a row, a validation loss or weights that are not finite."""
+
+    def after_step(self, loop) -> None:
+        # the same step on every rank: the gradients, hence the scalers, are the same; not with local SGD, whose
+        # local steps see each rank's own gradients (a rank that stops alone is reported by the watch)
+        if loop.skipped and loop.stepper.in_a_row >= SKIPPED_IN_A_ROW:
+            raise Diverged(f"the fp16 gradient scaler skipped the last {loop.stepper.in_a_row} steps (their gradients "
+                           f"overflowed; its scale fell to {loop.stepper.scaler.get_scale():.3g})", loop.step, loop.lr)
+
+    def epoch_end(self, loop, record: dict) -> None:
+        lr = loop.scheduler.get_last_lr()[0]
+        check_finite(record["val"]["loss"], "the validation loss", loop.step, lr)
+        if not weights_finite(loop.model, loop.ctx):
+            raise Diverged("some weights are not finite", loop.step, lr)
+
+
+def weights_finite(model, ctx) -> bool:
+    """Whether every parameter and buffer is finite on every rank (one small collective per epoch)."""
+    net = unwrap(model)
+    tensors = map(sharding.local, (*net.parameters(), *net.buffers()))   # FSDP: this rank's shards
+    bad = sum(int(not torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+    return distributed.all_reduce_sum(torch.tensor([float(bad)], device=ctx.device), ctx).item() == 0
+
+
+class CompileTimeout(Observer):
+    """``--compile``: the short collective timeout starts after the first step, whose compilation can take minutes."""
+
+    def after_step(self, loop) -> None:
+        if loop.settings.compile and loop.step == loop.start_step + 1 and loop.ctx.distributed:
+            distributed.set_collective_timeout(loop.settings.collective_timeout)
+
+
+class Results(Observer):
+    """The run's own figures in results.json, and said: start-up, the cost, the link probe's prediction."""
+
+    def __init__(self, job, started: float | None):
+        self.join_s, self.started = job.ctx.join_s, started
+
+    def epoch_start(self, loop) -> None:
+        self.t0 = getattr(self, "t0", None) or time.perf_counter()   # the first epoch's start
+
+    def results(self, loop, results: dict) -> None:
+        s, ctx = loop.settings, loop.ctx
+        results.update(run_cost(s, ctx, results["wall_time_s"], results["epochs_run"]))
+        # Start-up, which wall_time_s (from the first epoch's start) leaves out: joining, and from the Train cell's
+        # start to its first step's end. Rank 0's figures, as every figure of results.json.
+        trained = results["epochs_run"] and len(loop.history) >= results["epochs_run"]
+        first = loop.history[-results["epochs_run"]]["train"].get("first_step_s") if trained else None
+        mine = {"join_s": self.join_s, "startup_s": (self.t0 - self.started + first)
+                if self.started is not None and first is not None else None}
+        results.update(distributed.broadcast_object(mine, ctx))
+        if results["startup_s"] is not None:
+            # lines under 100 characters: a notebook wraps longer ones mid-word
+            loop.logger.info(f"start-up: {results['startup_s']:.1f} s from the start of training to the end of its "
+                             f"first step,\n  besides {results['join_s']:.1f} s to join the process group "
+                             f"(wall_time_s leaves both out)")
+        if results["cost"] is not None:
+            loop.logger.info(describe_cost(results))
+        if results.get("probe") and results["measured_step_s"]:
+            loop.logger.info(predicted_vs_measured(results["probe"], results,
+                                                   own=s.build_ddp in own_ddp.WRAPPERS))
+
+
+def run_cost(settings, ctx, wall_s: float, epochs: int) -> dict:
+    """What this run cost, all nodes together: ``cost`` (None without a price) and its parts."""
+    nodes = len(set(distributed.gather_objects(machine_id(), ctx)))   # DDP: ranks sharing a machine pay once
+    if not settings.price_per_hour:
+        return {"cost": None, "cost_per_epoch": None, "nodes": nodes, "price_per_hour": None}
+    cost = wall_s / 3600 * nodes * settings.price_per_hour
+    return {"cost": cost, "cost_per_epoch": cost / epochs if epochs else None, "nodes": nodes,
+            "price_per_hour": settings.price_per_hour}
+
+
+def money(amount: float) -> str:
+    """An amount with three significant digits, at least two decimals: 0.00123, 0.0456, 0.526, 12.35."""
+    import math
+    if amount <= 0 or amount >= 1:
+        return f"{amount:.2f}"
+    return f"{amount:.{max(2, 2 - math.floor(math.log10(amount)))}f}"
+
+
+def describe_cost(results: dict) -> str:
+    per_epoch = f", {money(results['cost_per_epoch'])} per epoch" if results["cost_per_epoch"] is not None else ""
+    shared = (f";\n  its {results['world_size']} ranks shared {results['nodes']} machine(s): a rehearsal, priced as "
+              f"what it used (the GPU nodes pay for {results['world_size']})"
+              if results["nodes"] < results["world_size"] else "")
+    return (f"cost: {money(results['cost'])} for this run ({results['wall_time_s'] / 3600:.4f} h x {results['nodes']} "
+            f"node(s) x {results['price_per_hour']:g} per node-hour){per_epoch}{shared}")
+
+
+def predicted_vs_measured(probe: dict, results: dict, own: bool = False) -> str:
+    """The link probe's prediction next to what the run measured, per step. ``own``: your DDP (lab/build_ddp) trained,
+    of which only the wait in ``finish_gradient_sync()`` is timed (what overlapped the backward pass is not seen)."""
+    steps = results["steps"]
+    how = (f"a DDP step of a copy: compute {1e3 * probe['compute_s']:.0f}, all-reduce {1e3 * probe['allreduce_s']:.0f}"
+           if probe.get("ddp_step_s") is not None else
+           f"compute {1e3 * probe['compute_s']:.0f} + all-reduce {1e3 * probe['allreduce_s']:.0f}")
+    return (f"per step: predicted {1e3 * probe['predicted_step_s']:.0f} ms ({how});\n  measured "
+            f"{1e3 * results['measured_step_s']:.0f} ms "
+            f"(data {1e3 * results['data_s'] / steps:.0f}, compute {1e3 * results['compute_s'] / steps:.0f}, "
+            + (f"comm waited in finish_gradient_sync() {1e3 * results['comm_s'] / steps:.0f}" if own else
+               f"comm waited for {1e3 * results['comm_s'] / steps:.0f} of {1e3 * results['comm_total_s'] / steps:.0f} "
+               f"in flight") + f", idle {1e3 * results['idle_s'] / steps:.0f});\n  predicted speed-up over one rank "
+            f"{probe['predicted_speedup']:.2f}x (compare with a 1-rank run in the report)")

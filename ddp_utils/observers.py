@@ -1,0 +1,118 @@
+"""The training loop's one interface to everything optional in a run: observers, called at fixed points.
+
+train.py's loop reads as the lesson: batch, forward, backward (DDP's all-reduce), optimizer step; then evaluate and
+save. What a real run does besides (the kit's watch, the GPU monitor, the profiler, local SGD, PowerSGD's memory,
+the time split, the log points, memory per rank, the cost, early stop, divergence) is an ``Observer`` the loop calls
+at these points; ``concerns.observers_for`` registers them for a job. A hook does nothing unless overridden:
+
+- ``start``: before the first epoch, after a resume's restore;
+- each step: ``before_step`` (a batch arrived), ``before_update`` (its gradients are ready, the optimizer steps
+  next), ``after_step`` (it is done: ``loop.loss``, ``loop.logits``, ``loop.labels`` are its), ``step_end`` (the
+  loop fetches the next batch next);
+- each epoch: ``epoch_start`` (its first batch is fetched next), ``epoch_exit`` (its loop is left, also by an
+  error), ``epoch_trained`` (figures added to the epoch's ``stats``), ``epoch_end`` (evaluated, before the
+  checkpoint: checks, what the checkpoint keeps, a reason to stop early);
+- ``results``: the run's figures added to results.json, and said.
+
+``Observers`` calls several as one, listed outermost first: the hooks that open something (``start``,
+``epoch_start``, ``before_step``, ``before_update``) in that order, the others innermost first, as nested ``with``
+blocks would close.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Loop:
+    """What the training loop and its observers share: the run's parts, and where the loop is."""
+    model: object                     # DDP-wrapped with several ranks (model.prepare_model)
+    data: object                      # this rank's loaders (data.build_data)
+    optimizer: object
+    scheduler: object
+    scaler: object                    # fp16's gradient scaler (disabled otherwise)
+    settings: object
+    ctx: object                       # rank, world size, device
+    logger: object                    # rank 0's run folder; a NullLogger elsewhere
+    observers: Observer = field(default_factory=lambda: Observers())
+    stepper: object = None            # optim.ScaledStep of the optimizer and scaler
+    meta: dict = field(default_factory=dict)   # results.json's parallel, comm, algorithm, ...
+    # where the loop is
+    epoch: int = 0
+    step: int = 0                     # batches trained so far in the run (the log's x axis)
+    start_step: int = 0               # where this epoch started
+    lr: float = 0.0                   # the lr of the current step
+    keep_local: bool = False          # an observer's word: this step's gradients stay on the rank (local SGD)
+    updated: bool = False             # the current step ended with an optimizer step
+    skipped: bool = False             # fp16: the scaler skipped that optimizer step (its gradients overflowed)
+    last: bool = False                # the current batch is the epoch's last
+    loss: object = None               # the current step's loss, logits and labels (after_step)
+    logits: object = None
+    labels: object = None
+    history: list = field(default_factory=list)   # one record per epoch trained: {"epoch", "train", "val"}
+    best_acc1: float = 0.0
+    stop_reason: str | None = None    # an observer's reason to stop after this epoch (early stop)
+    extra_state: dict = field(default_factory=dict)   # what observers add to the checkpoint
+    state: dict | None = None         # the checkpoint a resume continues from
+
+    def __post_init__(self):
+        if self.stepper is None:
+            from .optim import ScaledStep   # counts the steps fp16's scaler skips
+            self.stepper = ScaledStep(self.optimizer, self.scaler)
+
+
+class Observer:
+    """One optional concern of a run (see the module's docstring): override the hooks it needs."""
+
+    def start(self, loop) -> None:
+        pass
+
+    def epoch_start(self, loop) -> None:
+        pass
+
+    def before_step(self, loop) -> None:
+        pass
+
+    def before_update(self, loop) -> None:
+        pass
+
+    def after_step(self, loop) -> None:
+        pass
+
+    def step_end(self, loop) -> None:
+        pass
+
+    def epoch_exit(self, loop) -> None:
+        pass
+
+    def epoch_trained(self, loop, stats: dict) -> None:
+        pass
+
+    def epoch_end(self, loop, record: dict) -> None:
+        pass
+
+    def results(self, loop, results: dict) -> None:
+        pass
+
+
+OPENING = ("start", "epoch_start", "before_step", "before_update")   # called outermost first; the rest innermost first
+
+
+class Observers(Observer):
+    """Several observers called as one (see the module's docstring for the order)."""
+
+    def __init__(self, observers=()):
+        self.observers = list(observers)
+        for hook in (name for name in vars(Observer) if not name.startswith("_")):
+            setattr(self, hook, self._calling(hook))
+
+    def _calling(self, hook: str):
+        order = self.observers if hook in OPENING else self.observers[::-1]
+
+        def call(*args):
+            for observer in order:
+                getattr(observer, hook)(*args)
+        return call
+
+    def __iter__(self):
+        return iter(self.observers)
