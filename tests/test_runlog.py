@@ -425,3 +425,26 @@ def test_wandb_online_with_no_route_to_its_servers_costs_no_training_run(tmp_pat
     assert json.loads((run / "results.json").read_text())["epochs_run"] == 1
     holding_the_key = [str(p) for p in tmp_path.rglob("*") if p.is_file() and FAKE_KEY.encode() in p.read_bytes()]
     assert holding_the_key == []
+
+
+RECORD = {"epoch": 3, "val": {"loss": 0.5123, "acc1": 91.25, "acc5": 99.5, "count": 800},
+          "train": {"loss": 0.61234, "acc1": 88.5, "acc5": 99.0, "images_per_s": 1234.4, "images_per_s_rank": 617.2,
+                    "data_s": 1.0, "compute_s": 6.0, "comm_s": 2.0, "idle_s": 1.0, "wall_s": 10.2,
+                    "wall_mean_s": 10.0}}
+
+
+def test_the_epoch_line_and_the_epochs_scalars_come_from_its_record():
+    """Issue 44, part 2: the epoch line, TensorBoard's (and W&B's) scalars and results.json's history are written
+    from one record per epoch. The line's shape is what the notebooks' and the pages' readers see: a change to it
+    fails here, in the fast tier, not only in a slow test."""
+    from ddp_utils.runlog import epoch_line, epoch_scalars
+    one = epoch_line(Settings(epochs=5), RECORD["train"], RECORD["val"], RECORD["epoch"] - 1)
+    assert one == ("epoch 3/5: train loss 0.6123 acc1 88.50 | val loss 0.5123 acc1 91.25 acc5 99.50\n"
+                   "  1234 img/s global, 617 per rank | time: data 10% compute 60% comm 20% idle 10% | 10.2s")
+    two = epoch_line(Settings(epochs=5, world_size=2), RECORD["train"], RECORD["val"], 2, "DDP, all-reduce")
+    assert two == one + " | DDP, all-reduce"
+    assert all(len(line) < 100 for line in one.splitlines())   # a notebook wraps longer lines mid-word
+    assert epoch_scalars(RECORD) == {
+        "Loss/val": 0.5123, "acc1/val": 91.25, "acc5/val": 99.5, "throughput/images_per_s": 1234.4,
+        "throughput/images_per_s_rank": 617.2, "time/data_s": 1.0, "time/compute_s": 6.0, "time/comm_s": 2.0,
+        "time/idle_s": 1.0}   # TensorBoard's tags: names other parts rely on
