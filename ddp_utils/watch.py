@@ -36,8 +36,9 @@ def watched(job):
         try:
             # dp: every GPU it drives, each GPU's figures kept (is GPU 0 busier and fuller than the others?)
             with heartbeat, GpuMonitor(devices_used(job.parallel, job.ctx), per_device=job.parallel == "dp") as gpu:
+                comm = communication(job)   # before the observers: they time and keep what it chose
                 try:
-                    yield observers_for(job, heartbeat, gpu, started), describe_run(job, communication(job))
+                    yield observers_for(job, heartbeat, gpu, started), describe_run(job, comm)
                 except RuntimeError as exc:   # a collective broke: a peer went, but which? (the watch goes on)
                     if (job.ctx.distributed and not heartbeat.verdict and distributed.lost_a_peer(exc)
                             and not distributed.peer_failure(job.ctx)):
