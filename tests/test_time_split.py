@@ -249,7 +249,7 @@ def test_every_tag_list_on_the_pages_names_the_tags_a_run_logs(two_ranks):
     """A page that lists the curves must list every curve a run writes (the GPU-only ones may be added)."""
     logged = set(read_scalars(two_ranks))
     from tests.procs import REPO
-    gpu_only = set(re.findall(r'"(gpu/\w+)"', open(f"{REPO}/ddp_utils/train.py").read()))
+    gpu_only = set(re.findall(r'"(gpu/\w+)"', open(f"{REPO}/ddp_utils/concerns.py").read()))
     lists = tag_lists()
     assert len(lists) >= 5, lists
     for where, tags in lists:
