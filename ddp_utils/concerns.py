@@ -7,6 +7,7 @@ everything inside it, and the watch hears of a step's end after its log point. E
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -433,7 +434,6 @@ def run_cost(settings, ctx, wall_s: float, epochs: int) -> dict:
 
 def money(amount: float) -> str:
     """An amount with three significant digits, at least two decimals: 0.00123, 0.0456, 0.526, 12.35."""
-    import math
     if amount <= 0 or amount >= 1:
         return f"{amount:.2f}"
     return f"{amount:.{max(2, 2 - math.floor(math.log10(amount)))}f}"

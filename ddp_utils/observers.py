@@ -103,16 +103,40 @@ class Observers(Observer):
 
     def __init__(self, observers=()):
         self.observers = list(observers)
-        for hook in (name for name in vars(Observer) if not name.startswith("_")):
-            setattr(self, hook, self._calling(hook))
-
-    def _calling(self, hook: str):
-        order = self.observers if hook in OPENING else self.observers[::-1]
-
-        def call(*args):
-            for observer in order:
-                getattr(observer, hook)(*args)
-        return call
 
     def __iter__(self):
         return iter(self.observers)
+
+    def _each(self, hook: str, *args) -> None:
+        for observer in (self.observers if hook in OPENING else reversed(self.observers)):
+            getattr(observer, hook)(*args)
+
+    def start(self, loop) -> None:
+        self._each("start", loop)
+
+    def epoch_start(self, loop) -> None:
+        self._each("epoch_start", loop)
+
+    def before_step(self, loop) -> None:
+        self._each("before_step", loop)
+
+    def before_update(self, loop) -> None:
+        self._each("before_update", loop)
+
+    def after_step(self, loop) -> None:
+        self._each("after_step", loop)
+
+    def step_end(self, loop) -> None:
+        self._each("step_end", loop)
+
+    def epoch_exit(self, loop) -> None:
+        self._each("epoch_exit", loop)
+
+    def epoch_trained(self, loop, stats: dict) -> None:
+        self._each("epoch_trained", loop, stats)
+
+    def epoch_end(self, loop, record: dict) -> None:
+        self._each("epoch_end", loop, record)
+
+    def results(self, loop, results: dict) -> None:
+        self._each("results", loop, results)
