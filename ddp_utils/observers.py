@@ -54,11 +54,13 @@ class Loop:
     stop_reason: str | None = None    # an observer's reason to stop after this epoch (early stop)
     extra_state: dict = field(default_factory=dict)   # what observers add to the checkpoint
     state: dict | None = None         # the checkpoint a resume continues from
+    dtype: object = field(init=False, default=None)   # autocast's (None: fp32), decided once, not every step
 
     def __post_init__(self):
-        if self.stepper is None:
-            from .optim import ScaledStep   # counts the steps fp16's scaler skips
+        from .optim import ScaledStep, amp_dtype
+        if self.stepper is None:   # counts the steps fp16's scaler skips
             self.stepper = ScaledStep(self.optimizer, self.scaler)
+        self.dtype = amp_dtype(self.settings, self.ctx.device)
 
 
 class Observer:

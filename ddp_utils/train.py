@@ -140,7 +140,7 @@ def train_step(loop: Loop, images, labels, group: int) -> None:
     """One training step on one batch: forward, backward, and (for the group's last batch) the optimizer step."""
     local = not loop.updated or loop.keep_local   # local SGD's steps send nothing at all
     with local_gradients(loop.model, local):   # DDP: no_sync() for the group's other batches
-        with autocast(amp_dtype(loop.settings, loop.ctx.device), loop.ctx.device):
+        with autocast(loop.dtype, loop.ctx.device):
             logits = loop.model(images)
             loss = F.cross_entropy(logits, labels)
         loop.scaler.scale(loss if group == 1 else loss / group).backward()   # DDP: gradients all-reduced
