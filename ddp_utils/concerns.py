@@ -395,10 +395,11 @@ class Results(Observer):
     """The run's own figures in results.json, and said: start-up, the cost, the link probe's prediction."""
 
     def __init__(self, job, started: float | None):
-        self.join_s, self.started = job.ctx.join_s, started
+        self.join_s, self.started, self.t0 = job.ctx.join_s, started, None
 
     def epoch_start(self, loop) -> None:
-        self.t0 = getattr(self, "t0", None) or time.perf_counter()   # the first epoch's start
+        if self.t0 is None:   # the first epoch's start
+            self.t0 = time.perf_counter()
 
     def results(self, loop, results: dict) -> None:
         s, ctx = loop.settings, loop.ctx
