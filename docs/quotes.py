@@ -19,6 +19,12 @@ pages name it and quote its timings)::
     python docs/quotes.py pages             # = cog -r -p "from docs.quotes import *; from docs import figures"
                                             #   README.md docs/*.md lab/README.md notebooks/lesson.md
     python docs/quotes.py check             # only says whether a page is out of date (cog --check)
+
+**After changing only the epoch line's or the results table's format**, one command, on any machine: nothing
+is run, those lines are rendered again from the records each recording keeps (docs/output/NAME.facts.json,
+see docs/facts.py), so the pages keep the idle recording's figures::
+
+    python docs/quotes.py reformat          # then pastes the pages
     python -m pytest tests/test_quotes.py   # pages in sync; the slow tier re-runs the commands
 
 A new quoted block: add its command to RUNS (or a view of a recorded one to QUOTES), record it, put the
@@ -32,6 +38,7 @@ command prints lines other than the recorded ones, digits, paths and ports aside
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
@@ -257,6 +264,44 @@ def record(names: list[str]) -> None:
                 head = (f"# {command(name)} | machine: {machine()} | "
                         f"{datetime.datetime.now().strftime('%Y-%m-%d')}\n")
                 (OUTPUT / f"{proc}.txt").write_text(head + out, encoding="utf-8")
+                keep_facts(proc, out.splitlines(), RUNS[name], tmp)
+
+
+def keep_facts(proc: str, lines: list[str], run: Run, tmp: str) -> None:
+    """docs/output/PROC.facts.json: the records PROC's epoch lines and results table were printed from, and
+    where they sit (docs/facts.py); temporary paths in them shown as the pages show them."""
+    from docs import facts
+    text = json.dumps(facts.runs_in(Path(tmp)))
+    for temporary, page in run.shown.items():
+        if "{port}" not in temporary:
+            text = text.replace(_expand(temporary, tmp, 0), page)
+    runs = json.loads(text.replace(tmp, "."))
+    blocks = facts.find(lines, runs)
+    used = {key for b in blocks for key in ([b["epoch"][0]] if "epoch" in b else b["table"])}
+    path = OUTPUT / f"{proc}.facts.json"
+    if blocks:
+        path.write_text(json.dumps({"runs": {k: runs[k] for k in sorted(used)}, "blocks": blocks}, indent=1,
+                                   sort_keys=True) + "\n", encoding="utf-8")
+    else:
+        path.unlink(missing_ok=True)
+
+
+def reformat(procs: list[str]) -> list[str]:
+    """Render each recorded output's epoch lines and results table again from its facts with the current code
+    (nothing is run: the figures stay those of the recording); the outputs that changed."""
+    from docs import facts
+    changed = []
+    for path in sorted(OUTPUT.glob("*.facts.json")):
+        proc = path.name[:-len(".facts.json")]
+        if procs and proc not in procs:
+            continue
+        head, lines = recorded(proc)
+        new, kept = facts.reformat(lines, json.loads(path.read_text(encoding="utf-8")))
+        if new != lines:
+            changed.append(proc)
+            (OUTPUT / f"{proc}.txt").write_text("\n".join([head, *new]) + "\n", encoding="utf-8")
+            path.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    return changed
 
 
 def recorded(proc: str) -> tuple[str, list[str]]:
@@ -502,9 +547,13 @@ if __name__ == "__main__":
     what, *rest = sys.argv[1:] or ["-h"]
     if what == "record":
         record(rest)
+    elif what == "reformat":
+        for proc in reformat(rest):
+            print(f"reformatted docs/output/{proc}.txt")
+        sys.exit(pages())
     elif what == "pages":
         sys.exit(pages())
     elif what == "check":
         sys.exit(pages(check=True))
     else:
-        print(__doc__.split("\n\n**After")[0] + "\n\nusage: python docs/quotes.py record [NAME ...] | pages | check")
+        print(__doc__.split("\n\n**After")[0] + "\n\nusage: python docs/quotes.py record [NAME ...] | reformat [NAME ...] | pages | check")

@@ -8,6 +8,7 @@ paths and ports aside); after changing a printed line, `python docs/quotes.py re
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from pathlib import Path
 
@@ -101,6 +102,56 @@ def test_illustrative_blocks_quote_only_lines_the_kit_prints():
 def test_shorten_keeps_epochs_one_to_three_and_the_last():
     lines = [x for e in range(1, 9) for x in (f"epoch {e}/8: loss", f"  {e} img/s")] + ["GPU use: none"]
     assert quotes.shorten_epochs(lines) == lines[:6] + ["..."] + lines[14:]
+
+
+# -- issue 44: a format change re-recorded from the kept records, the figures kept ---------------------------
+EPOCH = re.compile(r"epoch \d+/\d+: ")
+
+
+def test_every_recorded_epoch_line_and_table_is_rendered_from_kept_records_in_todays_format():
+    """Each recorded output keeps the records its epoch lines and results table were printed from; what the
+    current code renders from them is what the output shows (a format change fails here, in the fast tier)."""
+    from docs import facts
+    for path in sorted(quotes.OUTPUT.glob("*.facts.json")):
+        proc = path.name[:-len(".facts.json")]
+        lines = quotes.recorded(proc)[1]
+        assert facts.stale(lines, json.loads(path.read_text())) == [], \
+            f"docs/output/{proc}.txt is in an old format: run python docs/quotes.py reformat"
+    for proc in sorted(p.stem for p in quotes.OUTPUT.glob("*.txt")):
+        lines = quotes.recorded(proc)[1]
+        kept = quotes.OUTPUT / f"{proc}.facts.json"
+        covered = {b["at"] for b in json.loads(kept.read_text())["blocks"]} if kept.exists() else set()
+        for at, line in enumerate(lines):
+            if EPOCH.match(line) or line.startswith("| run |"):
+                assert at in covered, f"docs/output/{proc}.txt line {at + 2}: no record kept: {line[:60]}"
+
+
+def test_reformat_renders_a_new_format_with_the_recorded_figures_and_back(tmp_path, monkeypatch):
+    """The epoch line and the results table in a new format, rendered from the kept records: the figures are
+    the recording's (nothing is run), the other lines untouched; the old format back gives the same bytes."""
+    import shutil
+    from ddp_utils import runlog
+    from ddp_utils.tools import report
+    shutil.copytree(quotes.OUTPUT, tmp_path / "output")
+    monkeypatch.setattr(quotes, "OUTPUT", tmp_path / "output")
+    before = {p.name: p.read_text() for p in (tmp_path / "output").iterdir()}
+    old_line, old_table = runlog.epoch_line, report.results_table
+    monkeypatch.setattr(runlog, "epoch_line", lambda *a: "NEW " + old_line(*a).replace("\n  ", " || "))
+    monkeypatch.setattr(report, "results_table", lambda *a, **k: "TABLE\n" + old_table(*a, **k))
+    assert set(quotes.reformat([])) >= {"demo", "report", "resume", "notebook-main", "launch-kill"}
+    lines, old = quotes.recorded("demo")[1], before["demo.txt"].splitlines()[1:]
+    new_epochs = [line for line in lines if line.startswith("NEW epoch ")]
+    old_epochs = [f"{a} || {b.strip()}" for a, b in zip(old, old[1:]) if EPOCH.match(a)]
+    assert [line[len("NEW "):] for line in new_epochs] == old_epochs   # the recording's figures, one line each
+    assert lines[lines.index("TABLE") + 1:lines.index("TABLE") + 5] == [line for line in old if line.startswith("|")]
+    def outside(lines: list[str], kept: str) -> list[str]:
+        inside = {i for b in json.loads(kept)["blocks"] for i in range(b["at"], b["at"] + b["lines"])}
+        return [line for i, line in enumerate(lines) if i not in inside]
+    assert outside(lines, (quotes.OUTPUT / "demo.facts.json").read_text()) == outside(old, before["demo.facts.json"])
+    monkeypatch.setattr(runlog, "epoch_line", old_line)
+    monkeypatch.setattr(report, "results_table", old_table)
+    quotes.reformat([])
+    assert {p.name: p.read_text() for p in (tmp_path / "output").iterdir()} == before
 
 
 # -- slow: the commands run again print the recorded lines ---------------------------------------------
