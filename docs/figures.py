@@ -209,3 +209,60 @@ def releases(template: str) -> None:
     text = template.format(releases=", ".join(r["figures"]["release"] for r in runs), hung=hung, agrees=agrees,
                            machine=machine)
     _paragraph(text)
+
+
+# -- the walkthrough's data steps: lab/data.md's time plan ------------------------------------------------
+GP3_MB_S = 125           # a gp3 volume's default throughput (MB/s): what a node's disk writes at most
+IMAGENET_GB, SUBSET_GB = 147, 14
+DOWNLOAD_H = 0.75        # Kaggle's 155 GB zip: 0.5-1 h, an estimate (its speed varies), the middle taken
+BUILD_H = 0.25           # docker/run.sh --build: NGC's ~20 GB image, 10-20 min, an estimate
+
+
+def data_steps() -> dict[str, dict[str, float]]:
+    """Minutes of each data step for ImageNet and for the 100-class subset: the rates benchmarks/data_prep.py
+    measured, scaled to the files; a write bounded by a gp3 volume's throughput where that is slower."""
+    f = bench("data_prep")["figures"]
+    # the subset's route (lab/data.md, g4dn.xlarge) unpacks its classes (about 128,000 files, 14 GB) and all of val
+    # (50,000, 6.4 GB), sorts all of val, links the subset, and checks and copies the subset (a tenth of ImageNet)
+    unpacked = {"imagenet": (1.0, IMAGENET_GB), "subset": ((128_000 + 50_000) / 1_331_167, SUBSET_GB + 6.4)}
+    kept = {"imagenet": (1.0, IMAGENET_GB), "subset": (0.1, SUBSET_GB)}
+    def no_faster_than_gp3(minutes: float, gb: float) -> float:
+        return max(minutes, gb * 1000 / GP3_MB_S / 60)
+    out = {}
+    for kind in ("imagenet", "subset"):
+        (share_in, gb_in), (share, gb) = unpacked[kind], kept[kind]
+        steps = out[kind] = {
+            "unpack": no_faster_than_gp3(f["unzip"]["imagenet_minutes"] * share_in, gb_in),
+            "sort val": f["sort val"]["imagenet_minutes"],   # all 50,000 validation images, on either route
+            "subset": f["subset (hard links)"]["imagenet_minutes"] if kind == "subset" else 0.0,
+            "check": f["check (list every file)"]["imagenet_minutes"] * share,
+            "copy": no_faster_than_gp3(f["copy (tar to tar)"]["imagenet_minutes"] * share, gb),
+        }
+        node1 = DOWNLOAD_H + BUILD_H + sum(steps.values()) / 60
+        node2 = BUILD_H + (steps["copy"] + steps["check"]) / 60
+        steps["node-hours"] = node1 + node2
+    return out
+
+
+def data_plan() -> None:
+    """Cog: lab/data.md's table of the data steps, per data set, with the node-hours they add up to."""
+    s = data_steps()
+    def minutes(kind: str, step: str) -> str:
+        m = s[kind][step]
+        return f"{m:.0f} min" if m >= 1 else "under 1 min"
+    rows = ["| step | on | ImageNet (g4dn.2xlarge, g5.2xlarge, A10 elsewhere) | the subset (g4dn.xlarge) | how it is known |",
+            "| --- | --- | ---: | ---: | --- |",
+            "| download Kaggle's zip (155 GB) | node 1 | 0.5-1 h\\* | 0.5-1 h\\* | an estimate: Kaggle's speed varies |",
+            f"| unpack (`unzip`) | node 1 | {minutes('imagenet', 'unpack')} | {minutes('subset', 'unpack')} | "
+            f"the rate above, or {GP3_MB_S} MB/s of gp3 where slower |",
+            f"| sort val | node 1 | {minutes('imagenet', 'sort val')} | {minutes('subset', 'sort val')} | the rate above |",
+            f"| make the subset (hard links) | node 1 | - | {minutes('subset', 'subset')} | the rate above |",
+            "| `docker/run.sh --build` (NGC's image, about 20 GB) | each node | 10-20 min\\* | 10-20 min\\* | "
+            "an estimate |",
+            f"| the kit's check (lists every file) | each node | {minutes('imagenet', 'check')} | "
+            f"{minutes('subset', 'check')} | the rate above |",
+            f"| copy to node 2 (`tar \\| ssh`) | both | {minutes('imagenet', 'copy')} | {minutes('subset', 'copy')} | "
+            f"the rate above, or {GP3_MB_S} MB/s of gp3 where slower |",
+            f"| **node-hours in all** | | **{s['imagenet']['node-hours']:.1f} h\\*** | "
+            f"**{s['subset']['node-hours']:.1f} h\\*** | the download and the build taken at their middle |"]
+    _out("\n".join(rows))

@@ -23,7 +23,7 @@ REPO = Path(_REPO)
 
 BENCHMARKS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if "__main__" in p.read_text(encoding="utf-8"))
 RESULTS = sorted((REPO / "benchmarks" / "results").glob("*.json"))
-PAGES = ["README.md", "docs/benchmarks.md", "docs/faults.md", "docs/gpu.md"]
+PAGES = ["README.md", "docs/benchmarks.md", "docs/faults.md", "docs/gpu.md", "lab/data.md"]
 HAND_CHECKED = ["README.md", "docs/benchmarks.md", "docs/faults.md"]   # whose figures are all measurements
 CALL = re.compile(r"figures\.(?:say|table|bench|chose)\(\"([\w.-]+)\"")
 # Measured figures as a page would hand-write them: img/s, ms, a speed-up, seconds with a decimal.
