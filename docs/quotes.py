@@ -1,6 +1,6 @@
 """The kit's output that the pages quote, recorded from real runs and pasted by one command.
 
-Every ```text block of README.md, docs/*.md, lab/README.md and notebooks/lesson.md that shows what the
+Every ```text block of README.md, docs/*.md, lab/*.md and notebooks/lesson.md that shows what the
 kit prints sits between cog markers (HTML comments, so GitHub renders only the fence)::
 
     <!-- [[[cog quote("demo") ]]] -->
@@ -17,7 +17,7 @@ pages name it and quote its timings)::
 
     python docs/quotes.py record            # all of RUNS (a few minutes on 2 cores); or: record check docker
     python docs/quotes.py pages             # = cog -r -p "from docs.quotes import *; from docs import figures"
-                                            #   README.md docs/*.md lab/README.md notebooks/lesson.md
+                                            #   README.md docs/*.md lab/*.md notebooks/lesson.md
     python docs/quotes.py check             # only says whether a page is out of date (cog --check)
 
 **After changing only the epoch line's or the results table's format**, one command, on any machine: nothing
@@ -55,7 +55,8 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 OUTPUT = REPO / "docs" / "output"
-PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")), "lab/README.md",
+PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")),
+         *sorted(f"lab/{p.name}" for p in (REPO / "lab").glob("*.md")),
          "notebooks/lesson.md"]
 
 
@@ -265,6 +266,23 @@ def record(names: list[str]) -> None:
                         f"{datetime.datetime.now().strftime('%Y-%m-%d')}\n")
                 (OUTPUT / f"{proc}.txt").write_text(head + out, encoding="utf-8")
                 keep_facts(proc, out.splitlines(), RUNS[name], tmp)
+            if name == "report":
+                kit_images(tmp)
+
+
+def kit_images(tmp: str) -> None:
+    """images/: the report's pictures and results.md of the same two demo runs the pages quote, so that images/ and
+    the pages show one run's numbers (``report --kit-images``, run in the recording's folder: the paths it names are
+    the pages' ``runs/demo/...``)."""
+    import glob
+    runs = [os.path.relpath(p, tmp) for pattern in ("*-ddp2", "*-single")
+            for p in sorted(glob.glob(f"{tmp}/runs/demo/{pattern}"))]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-m", "ddp_utils", "report", *runs, "--kit-images"], cwd=tmp, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"report --kit-images exited {out.returncode}:\n{out.stdout}")
+    print(f"images/: {len(runs)} demo runs' report", flush=True)
 
 
 def keep_facts(proc: str, lines: list[str], run: Run, tmp: str) -> None:
@@ -487,23 +505,18 @@ class _Cells(string.Formatter):
 
 # Step 6 of the walkthrough: (cell, what it prints, what it means), from the recorded notebooks.
 CELLS = [
-    ("Settings", "{m2_global} then {m2_global+1}", "the global batch, the lr that will really be used and the rest of the recipe"),
-    ("1. Join the process group", "{m3_rank 0}, {m3_rank 0+1}, {m3_rank 0+2}, {m3_DistContext}",
-     "the interface the pre-flight chose, rank 0 listening, then both ranks are in and their settings agree"),
-    ("2. The data", "{m4_CPU}, {m4_CPU+1} then {m4_this}",
-     "each rank got its share of the cores and of the data (half the steps `single.ipynb` takes per epoch; "
-     "`MAX_STEPS = 3` cuts both to 3 here), and the ranks' data agree"),
-    ("3. The model", "{m5_parallel}, {m5_model}", "DDP copied rank 0's weights to rank 1"),
-    ("4. The run folder", "{m6_resume}, {m6_Run:cut}, then the layer table (rank 1: {w6_resume}, {w6_resume+1})",
-     "every rank looks for a run to continue; rank 0 writes the run folder, rank 1 writes nothing"),
-    ("5. Train", "{m7_rank:cut2} (how it would stop a hung collective on this torch), {m7_link:cut}, {m7_gradient}, "
-     "a progress bar, then the epoch's two lines, {m7_epoch} and {m7_epoch+1}, then {m7_start-up:cut} and "
-     "{m7_per:cut} (rank 1: its own progress "
-     "bar and the same epoch lines)", "global metrics, throughput, time waiting for data; start-up; the step against "
-     "the link probe's prediction"),
-    ("Results", "{m8_global}, then a key a line: {m8_global+1}, {m8_global+2}, {m8_global+3}, {m8_global+4}, "
-     "{m8_global+5}, {m8_global+6} ... "
-     "(rank 1 prints the same numbers)", "**the same accuracy and loss on both ranks**"),
+    ("Settings", "{m2_global} then {m2_global+1}", "the global batch, the lr really used, the rest of the recipe"),
+    ("1. Join the process group", "{m3_rank 0+2} (before it: the interface chosen, rank 0 listening)",
+     "both ranks are in, and their settings agree"),
+    ("2. The data", "{m4_CPU+1} then {m4_this}",
+     "each rank's share of the data: half the steps `single.ipynb` takes (`MAX_STEPS = 3` cuts both to 3 here)"),
+    ("3. The model", "{m5_parallel}", "DDP copied rank 0's weights to rank 1"),
+    ("4. The run folder", "{m6_Run:cut}, then the layer table (rank 1: {w6_resume:cut})",
+     "rank 0 writes the run folder, rank 1 nothing"),
+    ("5. Train", "a progress bar, then {m7_epoch} and {m7_epoch+1} (before: the watch and the link probe; after: "
+     "{m7_start-up:cut} and {m7_per:cut})", "global metrics, throughput, where the time went"),
+    ("Results", "{m8_global}, then a key a line: {m8_global+1}, {m8_global+2} ... (rank 1: the same)",
+     "**the same accuracy and loss on both ranks**"),
 ]
 
 
@@ -514,9 +527,8 @@ def cells() -> None:
                           "demo data, `EPOCHS = 1`, `MAX_STEPS = 3`, `WORKERS = 0`), rank 0 unless marked:", WIDTH)
     rows = [intro, "", "| cell | rank 0 (main.ipynb) | what it means |", "| --- | --- | --- |"]
     rows += [f"| {cell} | {fmt.format(printed)} | {meaning} |" for cell, printed, meaning in CELLS]
-    rows.append("| results table and curves, TensorBoard, teardown | the results table, the loss / Acc@1 curves, the "
-                "time split and a sentence on what bound the run (rank 1: the same table); TensorBoard (rank 0); "
-                "nothing | |")
+    rows.append("| results table and curves, TensorBoard, teardown | the table, the curves, the time split and what "
+                "bound the run; TensorBoard (rank 0) | |")
     _out("\n".join(rows))
 
 

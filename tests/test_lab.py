@@ -29,7 +29,18 @@ TIME_BOUND = 300   # seconds for all five notebooks started together (kernels, t
 
 
 # -- helpers ----------------------------------------------------------------------------------
+# The walkthrough's reference pages: what a student reaches from it when something differs or goes wrong.
+PAGES = [LAB / name for name in ("nodes.md", "data.md", "troubleshooting.md", "labs.md")]
+TROUBLESHOOTING = LAB / "troubleshooting.md"
+
+
 def readme() -> str:
+    """The walkthrough with its reference pages (a fact it states may sit on either)."""
+    return "\n\n".join(page.read_text(encoding="utf-8") for page in [README, *PAGES])
+
+
+def walkthrough() -> str:
+    """lab/README.md alone: the path a student follows."""
     return README.read_text(encoding="utf-8")
 
 
@@ -149,7 +160,7 @@ def test_lab5_builds_its_command_lines_from_the_same_settings_as_its_notebook_ru
 
 # -- the walkthrough --------------------------------------------------------------------------
 def test_walkthrough_has_the_numbered_steps_in_order():
-    headings = re.findall(r"^## (\d+)\. ", readme(), re.M)
+    headings = re.findall(r"^## (\d+)\. ", walkthrough(), re.M)
     assert headings == [str(i) for i in range(11)], headings
 
 
@@ -177,12 +188,15 @@ PAIN_POINTS = {
 
 @pytest.mark.parametrize("pain", PAIN_POINTS)
 def test_troubleshooting_covers_every_pain_point(pain):
-    rows = [line for line in section(readme(), "10.").splitlines() if line.startswith("| ")]
+    """In the full table of lab/troubleshooting.md, and in a line of the walkthrough's step 10."""
+    rows = [line for line in TROUBLESHOOTING.read_text(encoding="utf-8").splitlines() if line.startswith("| ")]
     assert any(PAIN_POINTS[pain].lower() in row.lower() for row in rows), f"no troubleshooting row names {pain!r}"
+    short = [line for line in section(walkthrough(), "10.").splitlines() if line.startswith("| ")]
+    assert any(PAIN_POINTS[pain].lower() in row.lower() for row in short), f"step 10 has no line for {pain!r}"
 
 
 def test_troubleshooting_is_a_symptom_cause_fix_table():
-    table = section(readme(), "10.")
+    table = TROUBLESHOOTING.read_text(encoding="utf-8")
     assert "| symptom | cause | fix |" in table
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
     assert len(rows) - 1 >= len(PAIN_POINTS)
@@ -366,7 +380,8 @@ def test_no_page_calls_the_cinic10_labs_lab_9():
              **{f"notebooks/{nb}.ipynb": code(Path(REPO) / "notebooks" / f"{nb}.ipynb")
                 for nb in ("main", "worker", "single")}}
     assert [name for name, text in texts.items() if re.search(r"\blab 9\b", text, re.I)] == []
-    assert "(labs 1-5)](#appendix-the-cinic-10-lab-notebooks-labs-1-5)" in readme()
+    # the labs are "labs 1-5", on their own page, which the walkthrough links
+    assert "# The CINIC-10 lab notebooks (labs 1-5)" in readme() and "(labs 1-5) have a page of their own: [labs.md](labs.md)" in walkthrough()
 
 
 def test_every_lab_script_the_walkthrough_runs_exists_and_its_help_runs_without_the_container():
@@ -393,7 +408,7 @@ def table(text: str, header: str) -> list[dict[str, str]]:
 def test_the_node_table_fits_each_node_type():
     """Step 1: no more loader workers than a node's vCPUs leave free, and ImageNet only where an archive fits on
     the local NVMe disk (the 155 GB Kaggle zip, or the 145 GB of tars)."""
-    step1 = section(readme(), "1.")
+    step1 = (LAB / "nodes.md").read_text(encoding="utf-8")   # step 1's reference page: what each node can do
     nodes = {row["type"]: row for row in table(step1, "| type | GPU | vCPUs |")}
     assert {"g4dn.xlarge", "g4dn.2xlarge", "g5.2xlarge"} <= set(nodes)
     rows = table(step1, "| node | data (step 2) |")
@@ -411,9 +426,10 @@ def test_the_node_table_fits_each_node_type():
 def test_the_walkthrough_says_a_stop_erases_the_local_nvme_disk():
     text = readme()
     assert "stopped nodes keep their disks" not in text
-    cost = text[text.index("Cost:"):text.index("\n---", text.index("Cost:"))]
+    start = text.index("**Stop the nodes whenever you pause**")   # the walkthrough's cost paragraph
+    cost = text[start:text.index("\n---", start)]
     assert "instance store" in cost and "erased at" in cost and "survives the stop" in cost
-    assert "erased whenever the node stops" in section(text, "1.")
+    assert "erased whenever the node stops" in (LAB / "nodes.md").read_text(encoding="utf-8")
 
 
 # -- the notebooks, executed ------------------------------------------------------------------

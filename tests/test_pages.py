@@ -15,7 +15,7 @@ from tests.notebook_cells import parameter_cells, parameters, read
 from tests.procs import REPO
 
 ROOT = Path(REPO)
-MD_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "lab" / "README.md",
+MD_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "lab").glob("*.md")),
             ROOT / "notebooks" / "lesson.md"]
 NOTEBOOKS = [*(ROOT / "notebooks" / f"{n}.ipynb" for n in ("main", "worker", "single")),
              *sorted((ROOT / "lab").glob("lab*.ipynb"))]
@@ -115,7 +115,8 @@ EXTERNAL = {
     "papermill": (r"\bpapermill\b", {"--cwd"}),
     "pip": (r"\bpip install\b", {"--index-url"}),
     "nvidia-smi": (r"nvidia-smi", {"--query-gpu", "--format"}),
-    "aws": (r"\baws ec2\b", {"--group-name", "--description", "--vpc-id", "--group-id", "--protocol", "--port",
+    "aws": (r"\baws (?:ec2|ssm)\b", {"--group-name", "--group-names", "--name", "--description", "--vpc-id",
+                                     "--group-id", "--protocol", "--port",
                              "--cidr", "--source-group", "--strategy", "--image-id", "--instance-type", "--count",
                              "--key-name", "--security-group-ids", "--placement", "--block-device-mappings",
                              "--filters", "--query", "--output"}),
