@@ -22,6 +22,7 @@ from .robust.threads import machine_id
 from .runlog import TIME_PARTS
 from .speed import sharding
 from .speed.comm import forget_overflow
+from .speed.feed import FeedCheck
 from .speed.gpu_monitor import describe as describe_gpu
 from .speed.gpu_monitor import reduce_summaries
 from .speed.localsgd import LocalSGD
@@ -37,8 +38,8 @@ def observers_for(job, heartbeat=None, gpu=None, started: float | None = None) -
     comm = job.communication
     split = TimeSplit(comm.timer if comm is not None else None)
     return Observers([Results(job, started), split, Watch(heartbeat), LogPoints(split), GpuUse(gpu, job.parallel),
-                      Profiling(), MemoryPerRank(job.parallel), EarlyStop(), LocalSgd(split, comm),
-                      Gradients(comm), Divergence(), CompileTimeout()])
+                      FeedCheck(job.settings.workers), Profiling(), MemoryPerRank(job.parallel), EarlyStop(),
+                      LocalSgd(split, comm), Gradients(comm), Divergence(), CompileTimeout()])
 
 
 def loop_observers(heartbeat=None, local_sgd=None) -> Observers:

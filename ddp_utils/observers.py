@@ -1,8 +1,8 @@
 """The training loop's one interface to everything optional in a run: observers, called at fixed points.
 
 train.py's loop reads as the lesson: batch, forward, backward (DDP's all-reduce), optimizer step; then evaluate and
-save. What a real run does besides (the kit's watch, the GPU monitor, the profiler, local SGD, PowerSGD's memory,
-the time split, the log points, memory per rank, the cost, early stop, divergence) is an ``Observer`` the loop calls
+save. What a real run does besides (the kit's watch, the GPU monitor, the feed check, the profiler, local SGD,
+PowerSGD's memory, the time split, the log points, memory per rank, the cost, early stop, divergence) is an ``Observer`` the loop calls
 at these points; ``concerns.observers_for`` registers them for a job. A hook does nothing unless overridden:
 
 - ``start``: before the first epoch, after a resume's restore;

@@ -36,6 +36,12 @@ GPU_ONLY = [
     "defines it:",
     "      4096 ...",
     "  46758048 ...",
+    # the feed check's paragraph (docs/time-split.md; tests/test_feed.py checks it is feed.describe's text)
+    "feed check: the data loader bounds this run. Over 20 steps it delivered 312 img/s,",
+    "  where this GPU trains 880 img/s when fed (its own time for those steps): it waited for data",
+    "  61 % of the time. To feed it: a copy of the data resized once, on the local disk",
+    "  (lab/data.md), more loader workers (now 2; this node has 8 CPUs),",
+    "  or a GPU decoder (--loader dali).",
 ]
 
 
