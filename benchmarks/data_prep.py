@@ -130,7 +130,7 @@ def main() -> int:
         figures[name] = {"files": count, "seconds": round(seconds, 2), "files_per_s": round(rate),
                          "mb_per_s": round(rate * MEAN_BYTES / 1e6), "imagenet_minutes": round(scaled / 60, 1)}
         mb = f"{rate * MEAN_BYTES / 1e6:.0f}" if name != "subset (hard links)" else "-"   # a link moves no bytes
-        table.append(f"| {name} | {count:,} | {seconds:.1f} | {rate:,.0f} | {mb} | {scaled / 60:.0f} min |")
+        table.append(f"| {name} | {count:,} | {seconds:.1f} | {rate:,.0f} | {mb} | {scaled / 60:.1f} min |")
     record.save(figures=figures, table=table)
     print("\n".join(table))
     return 0

@@ -120,7 +120,7 @@ def test_the_ami_the_vpc_and_the_security_group_are_found_by_commands_a_student_
     assert re.search(r"VPC=\$\(aws ec2 describe-vpcs --filters Name=is-default,Values=true", blocks)
     assert re.search(r'SG=\$\(aws ec2 create-security-group .*--vpc-id "\$VPC" --query GroupId', blocks)
     assert '--image-id "$AMI"' in blocks and '--security-group-ids "$SG"' in blocks
-    assert "aws configure" in blocks and "aws ec2 create-key-pair --key-name KEY" in blocks
+    assert "aws configure" in blocks and "mkdir -p ~/.ssh && aws ec2 create-key-pair --key-name KEY" in blocks
 
 
 # -- the default data set's numbers ---------------------------------------------------------------------
