@@ -8,6 +8,8 @@ README with cog (``python docs/quotes.py pages``), so a page quotes only what a 
 
     recorder = results.Recorder("loop_overhead", args)    # at the start: the clock and the machine's CPU use
     recorder.save(figures={...}, table=[...])             # at the end: writes args.out
+
+A tree with uncommitted changes to the code is refused (``--allow-dirty``: a trial, its commit marked ``+changes``).
 """
 from __future__ import annotations
 
@@ -28,10 +30,13 @@ from ddp_utils.runlog import cpu_name  # noqa: E402
 
 
 def add_out(parser, name: str) -> None:
-    """The ``--out`` flag every benchmark has."""
+    """The ``--out`` and ``--allow-dirty`` flags every benchmark has."""
     parser.add_argument("--out", default=str(RESULTS / f"{name}.json"),
                         help=f"the JSON file the figures go to (default benchmarks/results/{name}.json, which "
                              "the pages quote; give another path for a trial run)")
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="measure a tree with uncommitted changes to the code (a trial): the JSON's commit then "
+                             "ends in +changes. Without it such a tree is refused: a figure names the code it measured")
 
 
 def busy_cpu_seconds() -> float:
@@ -119,6 +124,10 @@ class Recorder:
         self.start = (time.perf_counter(), busy_cpu_seconds(), own_cpu_seconds())
         self.date = datetime.datetime.now().strftime("%Y-%m-%d")
         self.commit = commit()   # the code that runs is the code at the start
+        if self.commit.endswith("+changes") and not getattr(args, "allow_dirty", False):
+            raise SystemExit(f"{name}: the code has uncommitted changes (git status), so no commit names what these "
+                             f"figures measure. Commit first, or add --allow-dirty for a trial run (its JSON then "
+                             f"says {self.commit}).")
 
     def others(self) -> float:
         """The cores other processes of the machine used on average since the start."""
@@ -132,7 +141,7 @@ class Recorder:
         record = {"benchmark": self.name, "command": self.command, "date": self.date, "commit": self.commit,
                   "seconds": round(time.perf_counter() - self.start[0], 1), "machine": machine(),
                   "other_processes_cores": round(others, 2),
-                  "args": {k: v for k, v in vars(self.args).items() if k != "out"},
+                  "args": {k: v for k, v in vars(self.args).items() if k not in ("out", "allow_dirty")},
                   "figures": figures, "table": table or [], **extra}
         out = Path(self.args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

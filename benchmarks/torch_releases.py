@@ -124,6 +124,7 @@ def main() -> None:
     release = torch.__version__.split("+")[0]
     parser.add_argument("--out", default=str(RESULTS / f"torch_releases-{release}.json"),
                         help="the JSON file the probes go to (default benchmarks/results/torch_releases-RELEASE.json)")
+    parser.add_argument("--allow-dirty", action="store_true", help="measure a tree with uncommitted changes (a trial)")
     args = parser.parse_args()
     recorder = Recorder("torch_releases", args)
     nccl = getattr(dist, "ProcessGroupNCCL", None)

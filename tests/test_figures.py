@@ -113,7 +113,7 @@ def test_a_recorder_writes_the_figures_the_command_and_the_load_beside_it(tmp_pa
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
 
-    recorder = results.Recorder("b", argparse.Namespace(out=str(tmp_path / "b.json"), rounds=3))
+    recorder = results.Recorder("b", argparse.Namespace(out=str(tmp_path / "b.json"), rounds=3, allow_dirty=True))
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(2)
@@ -126,3 +126,18 @@ def test_a_recorder_writes_the_figures_the_command_and_the_load_beside_it(tmp_pa
     assert saved["command"].startswith("python ") and saved["machine"]["cores"] >= 1
     assert saved["other_processes_cores"] > 0.5, saved["other_processes_cores"]
     assert not list(tmp_path.glob(".*.tmp")), "a temporary file was left"
+
+
+def test_a_recorder_refuses_a_tree_with_uncommitted_changes_unless_told_and_then_says_so(tmp_path, monkeypatch):
+    """Issue 46: a figure names the code it measured. A dirty tree is refused; --allow-dirty (a trial) marks it."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import results
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    monkeypatch.setattr(results, "commit", lambda: "abc1234+changes")
+    with pytest.raises(SystemExit, match="uncommitted changes .* --allow-dirty"):
+        results.Recorder("b", argparse.Namespace(out=str(tmp_path / "b.json")))
+    recorder = results.Recorder("b", argparse.Namespace(out=str(tmp_path / "b.json"), allow_dirty=True))
+    saved = json.loads(Path(recorder.save({"ratio": 1.0})).read_text())
+    assert saved["commit"] == "abc1234+changes" and "allow_dirty" not in saved["args"]
