@@ -2,8 +2,9 @@
 
 train.py's loop reads as the lesson: batch, forward, backward (DDP's all-reduce), optimizer step; then evaluate and
 save. What a real run does besides (the kit's watch, the GPU monitor, the feed check, the profiler, local SGD,
-PowerSGD's memory, the time split, the log points, memory per rank, the cost, early stop, divergence) is an ``Observer`` the loop calls
-at these points; ``concerns.observers_for`` registers them for a job. A hook does nothing unless overridden:
+PowerSGD's memory, the time split, the log points, memory per rank, the cost, early stop, divergence) is an
+``Observer`` the loop calls at these points; ``concerns.observers_for`` registers them for a job. A hook does
+nothing unless overridden:
 
 - ``start``: before the first epoch, after a resume's restore;
 - each step: ``before_step`` (a batch arrived), ``before_update`` (its gradients are ready, the optimizer steps
