@@ -69,6 +69,7 @@ def test_the_path_table_is_in_the_first_80_lines_with_a_row_for_each_kind_of_stu
         assert re.fullmatch(r"\d+", row["`WORKERS`"]), f"one WORKERS per row: {row['`WORKERS`']}"
         if "laptop" not in row["you have"]:
             assert all(re.search(r"\d h", row[stage]) for stage in ("data", "runs", "questions")), row
+        assert all("$" in row[stage] for stage in ("data", "runs", "questions")), f"each stage's dollars: {row}"
 
 
 def test_each_rows_dollars_are_its_node_hours_at_its_instances_price():
