@@ -191,3 +191,48 @@ def test_two_ranks_train_with_nvjpeg_as_with_the_workers_path(tmp_path, photos):
     for a, b in zip(mine["history"], theirs["history"]):   # measured: 5e-5 and 3e-6 apart; without the flips 8e-4
         assert a["train"]["loss"] == pytest.approx(b["train"]["loss"], rel=3e-4), (a["train"], b["train"])
         assert a["val"]["loss"] == pytest.approx(b["val"]["loss"], rel=3e-5), (a["val"], b["val"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode thread: batch k + 1 decoded there while step k trains, joined whenever the epoch ends
+# ---------------------------------------------------------------------------------------------
+def decode_threads() -> list:
+    import threading
+    return [t for t in threading.enumerate() if t.name.startswith(nvjpeg.DECODE_THREAD)]
+
+
+def test_batches_are_decoded_on_one_thread_that_is_joined_after_the_epoch(photos, monkeypatch):
+    import threading
+    loader = build_loaders(settings(photos), 0, 1).train
+    makers = set()
+    make = nvjpeg.DeviceCrops._make
+    monkeypatch.setattr(nvjpeg.DeviceCrops, "_make", lambda self, batch: makers.add(threading.current_thread().name)
+                        or make(self, batch))
+    batches = list(loader.epoch(0))
+    assert len(batches) == len(loader) == 3
+    assert len(makers) == 1 and next(iter(makers)).startswith(nvjpeg.DECODE_THREAD)   # not the training thread
+    assert decode_threads() == []
+
+
+@pytest.mark.parametrize("how", ["break", "max_steps_per_epoch"])
+def test_the_decode_thread_is_joined_when_the_epoch_is_left_early(photos, how):
+    loader = build_loaders(settings(photos, batch_size=2, max_steps_per_epoch=2 if how != "break" else 0), 0, 1).train
+    for i, _ in enumerate(loader.epoch(0)):
+        assert len(decode_threads()) == 1                 # running beside the step
+        if how == "break" and i == 1:
+            break
+    assert decode_threads() == []
+
+
+def test_a_broken_jpeg_decoded_on_the_thread_reaches_the_caller_naming_it_and_the_thread_is_joined(tmp_path):
+    imagenet = make_imagenet(tmp_path / "imagenet", train_per_class=4)
+    bad = imagenet / "train" / WNIDS[2] / "broken.JPEG"
+    good = (imagenet / "val" / WNIDS[2] / "ILSVRC2012_val_00000006.JPEG").read_bytes()
+    bad.write_bytes(good)
+    loader = build_loaders(settings(imagenet, batch_size=2), 0, 1).train
+    bad.write_bytes(good[:300])
+    with pytest.raises(DataError, match="Pillow cannot read") as e:
+        for _ in loader.epoch(0):
+            pass
+    assert str(bad) in str(e.value)
+    assert decode_threads() == []
