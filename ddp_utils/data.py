@@ -37,7 +37,7 @@ from .speed import fastjpeg
 from .speed.dali import build_dali_data, check_dali_dataset
 from .robust.threads import set_threads
 from .speed.memdata import build_memory_data, check_memory_dataset
-from .speed.nvjpeg import build_nvjpeg_data, check_nvjpeg_dataset
+from .speed.nvjpeg import build_nvjpeg_data, check_nvjpeg_dataset, decoder_warning
 
 __all__ = ["build_data", "build_loaders"]
 
@@ -55,6 +55,9 @@ def build_data(settings, ctx, log=print) -> Data:
         distributed.wait_for_all("start the data cell (build_data)", ctx, settings.init_timeout, log)
         set_threads(settings, ctx, log)       # ranks sharing a machine share its cores
         data = build_loaders(settings, ctx.rank, ctx.world_size, ctx.device)   # DDP: a DistributedSampler each
+        warning = decoder_warning(ctx.device) if loader_for(settings) == "nvjpeg" else None
+        if warning and ctx.is_main:
+            log(warning)   # a GPU without nvJPEG's hardware decoder (a T4, an A10): the run goes on
         # DDP: reading the data can take minutes on one node (a cold disk): wait for it explicitly
         distributed.wait_for_all("finish reading the data", ctx, settings.init_timeout, log)
         distributed.agree(data.fingerprint(), ctx, what="data")   # DDP: the same data on every node

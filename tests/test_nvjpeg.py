@@ -236,3 +236,53 @@ def test_a_broken_jpeg_decoded_on_the_thread_reaches_the_caller_naming_it_and_th
             pass
     assert str(bad) in str(e.value)
     assert decode_threads() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs without nvJPEG's hardware decoder: a paragraph at start, and the run goes on
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, capability, hardware", [
+    ("Tesla T4", (7, 5), False), ("NVIDIA A10G", (8, 6), False), ("NVIDIA A10", (8, 6), False),
+    ("Tesla V100-SXM2-16GB", (7, 0), False), ("NVIDIA A100-SXM4-40GB", (8, 0), True),
+    ("NVIDIA H100 80GB HBM3", (9, 0), True), ("NVIDIA H200", (9, 0), True), ("NVIDIA L4", (8, 9), True),
+    ("NVIDIA GeForce RTX 4090", (8, 9), False), ("NVIDIA L40", (8, 9), False), ("NVIDIA B200", (10, 0), True)])
+def test_which_gpus_have_a_hardware_jpeg_decoder(name, capability, hardware):
+    assert nvjpeg.has_hardware_jpeg_decoder(capability, name) is hardware
+
+
+def start_paragraphs(photos, monkeypatch, gpu) -> list[str]:
+    """What build_data prints on rank 0 of a one-rank nvjpeg run on an emulated ``gpu`` (the loaders are not built:
+    nothing may run on an emulated GPU)."""
+    from ddp_utils import data as data_module
+    from ddp_utils.distributed import DistContext
+    from tests.gpu_emulation import pretend_gpu
+    cpu_data = build_loaders(settings(photos), 0, 1)
+    pretend_gpu(monkeypatch.setattr, gpu)
+    monkeypatch.setattr(data_module, "build_loaders", lambda *args: cpu_data)
+    said = []
+    data_module.build_data(settings(photos), DistContext(0, 1, 0, torch.device("cuda", 0), None), said.append)
+    return said
+
+
+def test_on_a_t4_rank_0_says_at_start_that_this_loader_is_likely_slower_and_what_to_use(photos, monkeypatch):
+    from tests.gpu_emulation import T4
+    said = [line for line in start_paragraphs(photos, monkeypatch, T4) if "nvjpeg" in line]
+    assert len(said) == 1, said
+    assert "Tesla T4 (compute capability 7.5) has no hardware JPEG decoder" in said[0]
+    assert "one image at a time" in said[0] and "--loader workers" in said[0] and "--loader dali" in said[0]
+
+
+def test_on_an_h100_nothing_is_said(photos, monkeypatch):
+    h100 = {"name": "NVIDIA H100 80GB HBM3", "capability": (9, 0), "uuid": "GPU-h100-0000"}
+    assert not [line for line in start_paragraphs(photos, monkeypatch, h100) if "nvjpeg" in line]
+    assert nvjpeg.decoder_warning(torch.device("cpu")) is None     # a CPU rehearsal: no GPU to warn about
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_this_gpu_the_paragraph_follows_its_hardware_decoder():
+    device = torch.device("cuda", 0)
+    hardware = nvjpeg.has_hardware_jpeg_decoder(torch.cuda.get_device_capability(device),
+                                                torch.cuda.get_device_name(device))
+    warning = nvjpeg.decoder_warning(device)
+    assert (warning is None) == hardware, (torch.cuda.get_device_name(device), warning)

@@ -51,8 +51,8 @@ try:
 except ImportError:       # a torchvision built without its image decoders
     decode_jpeg = None
 
-__all__ = ["check_nvjpeg_dataset", "jpeg_header", "JpegBytes", "RawBatch", "DeviceCrops",
-           "NvjpegTrainLoader", "NvjpegEvalLoader", "build_nvjpeg_data"]
+__all__ = ["check_nvjpeg_dataset", "has_hardware_jpeg_decoder", "decoder_warning", "jpeg_header", "JpegBytes",
+           "RawBatch", "DeviceCrops", "NvjpegTrainLoader", "NvjpegEvalLoader", "build_nvjpeg_data"]
 
 BYTES, DECODED = 0, 1             # what a JpegBytes item holds: the file's bytes, or the image decoded on the CPU
 NVJPEG_FRAMES = (0xC0, 0xC1, 0xC2)   # baseline, extended and progressive Huffman-coded frames
@@ -69,6 +69,39 @@ def check_nvjpeg_dataset(dataset: str) -> None:
     if decode_jpeg is None:
         raise DataError("loader='nvjpeg' needs torchvision.io.decode_jpeg, which this torchvision lacks: train "
                         "with --loader workers, or install the torchvision built for your torch.")
+
+
+# GPUs with nvJPEG's hardware decoder (the NVJPG engine), by compute capability; 8.9 is both the L4 (which has one)
+# and the RTX 4090 / L40 (which have none), so there the name decides
+HARDWARE_JPEG = {(8, 0): True, (9, 0): True, (10, 0): True}    # A100 / A30, H100 / H200, B200
+HARDWARE_JPEG_BY_NAME = {(8, 9): ("L4",)}
+
+
+def has_hardware_jpeg_decoder(capability: tuple[int, int], name: str) -> bool:
+    """Whether the GPU of ``capability`` (major, minor) and ``name`` (torch.cuda.get_device_name) has nvJPEG's
+    hardware decoder: A100/A30 (8.0), H100/H200 (9.0), B200 (10.0), L4 (8.9 by name); not T4 (7.5), V100 (7.0),
+    A10/A10G/RTX 30xx (8.6), RTX 4090/L40 (8.9)."""
+    capability = tuple(capability)
+    if capability in HARDWARE_JPEG_BY_NAME:
+        words = name.replace("-", " ").split()
+        return any(model in words for model in HARDWARE_JPEG_BY_NAME[capability])
+    return HARDWARE_JPEG.get(capability, False)
+
+
+def decoder_warning(device) -> str | None:
+    """The paragraph rank 0 prints at start when ``loader='nvjpeg'`` runs on a GPU without nvJPEG's hardware
+    decoder, else None. A warning, not a refusal: the run goes on, because a student may want to measure this
+    loader against the others on that GPU (it is the lesson of the comparison)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return None
+    name, (major, minor) = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    if has_hardware_jpeg_decoder((major, minor), name):
+        return None
+    return (f"loader nvjpeg: the {name} (compute capability {major}.{minor}) has no hardware JPEG decoder, so "
+            f"torchvision decodes one image at a time, its Huffman step on the CPU of the thread that decodes: "
+            f"this loader is likely slower here than --loader workers (the default) or --loader dali. Use one of "
+            f"those to train; keep --loader nvjpeg to compare them.")
 
 
 def jpeg_header(data: bytes) -> tuple[int, int, int] | None:
