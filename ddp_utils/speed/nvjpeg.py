@@ -19,7 +19,13 @@ with few cores (a g4dn.xlarge has 4 vCPUs) waits for its data. DALI moves the de
 - each crop is a view, resized antialiased in float32 (kept in float: no rounding back to 255 levels), the batch
   flipped where drawn and normalised. Validation: short side to S * 256/224, centre S x S. Both within one of 255
   levels of the workers path (it rounds to uint8 after resizing);
-- on a GPU, batch k + 1 is decoded and cropped on a side CUDA stream while step k trains on the default one.
+- batch k + 1 is decoded and cropped on one decode thread (on a GPU, on its own CUDA stream) while step k trains:
+  ``decode_jpeg`` blocks its thread on a stream sync, so the training thread keeps launching the step. Up to
+  AHEAD batches ahead; the thread's errors reach the training thread unchanged; it is joined when the epoch
+  ends or is left (break, error, ``max_steps_per_epoch``).
+
+A GPU without nvJPEG's hardware decoder (T4, V100, A10, RTX 4090: ``has_hardware_jpeg_decoder``) decodes one
+image at a time, its Huffman step on the CPU: rank 0 says so at start (``decoder_warning``) and the run goes on.
 
 Without a GPU the same code runs on the CPU (how the tests check it), slower than the workers path: for rehearsals.
 Shards, ``set_epoch``, ``max_steps_per_epoch`` and exact evaluation are the workers path's own (EpochLoader,
