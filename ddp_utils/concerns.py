@@ -36,7 +36,7 @@ TIME_KEYS = (*TIME_PARTS, "comm_total_s", "wall_s")   # what each rank measures 
 def observers_for(job, heartbeat=None, gpu=None, started: float | None = None) -> Observers:
     """The observers of ``job``'s run, outermost first (see the module's docstring)."""
     comm = job.communication
-    split = TimeSplit(comm.timer if comm is not None else None)
+    split = TimeSplit(comm.timer if comm is not None else None, warm=2 * job.settings.workers + 1)
     return Observers([Results(job, started), split, Watch(heartbeat), LogPoints(split), GpuUse(gpu, job.parallel),
                       FeedCheck(job.settings.workers), Profiling(), MemoryPerRank(job.parallel), EarlyStop(),
                       LocalSgd(split, comm), Gradients(comm), Divergence(), CompileTimeout()])
@@ -64,15 +64,19 @@ class TimeSplit(Observer):
     """Where each epoch's time went, on each rank and as the ranks' means: ``data_s`` (waiting for the next batch),
     ``compute_s`` (forward, backward, step, with the communication that overlapped the backward pass), ``comm_s``
     (the communication the step waited for after it; ``comm_total_s`` all of it), ``idle_s`` (the rest: log points,
-    logging). They add up to the epoch's wall time (docs/time-split.md)."""
+    logging). They add up to the epoch's wall time (docs/time-split.md). Also the epoch's steady images/s: from the
+    end of step ``warm`` (the batches the loader made ahead, 2 a worker, and one more) to the epoch's end."""
 
-    def __init__(self, timer=None):
+    def __init__(self, timer=None, warm: int = 1):
         self.timer = timer   # a CommTimer on the DDP model (speed/commtime.py), or None
+        self.warm = warm
 
     def epoch_start(self, loop) -> None:
         self.data_s = self.step_s = 0.0
         self.first_step_s = None   # from the epoch's start to its first step's end: loader start-up, first batch
         self.t_epoch = self.t_end = time.perf_counter()
+        self.steps = self.images = 0
+        self.t_warm = self.images_warm = None   # when (and after how many images) the warm batches were used up
 
     def before_step(self, loop) -> None:
         self.t_data = time.perf_counter()
@@ -80,6 +84,7 @@ class TimeSplit(Observer):
 
     def after_step(self, loop) -> None:
         self.step_s += time.perf_counter() - self.t_data
+        self.images += len(loop.labels)
 
     def compute(self, seconds: float) -> None:
         """Time that counts as compute outside a step (queued GPU work at a log point, local SGD's last average)."""
@@ -92,6 +97,9 @@ class TimeSplit(Observer):
         self.t_end = time.perf_counter()
         if self.first_step_s is None:
             self.first_step_s = self.t_end - self.t_epoch
+        self.steps += 1
+        if self.steps == self.warm:
+            self.t_warm, self.images_warm = self.t_end, self.images
 
     def epoch_trained(self, loop, stats: dict) -> None:
         self.step_s += finish_queued_work(loop.ctx)   # so the epoch's wall time includes queued GPU work
@@ -108,6 +116,11 @@ class TimeSplit(Observer):
         stats.update(means, per_rank=per_rank, wall_s=wall, first_step_s=self.first_step_s,
                      images_per_s_rank=stats["count"] / loop.ctx.world_size / max(wall, 1e-9),
                      images_per_s=stats["count"] / max(wall, 1e-9))
+        if self.t_warm is not None and self.steps > self.warm:   # this rank's window, times the ranks (same steps)
+            steady = (self.images - self.images_warm) * loop.ctx.world_size / max(
+                time.perf_counter() - self.t_warm, 1e-9)
+            stats.update(steady_after_batches=self.warm, steady_steps=self.steps - self.warm,
+                         steady_images_per_s=steady)
 
 
 def gather_times(mine: dict, ctx) -> list[dict]:
@@ -454,9 +467,14 @@ def predicted_vs_measured(probe: dict, results: dict, own: bool = False) -> str:
     """The link probe's prediction next to what the run measured, per step. ``own``: your DDP (lab/build_ddp) trained,
     of which only the wait in ``finish_gradient_sync()`` is timed (what overlapped the backward pass is not seen)."""
     steps = results["steps"]
-    how = (f"a DDP step of a copy: compute {1e3 * probe['compute_s']:.0f}, all-reduce {1e3 * probe['allreduce_s']:.0f}"
+    comm = probe.get("predicted_comm", "none")
+    sends = (f"all-reduce {1e3 * probe['allreduce_s']:.0f}" if comm == "none" else
+             f"{comm} {1e3 * probe['comm_s']:.0f} (fp32 all-reduce {1e3 * probe['allreduce_s']:.0f})")
+    how = (f"a DDP step of a copy: compute {1e3 * probe['compute_s']:.0f}, {sends}"
            if probe.get("ddp_step_s") is not None else
-           f"compute {1e3 * probe['compute_s']:.0f} + all-reduce {1e3 * probe['allreduce_s']:.0f}")
+           f"compute {1e3 * probe['compute_s']:.0f} + {sends}")
+    if probe.get("loader_timed"):   # the loader's wait, which the step does not hide
+        how += f", + loader {1e3 * probe['loader_s']:.0f}"
     return (f"per step: predicted {1e3 * probe['predicted_step_s']:.0f} ms ({how});\n  measured "
             f"{1e3 * results['measured_step_s']:.0f} ms "
             f"(data {1e3 * results['data_s'] / steps:.0f}, compute {1e3 * results['compute_s'] / steps:.0f}, "

@@ -57,7 +57,7 @@ def communication(job):
         kept = ((job.state or {}).get("comm") or {}).get("choice")   # a resume: comm=auto's choice at the start
         steps = job.settings.epochs * optimizer_steps(len(job.data.train), job.settings.accumulate)
         job.communication = gradient_communication(job.model, job.settings, job.ctx, job.data.num_classes,
-                                                   job.data.image_size, job.log, kept, steps)
+                                                   job.data.image_size, job.log, kept, steps, job.data.train)
     return job.communication
 
 

@@ -29,7 +29,7 @@ Every rank takes the same decision: the probe's figures are the same on every ra
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -59,21 +59,27 @@ class Communication:
 
 
 def gradient_communication(model, settings, ctx, num_classes: int, image_size: int, log=print,
-                           kept: str | None = None, total_steps: int = 0) -> Communication:
-    """Probe the link, choose the hook (``settings.comm``, ``auto`` from the probe) and register it,
-    timed, on the DDP model. With one rank: nothing to send, nothing registered.
+                           kept: str | None = None, total_steps: int = 0, loader=None) -> Communication:
+    """Probe the link, choose the hook (``settings.comm``, ``auto`` from the probe), predict the step with it and
+    register it, timed, on the DDP model. With one rank: nothing to send, nothing registered.
 
     ``kept``: the hook a resumed run's checkpoint names. comm=auto keeps it, whatever the probe says now:
     the resumed run continues the same run (and stays bit-exact). ``total_steps``: the run's optimizer steps
-    (PowerSGD's default warm-up is a share of them)."""
+    (PowerSGD's default warm-up is a share of them). ``loader``: the run's train loader (the probe times a few of
+    its batches: the loader's wait is part of every step)."""
     if not ctx.distributed:
         return Communication(reason="one process: nothing to send")
     if sharding.is_fsdp(unwrap(model)):   # no DDP to hook into, no gradient all-reduce to probe
         return Communication(reason="fsdp: FSDP reduce-scatters the gradients itself")
-    probe = linkprobe.probe(model, settings, ctx, num_classes, image_size, log)
+    # the probe in two parts: the choice needs its timings, its prediction needs the choice
+    measured = linkprobe.measure(model, settings, ctx, num_classes, image_size, loader)
     if ddp_of(model) is None:   # --build-ddp: your own DDP; the loop times its finish_gradient_sync()
+        probe = linkprobe.predict(measured, "none", log=log) if measured is not None else None
         return Communication(CommTimer(ctx.device), probe, "none", "your DDP (lab/build_ddp): no comm hook")
-    choice, why = choose(settings, probe, kept, precision_name(settings, ctx.device))
+    choice, why = choose(settings, measured.figures if measured is not None else None, kept,
+                         precision_name(settings, ctx.device))
+    probe = (linkprobe.predict(measured, choice, on_a_copy(choice, settings, ctx.backend), log)
+             if measured is not None else None)
     hook, state = hook_for(choice, settings, ctx.backend, total_steps)
     if choice == "powersgd":
         why += (f";\n  exact for the first {powersgd_warmup(settings, total_steps)} of {total_steps} steps, and for "
@@ -86,6 +92,21 @@ def gradient_communication(model, settings, ctx, num_classes: int, image_size: i
     if ctx.is_main:
         log(f"gradient communication: {choice} ({why}); buckets of {settings.bucket_mb:g} MB")
     return Communication(timer, probe, choice, why)
+
+
+def on_a_copy(choice: str, settings, backend: str | None):
+    """``register(ddp_copy)``: the hook of ``choice`` on the link probe's DDP copy, with state of its own (the run's
+    is not touched); PowerSGD compresses from the copy's third step (the run's warm-up would time the exact
+    all-reduce). None for the exact all-reduce (DDP's default) and local SGD (the probe times no DDP step)."""
+    if choice in ("none", "localsgd"):
+        return None
+
+    def register(ddp_copy) -> None:
+        hook, state = hook_for(choice, replace(settings, powersgd_warmup_steps=2), backend)
+        if isinstance(state, powersgd.Memory):
+            state.attach(ddp_copy)
+        ddp_copy.register_comm_hook(state, hook)
+    return register
 
 
 def choose(settings, probe: dict | None, kept: str | None = None, precision: str = "fp32") -> tuple[str, str]:
