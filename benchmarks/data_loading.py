@@ -1,12 +1,13 @@
 """Benchmark: images/s of one epoch of training batches, workers loader vs the in-memory loader.
 
-    python benchmarks/data_loading.py                      # demo train split, 7 alternating rounds
+    python benchmarks/data_loading.py                      # demo train split, 5 alternating rounds
     python benchmarks/data_loading.py --dataset cinic10 --data-dir data/cinic10 --rounds 3
 
-Each round iterates one full epoch (every batch made, augmented and normalised, nothing trained) with
-the workers loader at --workers 0 and 2 and with ``--loader memory``, in rotating order so that drifts
-in machine speed hit all alike; the median images/s of each is compared. The workers loaders start
-their processes every epoch, as in training. The memory loader's one-time decode is timed apart.
+Each round takes a steady window of batches (benchmarks/steady.py: --steps batches, every one made, augmented
+and normalised, nothing trained, timed after the batches the loader made ahead) with the workers loader at
+--workers 0 and 2 and with ``--loader memory``, in rotating order so that drifts in machine speed hit all alike;
+the median images/s of each is compared. A window longer than an epoch goes on into the next one, where the
+workers loaders start their processes again, as in training. The memory loader's one-time decode is timed apart.
 Everything runs on the CPU, in this process, with --threads intra-op threads.
 """
 from __future__ import annotations
@@ -26,19 +27,15 @@ from ddp_utils.demo_data import prepare_demo  # noqa: E402
 from ddp_utils.runlog import cpu_name  # noqa: E402
 from ddp_utils.settings import Settings  # noqa: E402
 from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
-
-
-def epoch_images_per_s(loader, epoch: int) -> float:
-    t = time.perf_counter()
-    n = sum(len(labels) for _, labels in loader.epoch(epoch))
-    return n / (time.perf_counter() - t)
+from steady import MIN_STEPS, stream, time_steady, warm_batches  # noqa: E402  (benchmarks/steady.py)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="demo", choices=("demo", "cinic10"))
     p.add_argument("--data-dir", default="data/demo")
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=MIN_STEPS, help="timed batches of each loader in each round")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     add_out(p, "data_loading")
@@ -49,11 +46,13 @@ def main():
         prepare_demo(args.data_dir)
     base = Settings(dataset=args.dataset, data_dir=args.data_dir, batch_size=args.batch_size, wandb="disabled")
 
-    loaders = {}
+    loaders, warm = {}, {}
     for name, changes in (("workers 0", dict(workers=0)), ("workers 2", dict(workers=2)),
                           ("memory", dict(loader="memory", workers=2))):
         t = time.perf_counter()
         loaders[name] = build_loaders(base.replace(**changes), 0, 1, "cpu").train
+        # the memory loader batches in this process: no batches made ahead, whatever --workers says
+        warm[name] = warm_batches(0 if name == "memory" else changes["workers"])
         if name == "memory":
             decode_s = time.perf_counter() - t   # includes check_data, as the workers loaders' builds do
     images = len(loaders["memory"]) * args.batch_size
@@ -62,10 +61,12 @@ def main():
     names = list(loaders)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:   # rotate who goes first
-            rates[name].append(epoch_images_per_s(loaders[name], r))
+            window = time_steady(stream(loaders[name], r * 1000), warm[name], args.steps)
+            rates[name].append(window["images"] / window["seconds"])
     median = {name: statistics.median(v) for name, v in rates.items()}
 
-    print(f"{args.dataset} train split, {images} images per epoch in batches of {args.batch_size}; "
+    print(f"{args.dataset} train split, {images} images per epoch in batches of {args.batch_size}, {args.steps} "
+          f"batches timed after those made ahead ({warm}); "
           f"{cpu_name()}, {os.cpu_count()} cores, {args.threads} thread(s), torch {torch.__version__}; "
           f"median of {args.rounds} rounds")
     for name, value in median.items():
@@ -81,7 +82,8 @@ def main():
               f"{'-' if name == 'memory' else format(median['memory'] / value, '.1f') + 'x'} |"
               for name, value in median.items()]
     recorder.save({"images": images, "images_per_s": median, "rounds": rates, "decode_s": decode_s,
-                   "memory_over": {name: median["memory"] / value for name, value in median.items()}}, table)
+                   "memory_over": {name: median["memory"] / value for name, value in median.items()}, "warm": warm}, table,
+                  steady_after_batches=max(warm.values()), steady_steps=args.steps)
 
 
 if __name__ == "__main__":

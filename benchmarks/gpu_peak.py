@@ -5,7 +5,8 @@
 
 Synthetic data already on the GPU (no loader: the ceiling a loader can at best reach), the kit's
 own step (``train.train_one_epoch``'s maths: autocast in bf16 where the GPU has it, else fp16 +
-scaler; channels_last; SGD with momentum). FLOPs per step are counted by PyTorch
+scaler; channels_last; cudnn.benchmark on, as the kit's train sets it; SGD with momentum), timed over --steps
+steps after 5 warm-up steps (recorded as the JSON's steady window). FLOPs per step are counted by PyTorch
 (``torch.utils.flop_counter``), so "% of peak" = achieved FLOP/s / the GPU's dense bf16/fp16
 tensor-core peak from the table below (its datasheet figure; unknown GPUs print no percentage).
 
@@ -36,6 +37,9 @@ PEAK_TFLOPS = {"H200": 989, "H100 SXM": 989, "H100 80GB HBM3": 989, "H100 PCIe":
                "A100": 312, "L40S": 362, "L4": 121, "A10G": 70, "A10": 125, "T4": 65, "V100": 125}
 
 
+WARM_UP = 5   # steps before the clock: cuDNN's algorithm search, the allocator settling
+
+
 def peak_for(name: str) -> float | None:
     for key, value in PEAK_TFLOPS.items():   # most specific names first
         if key in name:
@@ -44,6 +48,7 @@ def peak_for(name: str) -> float | None:
 
 
 def measure(arch: str, batch: int, size: int, steps: int, device: torch.device) -> dict:
+    torch.backends.cudnn.benchmark = True   # as the kit's train and student_job.py's ceiling: fixed shapes
     dtype = amp_dtype(Settings(amp="auto"), device)   # the kit's choice: bf16 from capability 8.0, else fp16
     model = build_model(arch, 1000).to(device).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -62,7 +67,7 @@ def measure(arch: str, batch: int, size: int, steps: int, device: torch.device) 
     from torch.utils.flop_counter import FlopCounterMode
     with FlopCounterMode(display=False) as counter:
         step()
-    for _ in range(5):   # warm-up: cuDNN picks its algorithms
+    for _ in range(WARM_UP):   # warm-up: cuDNN picks its algorithms
         step()
     torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -97,7 +102,7 @@ def main() -> None:
     parser.add_argument("--archs", default="resnet18,resnet50", help="models (default resnet18,resnet50)")
     parser.add_argument("--batch-size", type=int, default=256, help="images per step (default 256)")
     parser.add_argument("--image-size", type=int, default=224, help="pixels (default 224)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps (default 30)")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps, after 5 warm-up steps (default 200)")
     parser.add_argument("--kit-epochs", type=int, default=4,
                         help="epochs of the kit's own run on fake data (10 steps each at batch 256; 0: none)")
     parser.add_argument("--workers", type=int, default=8, help="DataLoader workers of the kit's run (default 8)")
@@ -109,7 +114,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device)
     peak = peak_for(name)
     lines = [f"{name}, torch {torch.__version__}, synthetic data on the GPU, channels_last, {args.image_size} px, "
-             f"{args.steps} timed steps after 5 warm-up steps", "",
+             f"{args.steps} timed steps after {WARM_UP} warm-up steps", "",
              "| model | precision | batch | images/s | TFLOP/s achieved | % of the dense peak | peak memory (GB) |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     recorder = Recorder("gpu_peak", args)
@@ -132,7 +137,8 @@ def main() -> None:
                       + ", ".join(f"{k} {v:.1f}" for k, v in kit["time_split"].items())]
         print(lines[-1])
     recorder.save(figures, [line for line in lines if line.startswith("|")],
-                  notes=[line for line in lines if line and not line.startswith("|")])
+                  notes=[line for line in lines if line and not line.startswith("|")],
+                  steady_after_batches=WARM_UP, steady_steps=args.steps)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
 """Benchmark: ImageNet training input per CPU core, the course's path against the kit's faster ones.
 
-    python benchmarks/imagenet_input.py                 # 7 alternating rounds, 384 training images
-    python benchmarks/imagenet_input.py --rounds 3 --images 192
+    python benchmarks/imagenet_input.py                 # 5 rounds of 200 steady batches of 16 a path
+    python benchmarks/imagenet_input.py --rounds 1 --steps 20 --images 400 --allow-dirty --out /tmp/t.json  # trial
 
-Images: real photos of ImageNet size without a download. scikit-learn ships two real JPEG photos (china.jpg and
-flower.jpg, 640 x 427); random windows of them, flipped at random and resized to a long side of 400-500 px, are
-saved at JPEG quality 75-95 into ImageNet's folder layout (train/<wnid>/, val/<wnid>/) under --data-dir, once.
+Images: ImageNet-like JPEGs without a download (benchmarks/photos.py: windows of scikit-learn's two real photos at
+1:1 scale with a camera's grain, quality 94-96, ~0.54 bytes a pixel like ImageNet's; their mean size and bytes a
+pixel go into the JSON), in ImageNet's folder layout (train/<wnid>/, val/<wnid>/) under --data-dir, made once.
 A copy resized to a short side of 288 px is made with lab/scripts/resize_imagenet.py.
 
-Paths, each making one epoch of training batches of --batch-size (RandomResizedCrop(224) and a flip) in this
+Each path's figure is a steady window (benchmarks/steady.py): --steps batches timed after the batches its loader
+made ahead, going on into the next epoch where one ends.
+
+Paths, each making training batches of --batch-size (RandomResizedCrop(224) and a flip) in this
 process on one thread (DataLoader workers=0, DALI num_threads=1), each up to what it sends to the GPU:
 
   course             Pillow decodes the whole JPEG; RandomResizedCrop, flip, ToTensor, Normalize per image:
@@ -25,9 +28,10 @@ process on one thread (DataLoader workers=0, DALI num_threads=1), each up to wha
   kit, 288-px copy   kit workers (uint8) on the resized copy
   ... + normalise    the same on the copy, normalised on this CPU
 
-plus two decode-only rows (decode_jpeg of the originals and of the 288-px copy) and the decode's floor (Pillow
-decoding the originals at 1/8 scale: every byte entropy-decoded, almost no pixels made), with which the script
-prints the floor of any path of the originals here: that floor plus all the kit's path does besides decoding. Every
+plus two decode-only rows (decode_jpeg of the originals and of the 288-px copy), the crop-resize-only row (the kit's
+crop, resize, flip and batching on images decoded beforehand) and the entropy decoding alone (Pillow decoding the
+originals at 1/8 scale: every byte entropy-decoded, almost no pixels made). The kit's uint8 path is held to
+OF_FLOOR_MARK of 1 / (decode + crop-resize), the three measured in the same rounds. Every
 round runs every path once, in rotating order, so that drifts in machine speed hit all alike. Per core = images per
 CPU-second of this process (all its threads: DALI runs a few of its own), the fair figure for "how many cores feed
 one GPU"; the ratio is the median over rounds of each round's ratio to the course's path. Run it on an idle
@@ -38,7 +42,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import random
 import statistics
 import sys
 import time
@@ -55,7 +58,9 @@ from ddp_utils.data import build_loaders  # noqa: E402
 from ddp_utils.datasets import EpochLoader, ImageFolderDataset, load_preset, train_transform  # noqa: E402
 from ddp_utils.runlog import cpu_name  # noqa: E402
 from ddp_utils.settings import Settings  # noqa: E402
+from photos import describe, make_photos  # noqa: E402  (benchmarks/photos.py: ImageNet-like JPEGs)
 from results import Recorder, add_out, busy_cpu_seconds  # noqa: E402  (benchmarks/results.py)
+from steady import MIN_STEPS, stream, time_steady, warm_batches  # noqa: E402  (benchmarks/steady.py)
 
 LABELS = {   # what each path is, as the table says it
     "course": "course: Pillow decodes, RandomResizedCrop, ToTensor, Normalize per image (float32 batches)",
@@ -68,37 +73,13 @@ LABELS = {   # what each path is, as the table says it
     "kit workers, 288-px copy": "kit `--loader workers` on the 288-px copy from `resize_imagenet.py` (uint8 batches)",
     "kit workers, 288-px copy, normalised on the CPU": "the same normalised on this CPU too",
     "decode only, originals": "decode only, `decode_jpeg`: the originals",
+    "crop-resize only": "crop, resize, flip and batching only, the kit's (images decoded beforehand)",
     "decode only, 288-px copy": "decode only, `decode_jpeg`: the 288-px copy",
     "entropy decoding only": "decode floor: Pillow decodes the originals at 1/8 scale (every byte still "
                              "entropy-decoded, 1/64 of the pixels made)",
 }
-WNIDS = ["n01440764", "n01443537", "n01484850", "n01491361"]
 REPO = Path(__file__).resolve().parents[1]
-
-
-def make_photos(root: Path, train: int, val: int, seed: int = 0) -> Path:
-    """ImageNet-layout JPEGs of 400-500 px cut from scikit-learn's two real photos; kept if already there."""
-    from PIL import Image
-    from sklearn.datasets import load_sample_images
-
-    if len(list(root.glob("train/*/*.JPEG"))) == train and len(list(root.glob("val/*/*.JPEG"))) == val:
-        return root
-    photos = [Image.fromarray(a) for a in load_sample_images().images]
-    rng = random.Random(seed)
-    for split, count in (("train", train), ("val", val)):
-        for k in range(count):
-            photo = photos[k % 2]
-            w, h = rng.randint(photo.width // 2, photo.width), rng.randint(photo.height // 2, photo.height)
-            x, y = rng.randint(0, photo.width - w), rng.randint(0, photo.height - h)
-            image = photo.crop((x, y, x + w, y + h))
-            if rng.random() < 0.5:
-                image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            scale = rng.randint(400, 500) / max(image.size)
-            image = image.resize((round(image.width * scale), round(image.height * scale)), Image.Resampling.BICUBIC)
-            folder = root / split / WNIDS[k % len(WNIDS)]
-            folder.mkdir(parents=True, exist_ok=True)
-            image.save(folder / f"{WNIDS[k % len(WNIDS)]}_{k}.JPEG", quality=rng.choice([75, 85, 90, 95]))
-    return root
+OF_FLOOR_MARK = 0.85   # the kit's uint8 path at least this share of 1 / (decode + crop-resize) (issue 46)
 
 
 def resized_copy(src: Path, dst: Path, short_side: int = 288) -> Path:
@@ -162,51 +143,69 @@ def draft_loader(root: Path, batch_size: int) -> tuple[fastjpeg.NormalizedEpochL
 
 
 class DecodeOnly:
-    """A pass that only decodes every training image with decode_jpeg: the decode's share of a path."""
+    """A pass that only decodes the training images with decode_jpeg, in batches (a list of images, their paths):
+    the decode's share of a path."""
 
-    def __init__(self, root: Path):
-        self.paths = sorted(str(p) for p in (root / "train").glob("*/*.JPEG"))
+    def __init__(self, root: Path, batch_size: int):
+        self.paths, self.batch_size = sorted(str(p) for p in (root / "train").glob("*/*.JPEG")), batch_size
+
+    def chunks(self):
+        for i in range(0, len(self.paths) - self.batch_size + 1, self.batch_size):
+            yield self.paths[i:i + self.batch_size]
 
     def epoch(self, epoch: int):
-        for path in self.paths:
-            yield fastjpeg.decode_rgb(path), [path]
+        for paths in self.chunks():
+            yield [fastjpeg.decode_rgb(path) for path in paths], paths
 
 
 class EntropyOnly(DecodeOnly):
-    """Pillow decodes every training image at 1/8 scale (draft()): each byte of the file is still entropy-decoded,
+    """Pillow decodes the training images at 1/8 scale (draft()): each byte of the file is still entropy-decoded,
     but the inverse DCT, upsampling and colour conversion make 1/64 of the pixels. What no decode of the whole file
     can go below: a decoder of only the crop's region skips the rest, never the entropy decoding of the rows above
     the crop's bottom (a JPEG's Huffman stream has no index to seek in)."""
 
     def epoch(self, epoch: int):
         from PIL import Image
-        for path in self.paths:
-            with Image.open(path) as image:
-                image.draft("RGB", (image.width // 8, image.height // 8))
-                image.load()
-            yield None, [path]
+        for paths in self.chunks():
+            for path in paths:
+                with Image.open(path) as image:
+                    image.draft("RGB", (image.width // 8, image.height // 8))
+                    image.load()
+            yield None, paths
 
 
-def one_epoch(loader, epoch: int) -> tuple[int, float, float]:
-    """(images, wall seconds, CPU seconds of this process) of one epoch of ``loader``."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    n = sum(len(labels) for _, labels in loader.epoch(epoch))
-    return n, time.perf_counter() - wall, time.process_time() - cpu
+class CropResizeOnly:
+    """The kit's crop, resize and flip (RandomCropFlip on uint8) and its batching, on images decoded beforehand:
+    the workers path without its decode. ``keep`` images are decoded once and cycled (all of them would not fit)."""
+
+    def __init__(self, root: Path, batch_size: int, keep: int = 256):
+        paths = sorted(str(p) for p in (root / "train").glob("*/*.JPEG"))[:keep]
+        self.images = [fastjpeg.decode_rgb(path) for path in paths]
+        self.crop, self.batch_size = fastjpeg.train_transform(load_preset("imagenet")), batch_size
+        self.length = len(list((root / "train").glob("*/*.JPEG")))   # an epoch as long as the others'
+
+    def epoch(self, epoch: int):
+        for i in range(0, self.length - self.batch_size + 1, self.batch_size):
+            chosen = [self.images[(i + k) % len(self.images)] for k in range(self.batch_size)]
+            yield torch.stack([self.crop(image) for image in chosen]), list(range(self.batch_size))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default="data/imagenet-input", help="where the photos and their copy go")
-    p.add_argument("--images", type=int, default=384, help="training images (a multiple of --batch-size)")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--images", type=int, default=3264, help="training images (one epoch holds every path's window)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=MIN_STEPS, help="timed batches of each path in each round, taken "
+                   "after the batches made ahead (steady.py)")
     add_out(p, "imagenet_input")
     args = p.parse_args()
     recorder = Recorder("imagenet_input", args)
     torch.set_num_threads(1)
     root = Path(args.data_dir)
-    original = make_photos(root / "original", args.images, args.images // 4)
+    original = make_photos(root / "original", args.images, 16)   # val: only the resized copy reads it
     copy = resized_copy(original, root / "resized-288")
+    files = describe(original)
 
     def kit(data_dir, loader="workers"):
         return build_loaders(Settings(dataset="imagenet", data_dir=str(data_dir), workers=1 if loader == "dali" else 0,
@@ -224,53 +223,53 @@ def main():
              "DALI CPU": kit(original, "dali"),
              "kit workers, 288-px copy": uint8(copy),
              "kit workers, 288-px copy, normalised on the CPU": kit(copy),
-             "decode only, originals": DecodeOnly(original),
-             "decode only, 288-px copy": DecodeOnly(copy),
-             "entropy decoding only": EntropyOnly(original)}
+             "decode only, originals": DecodeOnly(original, args.batch_size),
+             "crop-resize only": CropResizeOnly(original, args.batch_size),
+             "decode only, 288-px copy": DecodeOnly(copy, args.batch_size),
+             "entropy decoding only": EntropyOnly(original, args.batch_size)}
+    # batches made ahead of the clock: none in this process (workers 0), DALI's queue of 2 with its one thread
+    warm = {name: warm_batches(1) if name == "DALI CPU" else warm_batches(0) for name in paths}
     names = list(paths)
     for name in names:            # warm-up: first-call costs (DALI's pipeline build, page cache) out of the figures
-        one_epoch(paths[name], 100)
+        time_steady(stream(paths[name], 100), warm[name], 2)
     per_core = {name: [] for name in names}
     wall = {name: [] for name in names}
     start = (time.perf_counter(), busy_cpu_seconds(), time.process_time())
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:   # rotate who goes first
-            n, seconds, cpu_seconds = one_epoch(paths[name], r)
-            per_core[name].append(n / cpu_seconds)
-            wall[name].append(n / seconds)
+            w = time_steady(stream(paths[name], r * 1000), warm[name], args.steps)
+            per_core[name].append(w["images"] / w["cpu_seconds"])
+            wall[name].append(w["images"] / w["seconds"])
     # What the other processes of the machine used meanwhile, in cores: others' tests would slow every path.
     others = ((busy_cpu_seconds() - start[1]) - (time.process_time() - start[2])) / (time.perf_counter() - start[0])
 
     course = names[0]
     ratio = {name: statistics.median(a / b for a, b in zip(per_core[name], per_core[course])) for name in names}
-    print(f"{args.images} training images of 400-500 px ({original}); batches of {args.batch_size}; "
-          f"{cpu_name()}, {os.cpu_count()} cores, 1 thread, torch {torch.__version__}; median of {args.rounds} "
-          f"rounds; other processes used {others:.2f} cores on average meanwhile")
+    print(f"{args.images} training images, {files['mean_kb']:.0f} KB and {files['bytes_per_pixel']:.2f} bytes a "
+          f"pixel on average ({original}); {args.steps} batches of {args.batch_size} a path and round, timed after "
+          f"the batches made ahead; {cpu_name()}, {os.cpu_count()} cores, 1 thread, torch {torch.__version__}; "
+          f"median of {args.rounds} rounds; other processes used {others:.2f} cores on average meanwhile")
     table = ["| path | img/s per core | img/s wall | per core vs the course's path |", "| --- | ---: | ---: | ---: |"]
     table += [f"| {LABELS[name]} | {statistics.median(per_core[name]):,.0f} | {statistics.median(wall[name]):,.0f} | "
               f"{ratio[name]:.2f}x |" for name in names]
     print("\n".join(table))
-    print(f"Pillow draft decoded {draft_crop.reduced} of {args.images * (args.rounds + 1)} crops at a reduced scale; "
-          f"the 288-px copy decodes {ratio['decode only, 288-px copy'] / ratio['decode only, originals']:.2f}x faster "
-          f"than the originals and the kit's workers path runs "
-          f"{ratio['kit workers, 288-px copy'] / ratio['kit workers']:.2f}x faster on it")
     if others > 0.1:
         print("note: the machine was not idle (other processes used the CPU meanwhile): run again when it is")
-    # The floor a path of the originals has here: the entropy decoding plus all the kit's path does besides its decode
-    course_ms = 1000 / statistics.median(per_core[course])
+    # The kit's path against its floor, decode + crop-resize measured alike in this run: per round, so that the
+    # three figures of one round are compared (the median of those ratios)
+    of_floor = statistics.median(k * (1 / d + 1 / c) for k, d, c in zip(
+        per_core["kit workers"], per_core["decode only, originals"], per_core["crop-resize only"]))
     ms = {name: 1000 / statistics.median(per_core[name]) for name in names}
-    rest_ms = ms["kit workers, normalised on the CPU"] - ms["decode only, originals"]
-    floor_ms = ms["entropy decoding only"] + rest_ms
-    print(f"floor of a path of the originals: entropy decoding {ms['entropy decoding only']:.2f} ms + the kit's "
-          f"crop, resize, flip, batching and normalisation {rest_ms:.2f} ms = {floor_ms:.2f} ms an image, "
-          f"{course_ms / floor_ms:.2f}x the course's {course_ms:.2f} ms")
+    print(f"the kit's uint8 path runs at {of_floor:.2f} of 1 / (decode {ms['decode only, originals']:.2f} ms + "
+          f"crop-resize {ms['crop-resize only']:.2f} ms an image): the mark is {OF_FLOOR_MARK}")
+    print(f"Pillow draft decoded {draft_crop.reduced} crops at a reduced scale; the 288-px copy decodes "
+          f"{ratio['decode only, 288-px copy'] / ratio['decode only, originals']:.2f}x faster than the originals and "
+          f"the kit's workers path runs {ratio['kit workers, 288-px copy'] / ratio['kit workers']:.2f}x faster on it")
     recorder.save({"per_core": {name: statistics.median(v) for name, v in per_core.items()},
                    "wall": {name: statistics.median(v) for name, v in wall.items()}, "vs_course": ratio,
-                   "draft_reduced": draft_crop.reduced, "crops": args.images * (args.rounds + 1),
-                   "decode_ms": {name: ms[name] for name in names if name.startswith("decode only")},
-                   "course_ms": course_ms,
-                   "entropy_ms": ms["entropy decoding only"], "rest_ms": rest_ms, "floor_ms": floor_ms,
-                   "floor_vs_course": course_ms / floor_ms}, table, others=others,
+                   "rounds": per_core, "draft_reduced": draft_crop.reduced, "ms": ms,
+                   "kit_of_floor": of_floor, "of_floor_mark": OF_FLOOR_MARK, "files": files}, table, others=others,
+                  steady_after_batches=max(warm.values()), steady_steps=args.steps,
                   # the ratios are against Pillow's path and with torchvision's decoder: their releases move them
                   libraries={"Pillow": PIL.__version__, "torchvision": torchvision.__version__})
 

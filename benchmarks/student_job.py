@@ -1,14 +1,16 @@
 """Benchmark: the student's real job on one GPU, ImageNet JPEGs through the kit, against the GPU's own ceiling.
 
-    python benchmarks/student_job.py                     # on a GPU machine: about 3-5 minutes with the defaults
+    python benchmarks/student_job.py                     # on a GPU machine: about 15 minutes with the defaults
+    python benchmarks/student_job.py --cores 4,16 --loaders workers,nvjpeg   # under 10 minutes: the lent GPU's
     python benchmarks/student_job.py --images 16 --val-images 4 --steps 2 --batch-size 4 --cores 1 \\
         --ceiling-steps 1 --compile-backend eager        # a CPU trial in well under a minute (not GPU figures)
 
 Every part runs in this one script, in this order, each timed and each recording its error and going on:
 
   photos      --images training and --val-images validation JPEGs in ImageNet's layout (train/<wnid>/,
-              val/<wnid>/) under --data-dir, cut from scikit-learn's two real photos by benchmarks/imagenet_input.py's
-              make_photos (long side 400-500 px, quality 75-95), made by several processes; kept if already there.
+              val/<wnid>/) under --data-dir: ImageNet-like files from benchmarks/photos.py (1:1 windows of
+              scikit-learn's two real photos with a camera's grain, quality 94-96, ~0.54 bytes a pixel), made by
+              several processes; kept if already there, of the same recipe.
   ceiling     ResNet-18 at 224 px on random data already on the device, the kit's step: autocast in bf16 from
               compute capability 8.0 (fp16 with the gradient scaler before), channels_last, SGD with momentum,
               cudnn.benchmark on (as the kit's train sets it): images/s, TFLOP/s and share of the datasheet peak.
@@ -22,7 +24,8 @@ Every part runs in this one script, in this order, each timed and each recording
               read the files, nvJPEG decodes and crops on the GPU), then --loader dali where DALI is
               importable (its --workers = DALI's CPU threads, the same count); else one line saying why it was
               skipped. Read from each run folder's results.json: images/s (the kit's figure, first step included,
-              and steady = after the first step), the share of the time spent waiting for data, GPU utilisation
+              and steady = after the batches the loader made ahead, workers x 2 + 1: the window the kit's time
+              split records, at least 200 steps with the defaults), the share of the time spent waiting for data, GPU utilisation
               (NVML, mean and peak), and the time split; each also as a share of both ceilings.
   compiled    the ceiling again with torch.compile(model) (--compile-backend, default inductor; last because its
               compilation takes the longest): the ceiling the kit's --compile could reach.
@@ -57,7 +60,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from results import RESULTS, Recorder, add_out  # noqa: E402  (benchmarks/results.py)
-from imagenet_input import make_photos  # noqa: E402  (benchmarks/imagenet_input.py: the photos)
+from photos import current, make_photos, mark  # noqa: E402  (benchmarks/photos.py: ImageNet-like JPEGs)
+from steady import MIN_STEPS, warm_batches  # noqa: E402  (benchmarks/steady.py)
 from gpu_peak import peak_for  # noqa: E402  (benchmarks/gpu_peak.py: the datasheet peaks)
 from ddp_utils.model import build_model  # noqa: E402
 from ddp_utils.optim import amp_dtype, autocast, make_scaler  # noqa: E402
@@ -83,8 +87,8 @@ def photos(root: Path, train: int, val: int, processes: int) -> dict:
     def count(split):
         return len(list(root.glob(f"{split}/*/*.JPEG")))
 
-    if count("train") == train and count("val") == val:
-        return {"made": False, "train": train, "val": val, "seconds": 0.0}
+    if current(root, train, val):
+        return {"made": False, "train": train, "val": val, "seconds": 0.0, "files": mark(root, train, val)}
     start = time.perf_counter()
     shutil.rmtree(root, ignore_errors=True)
     parts = max(1, min(processes, train // 64 or 1))
@@ -104,8 +108,9 @@ def photos(root: Path, train: int, val: int, processes: int) -> dict:
             f.rename(root / split / wnid / f"{f.stem}_p{i}.JPEG")
     shutil.rmtree(staging, ignore_errors=True)
     mb = sum(f.stat().st_size for f in root.glob("*/*/*.JPEG")) / 1e6
+    files = mark(root, count("train"), count("val"))   # the recipe and the mean size, beside the files
     return {"made": True, "train": count("train"), "val": count("val"), "processes": parts, "megabytes": round(mb, 1),
-            "seconds": round(time.perf_counter() - start, 1)}
+            "seconds": round(time.perf_counter() - start, 1), "files": files}
 
 
 # -- the ceiling: data already on the device ---------------------------------------------------------------
@@ -267,16 +272,15 @@ def kit_run(loader: str, cpus: list[int], args, root: Path, runs: Path) -> dict:
     r = json.loads((run_dir / "results.json").read_text())
     epoch = r["history"][0]["train"] if r.get("history") else {}
     first, count = epoch.get("first_step_s"), epoch.get("count", 0)
-    steady = None
-    if first is not None and r["steps"] > 1 and r["train_time_s"] > first:   # the steps after the first one
-        steady = (count - args.batch_size) / (r["train_time_s"] - first)
+    steady = epoch.get("steady_images_per_s")   # after the batches made ahead (the kit's TimeSplit)
     util = r.get("gpu_util")
     out.update({"steps": r["steps"], "images": count, "images_per_s": r["images_per_s"], "steady_images_per_s": steady,
                 "data_wait_fraction": r["data_wait_fraction"],
                 "gpu_util": util if isinstance(util, (int, float)) else None,
                 "gpu_util_peak": r.get("gpu_util_peak"), "gpu_reason": r.get("gpu_reason") or
                 (util if isinstance(util, str) else ""), "device": r.get("device_name"), "threads": r.get("threads"),
-                "first_step_s": first,
+                "first_step_s": first, "steady_after_batches": epoch.get("steady_after_batches", warm_batches(workers)),
+                "steady_steps": epoch.get("steady_steps", 0),
                 "time_split": {k: r.get(k) for k in ("train_time_s", "data_s", "compute_s", "comm_s", "idle_s",
                                                      "startup_s")}})
     if r["steps"] < args.steps:
@@ -338,10 +342,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default="data/student-job",
                    help="where the JPEG folder (imagenet/) and the kit's run folders (runs/) go")
-    p.add_argument("--images", type=int, default=8192, help="training JPEGs (default 8192: 32 steps of 256)")
+    p.add_argument("--images", type=int, default=61440, help="training JPEGs (default 61440: 240 steps of 256)")
     p.add_argument("--val-images", type=int, default=0, help="validation JPEGs; 0 = a tenth of --images (at least 4)")
-    p.add_argument("--steps", type=int, default=32,
-                   help="--max-steps-per-epoch of each kit run (at most --images / --batch-size steps happen)")
+    p.add_argument("--steps", type=int, default=240,
+                   help="--max-steps-per-epoch of each kit run (at most --images / --batch-size steps happen); "
+                        f"the steady window is what follows the batches made ahead: {MIN_STEPS} steps or more "
+                        "for the pages (15 workers make 31 ahead)")
     p.add_argument("--batch-size", type=int, default=256, help="per step, in the kit's runs and the ceiling")
     p.add_argument("--cores", default="4,8,16", help="CPU counts the kit's runs are pinned to (taskset -c)")
     p.add_argument("--loaders", default="workers,nvjpeg,dali",
@@ -350,7 +356,7 @@ def main() -> int:
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile's backend for the compiled ceiling (eager: traced but not compiled, for a "
                         "quick CPU trial; none: skip it)")
-    p.add_argument("--run-timeout", type=float, default=120, help="seconds each kit run may take (then it is "
+    p.add_argument("--run-timeout", type=float, default=300, help="seconds each kit run may take (then it is "
                    "stopped and recorded as failed)")
     add_out(p, "student_job")
     args = p.parse_args()
@@ -374,9 +380,14 @@ def main() -> int:
     def save(final=False):
         figures["complete"] = final
         if final:
-            return recorder.save(figures, table(figures))
+            return recorder.save(figures, table(figures), **window())
         with contextlib.redirect_stdout(io.StringIO()):   # quietly, after every part
-            recorder.save(figures, table(figures))
+            recorder.save(figures, table(figures), **window())
+
+    def window() -> dict:   # the kit runs' steady windows: the most batches made ahead, the fewest steps timed
+        runs = [r for r in figures["kit"].values() if "steady_steps" in r]
+        return {"steady_after_batches": max((r["steady_after_batches"] for r in runs), default=0),
+                "steady_steps": min((r["steady_steps"] for r in runs), default=0)}
 
     def part(name: str, fn, *a):
         start = time.perf_counter()
@@ -392,7 +403,7 @@ def main() -> int:
             save()
 
     root = data_dir / "imagenet"
-    say(f"photos: {args.images} + {args.val_images} JPEGs of 400-500 px in {root} ...")
+    say(f"photos: {args.images} + {args.val_images} ImageNet-like JPEGs of 460-500 px in {root} ...")
     made = part("photos", photos, root, args.images, args.val_images, len(os.sched_getaffinity(0)))
     if made:
         figures["photos"] = {**made, "root": str(root)}
@@ -440,8 +451,8 @@ def main() -> int:
             if r:
                 figures["kit"][key] = r
                 util = "" if r["gpu_util"] is None else f", GPU {r['gpu_util']:.0f} %"
-                say(f"kit {key}: {r['images_per_s']:,.0f} images/s ({num(r['steady_images_per_s'])} after the first "
-                    f"step), waiting for data {pc(r['data_wait_fraction'])}{util}; {r['process_s']} s in all")
+                say(f"kit {key}: {r['images_per_s']:,.0f} images/s ({num(r['steady_images_per_s'])} over "
+                    f"{r['steady_steps']} steps after {r['steady_after_batches']} batches), waiting for data {pc(r['data_wait_fraction'])}{util}; {r['process_s']} s in all")
             else:
                 figures["kit"][key] = {"loader": loader, "cores": cores}
 

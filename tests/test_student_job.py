@@ -35,6 +35,8 @@ def test_student_job_runs_every_part_on_the_cpu_and_writes_its_figures(tmp_path)
     if not torch.cuda.is_available():
         assert "not a GPU figure" in f["note"] and "CPU ONLY: not GPU figures" in done.stdout
     assert f["photos"]["train"] == 16 and f["photos"]["val"] == 4
+    # ImageNet-like files (benchmarks/photos.py): about ImageNet's bytes a pixel, recorded beside the figures
+    assert 0.45 <= f["photos"]["files"]["bytes_per_pixel"] <= 0.65 and f["photos"]["files"]["mean_kb"] > 60
     assert len(list((tmp_path / "data" / "imagenet" / "train").glob("*/*.JPEG"))) == 16
 
     for name in ("eager", "compiled"):
@@ -49,6 +51,9 @@ def test_student_job_runs_every_part_on_the_cpu_and_writes_its_figures(tmp_path)
     assert 0 <= run["data_wait_fraction"] <= 1 and run["of_eager_ceiling"] > 0 and run["of_compiled_ceiling"] > 0
     assert set(run["time_split"]) == {"train_time_s", "data_s", "compute_s", "comm_s", "idle_s", "startup_s"}
     assert "gpu_util" in run and "steady_images_per_s" in run
+    # 1 worker makes 2 batches ahead: the window would start after 3, so 2 steps leave none (the pages want 200)
+    assert run["steady_after_batches"] == 3 and run["steady_steps"] == 0 and run["steady_images_per_s"] is None
+    assert r["steady_after_batches"] == 3 and r["steady_steps"] == 0
     assert "CPUs" in f["kit"]["workers-4096"]["skipped"]   # more cores than the machine has: said, not run
     nvjpeg = f["kit"]["nvjpeg-1"]                           # the kit's own GPU decode path, on the CPU here
     assert "--loader nvjpeg" in nvjpeg["command"] and nvjpeg["steps"] == 2 and nvjpeg["images_per_s"] > 0, nvjpeg
@@ -67,6 +72,8 @@ def test_student_job_runs_every_part_on_the_cpu_and_writes_its_figures(tmp_path)
     assert a["benchmark"] == "loader_alone" and set(a["figures"]) == {"nvjpeg-1", "workers-1"}   # 4096: skipped
     for name, run in a["figures"].items():
         assert run["images"] == 8 and run["img_s"] > 0 and run["inside_ms_per_batch"] > 0 and run["workers"] == 1
+        assert run["steady_after_batches"] == 3 and run["steady_steps"] == 2   # timed after the 3 made ahead
+    assert a["steady_after_batches"] == 3 and a["steady_steps"] == 2
     assert len(a["table"]) == 4 and "skipped, " in done.stdout
 
 
