@@ -16,9 +16,10 @@ process on one thread (DataLoader workers=0, DALI num_threads=1), each up to wha
 
   course             Pillow decodes the whole JPEG; RandomResizedCrop, flip, ToTensor, Normalize per image:
                      normalised float32 batches
-  kit workers        torchvision.io.decode_jpeg (libjpeg-turbo); crop, resize and flip on uint8 with v2's kernels:
-                     uint8 batches, normalised afterwards on the GPU (what --loader workers does for ImageNet,
-                     ddp_utils/speed/fastjpeg.py)
+  kit workers        only the crop's box decoded (nvImageCodec's libjpeg-turbo, ddp_utils/speed/regionjpeg.py);
+                     resize and flip on uint8 with v2's kernels: uint8 batches, normalised afterwards on the GPU
+                     (what --loader workers does for ImageNet, ddp_utils/speed/fastjpeg.py)
+  ... whole decode   the same without nvImageCodec: torchvision.io.decode_jpeg of the whole image, then the crop
   ... + normalise    the same with the batch normalisation on this CPU too, as in a CPU-only run (into memory
                      reused from batch to batch: fastjpeg.ReusedBatches)
   Pillow draft       Pillow decodes at 1/2, 1/4 or 1/8 scale when the crop is still at least 224 px there (draft()),
@@ -31,7 +32,7 @@ process on one thread (DataLoader workers=0, DALI num_threads=1), each up to wha
 plus two decode-only rows (decode_jpeg of the originals and of the 288-px copy), the crop-resize-only row (the kit's
 crop, resize, flip and batching on images decoded beforehand) and the entropy decoding alone (Pillow decoding the
 originals at 1/8 scale: every byte entropy-decoded, almost no pixels made). The kit's uint8 path is held to
-OF_FLOOR_MARK of 1 / (decode + crop-resize), the three measured in the same rounds. Every
+OF_FLOOR_MARK of 1 / (decode + crop-resize) on its whole-decode path, the three measured in the same rounds. Every
 round runs every path once, in rotating order, so that drifts in machine speed hit all alike. Per core = images per
 CPU-second of this process (all its threads: DALI runs a few of its own), the fair figure for "how many cores feed
 one GPU"; the ratio is the median over rounds of each round's ratio to the course's path. Run it on an idle
@@ -53,7 +54,7 @@ import torch
 import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_utils.speed import fastjpeg  # noqa: E402
+from ddp_utils.speed import fastjpeg, regionjpeg  # noqa: E402
 from ddp_utils.data import build_loaders  # noqa: E402
 from ddp_utils.datasets import EpochLoader, ImageFolderDataset, load_preset, train_transform  # noqa: E402
 from ddp_utils.runlog import cpu_name  # noqa: E402
@@ -64,8 +65,10 @@ from steady import MIN_STEPS, stream, time_steady, warm_batches  # noqa: E402  (
 
 LABELS = {   # what each path is, as the table says it
     "course": "course: Pillow decodes, RandomResizedCrop, ToTensor, Normalize per image (float32 batches)",
-    "kit workers": "**kit `--loader workers`**: `decode_jpeg`, crop/resize/flip with v2's kernels on uint8 (uint8 "
-                   "batches; the GPU normalises)",
+    "kit workers": "**kit `--loader workers`**: only the crop's box decoded (nvImageCodec, `regionjpeg`), resize/flip "
+                   "with v2's kernels on uint8 (uint8 batches; the GPU normalises)",
+    "kit workers, whole decode": "kit `--loader workers` without nvImageCodec: `decode_jpeg` of the whole image, "
+                                 "crop/resize/flip on uint8",
     "kit workers, normalised on the CPU": "the same with the normalisation on this CPU too (a CPU-only run; into "
                                           "reused memory)",
     "Pillow draft": "Pillow `draft()` where the crop allows, Pillow crop and resize (uint8 batches)",
@@ -215,9 +218,21 @@ def main():
         train = kit(data_dir)
         return EpochLoader(train.loader, seed=train.seed, rank=train.rank)
 
+    def whole_decode(data_dir):   # the same without nvImageCodec (the kit decides when it builds the loader)
+        real, regionjpeg.available = regionjpeg.available, lambda: False
+        try:
+            return uint8(data_dir)
+        finally:
+            regionjpeg.available = real
+
+    if not regionjpeg.available():
+        raise SystemExit("imagenet_input.py compares the kit's region decode with the whole decode: it needs "
+                         "nvImageCodec (pip install nvidia-nvimgcodec-cu12; requirements-dev.txt's DALI brings it)")
+
     draft, draft_crop = draft_loader(original, args.batch_size)
     paths = {"course": course_loader(original, args.batch_size),
              "kit workers": uint8(original),
+             "kit workers, whole decode": whole_decode(original),
              "kit workers, normalised on the CPU": kit(original),
              "Pillow draft": EpochLoader(draft.loader),
              "DALI CPU": kit(original, "dali"),
@@ -255,23 +270,28 @@ def main():
     print("\n".join(table))
     if others > 0.1:
         print("note: the machine was not idle (other processes used the CPU meanwhile): run again when it is")
-    # The kit's path against its floor, decode + crop-resize measured alike in this run: per round, so that the
-    # three figures of one round are compared (the median of those ratios)
+    # The kit's whole-decode path against its floor, decode + crop-resize measured alike in this run: per round,
+    # so that the three figures of one round are compared (the median of those ratios); then the region decode's gain
     of_floor = statistics.median(k * (1 / d + 1 / c) for k, d, c in zip(
-        per_core["kit workers"], per_core["decode only, originals"], per_core["crop-resize only"]))
+        per_core["kit workers, whole decode"], per_core["decode only, originals"], per_core["crop-resize only"]))
+    region_gain = statistics.median(a / b for a, b in zip(per_core["kit workers"],
+                                                          per_core["kit workers, whole decode"]))
     ms = {name: 1000 / statistics.median(per_core[name]) for name in names}
-    print(f"the kit's uint8 path runs at {of_floor:.2f} of 1 / (decode {ms['decode only, originals']:.2f} ms + "
-          f"crop-resize {ms['crop-resize only']:.2f} ms an image): the mark is {OF_FLOOR_MARK}")
+    print(f"the kit's uint8 path with the whole decode runs at {of_floor:.2f} of 1 / (decode "
+          f"{ms['decode only, originals']:.2f} ms + crop-resize {ms['crop-resize only']:.2f} ms an image): the mark is "
+          f"{OF_FLOOR_MARK}; decoding only the crop's box makes it {region_gain:.2f}x as fast")
     print(f"Pillow draft decoded {draft_crop.reduced} crops at a reduced scale; the 288-px copy decodes "
           f"{ratio['decode only, 288-px copy'] / ratio['decode only, originals']:.2f}x faster than the originals and "
           f"the kit's workers path runs {ratio['kit workers, 288-px copy'] / ratio['kit workers']:.2f}x faster on it")
     recorder.save({"per_core": {name: statistics.median(v) for name, v in per_core.items()},
                    "wall": {name: statistics.median(v) for name, v in wall.items()}, "vs_course": ratio,
                    "rounds": per_core, "draft_reduced": draft_crop.reduced, "ms": ms,
-                   "kit_of_floor": of_floor, "of_floor_mark": OF_FLOOR_MARK, "files": files}, table, others=others,
+                   "kit_of_floor": of_floor, "of_floor_mark": OF_FLOOR_MARK, "region_gain": region_gain,
+                   "files": files}, table, others=others,
                   steady_after_batches=max(warm.values()), steady_steps=args.steps,
                   # the ratios are against Pillow's path and with torchvision's decoder: their releases move them
-                  libraries={"Pillow": PIL.__version__, "torchvision": torchvision.__version__})
+                  libraries={"Pillow": PIL.__version__, "torchvision": torchvision.__version__,
+                             "nvImageCodec": regionjpeg.version()})
 
 
 if __name__ == "__main__":

@@ -106,8 +106,7 @@ def build_loaders(settings, rank: int, world_size: int, device: torch.device | s
     # ImageNet: the workers decode with libjpeg-turbo and send uint8 crops, normalised here per batch.
     uint8 = preset.crop == "resized"
     if uint8:
-        train_set = ImageFolderDataset(root / preset.train_split, fastjpeg.train_transform(preset, size),
-                                       loader=fastjpeg.decode_rgb)
+        train_set = fastjpeg.train_dataset(root / preset.train_split, preset, size)   # region decode if it can
         val_set = ImageFolderDataset(root / val_split, fastjpeg.eval_transform(preset, size),
                                      loader=fastjpeg.decode_rgb)
     elif preset.folders:

@@ -143,3 +143,27 @@ def test_a_forked_worker_makes_its_own_decoder(photos):
     with multiprocessing.get_context("fork").Pool(1) as pool:
         shape, reason = pool.apply_async(_decode_in_child, (str(photos[0]),)).get(timeout=60)
     assert shape == (3, 32, 48) and reason is None
+
+
+@needs_nvimgcodec
+def test_the_kits_imagenet_loader_decodes_regions_and_cuts_the_same_batches_as_the_whole_decode(tmp_path,
+                                                                                                monkeypatch):
+    """--loader workers for ImageNet takes RegionCropFlip where nvImageCodec imports; without it RandomCropFlip on
+    the whole decode: the same seed gives the same uint8 batches either way (same draws, same order, same pixels)."""
+    from ddp_utils.data import build_loaders
+    from ddp_utils.settings import Settings
+    from tests.test_data import make_imagenet
+    root = make_imagenet(tmp_path / "imagenet")
+    settings = Settings(dataset="imagenet", data_dir=str(root), batch_size=3, workers=0, seed=7)
+
+    def first_batches(region: bool):
+        monkeypatch.setattr(regionjpeg, "available", lambda: region)
+        data = build_loaders(settings, 0, 1, "cpu")
+        crop = data.train.loader.dataset.transform
+        assert isinstance(crop, fastjpeg.RegionCropFlip if region else fastjpeg.RandomCropFlip), crop
+        return [images for images, _ in data.train.epoch(1)]
+
+    region, whole = first_batches(True), first_batches(False)
+    assert len(region) == len(whole) > 1
+    for a, b in zip(region, whole):
+        assert (a.float() - b.float()).abs().max() <= LEVELS

@@ -92,6 +92,20 @@ def available() -> bool:
     return _state() is not None
 
 
+def version() -> str:
+    """nvImageCodec's version where it imports, else '' (the benchmarks record it beside their figures)."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version as installed
+    except ImportError:
+        return ""
+    for name in ("nvidia-nvimgcodec-cu13", "nvidia-nvimgcodec-cu12", "nvidia-nvimgcodec-cu11"):
+        try:
+            return installed(name)
+        except PackageNotFoundError:
+            continue
+    return ""
+
+
 def _state():
     global _decoder, _unavailable
     if _unavailable:
