@@ -33,7 +33,7 @@ from .datasets import (Data, EpochLoader, EvalShardSampler, ImageFolderDataset, 
                        close_inherited_listeners, eval_transform, fake_dataset, load_preset, train_sampler,
                        train_transform, worker_context)
 from .presets import auto_loader
-from .speed import fastjpeg
+from .speed import fastjpeg, regionjpeg
 from .speed.dali import build_dali_data, check_dali_dataset
 from .robust.threads import set_threads
 from .speed.memdata import build_memory_data, check_memory_dataset
@@ -106,7 +106,12 @@ def build_loaders(settings, rank: int, world_size: int, device: torch.device | s
     # ImageNet: the workers decode with libjpeg-turbo and send uint8 crops, normalised here per batch.
     uint8 = preset.crop == "resized"
     if uint8:
-        train_set = fastjpeg.train_dataset(root / preset.train_split, preset, size)   # region decode if it can
+        if regionjpeg.available():   # only each crop's box decoded: the same crops, a fifth less CPU an image
+            train_set = ImageFolderDataset(root / preset.train_split, regionjpeg.RegionCropFlip(size, preset.hflip),
+                                           loader=str)   # the crop reads the file itself
+        else:
+            train_set = ImageFolderDataset(root / preset.train_split, fastjpeg.train_transform(preset, size),
+                                           loader=fastjpeg.decode_rgb)
         val_set = ImageFolderDataset(root / val_split, fastjpeg.eval_transform(preset, size),
                                      loader=fastjpeg.decode_rgb)
     elif preset.folders:

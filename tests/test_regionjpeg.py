@@ -160,7 +160,7 @@ def test_the_kits_imagenet_loader_decodes_regions_and_cuts_the_same_batches_as_t
         monkeypatch.setattr(regionjpeg, "available", lambda: region)
         data = build_loaders(settings, 0, 1, "cpu")
         crop = data.train.loader.dataset.transform
-        assert isinstance(crop, fastjpeg.RegionCropFlip if region else fastjpeg.RandomCropFlip), crop
+        assert isinstance(crop, regionjpeg.RegionCropFlip if region else fastjpeg.RandomCropFlip), crop
         return [images for images, _ in data.train.epoch(1)]
 
     region, whole = first_batches(True), first_batches(False)

@@ -7,7 +7,7 @@ every worker, float32 through the worker queues) fed a T4 about 300 img/s agains
 ``build_loaders`` uses this path for ImageNet's ``loader="workers"``. In each worker, per image:
 
 - train: decode only the crop's box where nvImageCodec imports (``regionjpeg``: about a fifth less CPU an
-  image, the same pixels; ``RegionCropFlip``), else the whole image; val: the whole image. Whole images with
+  image, the same pixels; ``regionjpeg.RegionCropFlip``), else the whole image; val: the whole image. Whole images with
   ``torchvision.io.decode_jpeg`` (libjpeg-turbo, the very same pixels as Pillow's decoder, faster); Pillow for
   what it cannot read (ImageNet has a PNG and some CMYK files named .JPEG), so an
   unreadable file is still the kit's DataError paragraph;
@@ -36,8 +36,7 @@ from torchvision import transforms as T
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
-from ..datasets import EpochLoader, ImageFolderDataset, Preset, load_rgb
-from . import regionjpeg   # it falls back on decode_rgb below: imported here, used only when called
+from ..datasets import EpochLoader, Preset, load_rgb
 from .memdata import normalize
 
 try:
@@ -45,8 +44,8 @@ try:
 except ImportError:       # a torchvision without its own image decoders: Pillow decodes (slower, same pixels)
     decode_jpeg = None
 
-__all__ = ["decode_rgb", "train_transform", "train_dataset", "RegionCropFlip", "eval_transform", "DeviceNormalize",
-           "ReusedBatches", "NormalizedEpochLoader", "NormalizedLoader"]
+__all__ = ["decode_rgb", "train_transform", "eval_transform", "DeviceNormalize", "ReusedBatches",
+           "NormalizedEpochLoader", "NormalizedLoader"]
 
 
 def decode_rgb(path: str) -> Tensor:
@@ -89,39 +88,6 @@ class RandomCropFlip:
 
     def __repr__(self) -> str:
         return f"RandomCropFlip(size={self.crop.size[0]}, hflip={self.hflip})"
-
-
-class RegionCropFlip:
-    """RandomCropFlip from a file's path, decoding only the drawn box (``regionjpeg``: nvImageCodec's CPU decoder,
-    about a fifth less CPU an image): the same draws in the same order, so the same crops and flips for the same
-    seed, and the same pixels (0 of 255 levels apart, tests/test_regionjpeg.py). A file it does not take is decoded
-    whole, as ``decode_rgb`` does, and cropped. ``train_loader`` uses it when nvImageCodec imports."""
-
-    def __init__(self, size: int, hflip: bool = True):
-        self.crop, self.hflip = T.RandomResizedCrop(size), hflip
-
-    def _draw(self, height: int, width: int) -> tuple[int, int, int, int]:
-        # RandomResizedCrop's own draws need only the size: a meta tensor stands for the image
-        return self.crop.get_params(torch.empty(3, height, width, device="meta"), self.crop.scale, self.crop.ratio)
-
-    def __call__(self, path: str) -> Tensor:
-        out = v2.functional.resize(regionjpeg.decode_drawn(path, self._draw), list(self.crop.size), antialias=True)
-        if self.hflip and torch.rand(1) < 0.5:
-            out = v2.functional.horizontal_flip(out)
-        return out
-
-    def __repr__(self) -> str:
-        return f"RegionCropFlip(size={self.crop.size[0]}, hflip={self.hflip})"
-
-
-def train_dataset(root, preset: Preset, image_size: int = 0):
-    """ImageNet's training set as uint8 crops: only each crop's box decoded where nvImageCodec imports
-    (RegionCropFlip), else the whole JPEG decoded and cropped (RandomCropFlip): the same crops either way."""
-    _require_resized(preset)
-    size = image_size or preset.image_size
-    if regionjpeg.available():
-        return ImageFolderDataset(root, RegionCropFlip(size, preset.hflip), loader=str)   # the transform reads
-    return ImageFolderDataset(root, RandomCropFlip(size, preset.hflip), loader=decode_rgb)
 
 
 def eval_transform(preset: Preset, image_size: int = 0) -> v2.Compose:
