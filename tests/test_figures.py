@@ -141,3 +141,46 @@ def test_a_recorder_refuses_a_tree_with_uncommitted_changes_unless_told_and_then
     recorder = results.Recorder("b", argparse.Namespace(out=str(tmp_path / "b.json"), allow_dirty=True))
     saved = json.loads(Path(recorder.save({"ratio": 1.0})).read_text())
     assert saved["commit"] == "abc1234+changes" and "allow_dirty" not in saved["args"]
+
+
+# Loader and training benchmarks whose figures hold only past the batches made ahead (benchmarks/steady.py)
+STEADY = ("student_job", "loader_alone", "imagenet_input", "data_loading", "gpu_peak")
+GPU_QUOTES = {"run_on_a_gpu": ("student_job", "gpu_peak")}   # figures.py functions that quote them by name
+
+
+def quoting_blocks() -> list[tuple[str, str, set[str]]]:
+    """(page, generated block, the STEADY benchmarks it quotes) for every cog block of the pages."""
+    found = []
+    for page in PAGES:
+        for block in GENERATED.findall((REPO / page).read_text(encoding="utf-8")):
+            names = set(CALL.findall(block)) | {n for fn, ns in GPU_QUOTES.items() if f"figures.{fn}(" in block
+                                                for n in ns}
+            if names & set(STEADY):
+                found.append((page, block, names & set(STEADY)))
+    return found
+
+
+def holds(name: str) -> str:
+    """'' when benchmarks/results/NAME.json may be quoted as it stands: measured from a clean commit over a steady
+    window of at least 200 steps; else what it lacks."""
+    r = json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text(encoding="utf-8"))
+    lacks = []
+    if not r.get("commit") or r["commit"].endswith("+changes"):
+        lacks.append(f"a clean commit (it has {r.get('commit')!r})")
+    if r.get("steady_steps", 0) < 200:
+        lacks.append(f"a steady window of 200 steps (steady_steps {r.get('steady_steps')})")
+    return " and ".join(lacks)
+
+
+def test_the_loader_benchmarks_quoted_come_from_clean_commits_over_steady_windows():
+    """A quoted loader or training figure comes from a clean commit and at least 200 steps timed after the
+    batches made ahead; a GPU file not re-run since (the GPU is lent by chance) is quoted only beside the words
+    "not yet re-run", and a CPU file never so."""
+    blocks = quoting_blocks()
+    assert {n for _, _, names in blocks for n in names} == set(STEADY), "a STEADY benchmark is no longer quoted"
+    for page, block, names in blocks:
+        for name in sorted(names):
+            lacks = holds(name)
+            gpu = json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text())["machine"]["gpu"]
+            assert not lacks or (gpu and "not yet re-run" in block), \
+                f"{page} quotes benchmarks/results/{name}.json, which lacks {lacks}: run it again ({block[:200]})"
