@@ -195,6 +195,30 @@ def variants_verdict(name: str, link: str = "1gbit") -> str:
     return "; ".join(parts)
 
 
+# Issue 46's non-inferiority marks for compressed gradients, judged on seeds never used to choose a setting: the mean
+# paired Acc@1 difference and the lower end of its 90 % interval, the upper end of the paired validation loss's,
+# and the share of the unshaped link's images/s
+NONINFERIOR = {"acc_mean": -0.5, "acc_low": -1.0, "loss_high": 0.03, "speed": 0.90}
+
+
+def noninferiority(name: str, key: str, link: str = "1gbit") -> dict:
+    """``key`` (e.g. 'powersgd') against exact DDP on ``link``, seed by seed: the four figures NONINFERIOR marks,
+    whether each is met (``ok``: a dict), the number of seeds, and ``verdict``: a sentence."""
+    row = bench(name)["figures"][f"{link}/{key}"]
+    acc = row["acc1_vs_none"]["values"]
+    acc_low, _ = interval90(acc)
+    _, loss_high = interval90(row["val_loss_vs_none"]["values"])
+    got = {"acc_mean": row["acc1_vs_none"]["mean"], "acc_low": acc_low, "loss_high": loss_high,
+           "speed": row["of_unshaped"]["mean"]}
+    ok = {k: (got[k] <= mark if k == "loss_high" else got[k] >= mark) for k, mark in NONINFERIOR.items()}
+    missed = [k for k, met in ok.items() if not met]
+    words = {"acc_mean": "the mean Acc@1 difference", "acc_low": "its 90 % lower bound",
+             "loss_high": "the validation loss's upper bound", "speed": f"{NONINFERIOR['speed']:.2f}x"}
+    verdict = ("non-inferior on every mark" if not missed else
+               "not shown non-inferior: " + ", ".join(words[k] for k in missed) + " missed")
+    return {**got, "ok": ok, "seeds": len(acc), "verdict": verdict}
+
+
 def best_variant(name: str, meets: str, link: str = "1gbit") -> str:
     """Among the compressed runs that meet issue 36's ``meets`` mark ("acc" or "speed"), the fastest (for "acc") or
     the most accurate (for "speed"), in words; "none" when no run meets it."""
