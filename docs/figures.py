@@ -201,15 +201,20 @@ def variants_verdict(name: str, link: str = "1gbit") -> str:
 NONINFERIOR = {"acc_mean": -0.5, "acc_low": -1.0, "loss_high": 0.03, "speed": 0.90}
 
 
-def noninferiority(name: str, key: str, link: str = "1gbit") -> dict:
-    """``key`` (e.g. 'powersgd') against exact DDP on ``link``, seed by seed: the four figures NONINFERIOR marks,
-    whether each is met (``ok``: a dict), the number of seeds, and ``verdict``: a sentence."""
-    row = bench(name)["figures"][f"{link}/{key}"]
-    acc = row["acc1_vs_none"]["values"]
+def noninferiority(names: str | list[str], key: str, link: str = "1gbit") -> dict:
+    """``key`` (e.g. 'powersgd') against exact DDP on ``link``, seed by seed, over the seeds of one results file or
+    of several (a study run in parts: each seed's runs are side by side in one file, so its paired figures hold):
+    the four figures NONINFERIOR marks, whether each is met (``ok``: a dict), the number of seeds, and ``verdict``."""
+    acc, loss, speed = [], [], []
+    for name in [names] if isinstance(names, str) else names:
+        row = bench(name)["figures"][f"{link}/{key}"]
+        acc += row["acc1_vs_none"]["values"]
+        loss += row["val_loss_vs_none"]["values"]
+        speed += row["of_unshaped"]["values"]
     acc_low, _ = interval90(acc)
-    _, loss_high = interval90(row["val_loss_vs_none"]["values"])
-    got = {"acc_mean": row["acc1_vs_none"]["mean"], "acc_low": acc_low, "loss_high": loss_high,
-           "speed": row["of_unshaped"]["mean"]}
+    _, loss_high = interval90(loss)
+    got = {"acc_mean": sum(acc) / len(acc), "acc_low": acc_low, "loss_high": loss_high,
+           "speed": sum(speed) / len(speed)}
     ok = {k: (got[k] <= mark if k == "loss_high" else got[k] >= mark) for k, mark in NONINFERIOR.items()}
     missed = [k for k, met in ok.items() if not met]
     words = {"acc_mean": "the mean Acc@1 difference", "acc_low": "its 90 % lower bound",

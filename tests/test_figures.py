@@ -184,3 +184,24 @@ def test_the_loader_benchmarks_quoted_come_from_clean_commits_over_steady_window
             gpu = json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text())["machine"]["gpu"]
             assert not lacks or (gpu and "not yet re-run" in " ".join(block.split())), \
                 f"{page} quotes benchmarks/results/{name}.json, which lacks {lacks}: run it again ({block[:200]})"
+
+
+def test_noninferiority_judges_the_paired_seeds_of_one_or_several_files_against_the_marks(monkeypatch):
+    """PowerSGD's study (issue 46): mean paired Acc@1 >= -0.5 and its 90 % lower bound >= -1.0, the paired
+    validation loss's 90 % upper bound <= +0.03, >= 0.90 of the unshaped link; a study run in parts pools its seeds."""
+    def row(acc, loss, speed):
+        return {"figures": {"1gbit/powersgd": {"acc1_vs_none": {"values": acc}, "val_loss_vs_none": {"values": loss},
+                                               "of_unshaped": {"values": speed}}}}
+    files = {"close": row([-0.2, 0.1, -0.3, 0.0, 0.2, -0.1, -0.4, 0.1], [0.01, -0.01, 0.0, 0.02, -0.02, 0.01, 0.0,
+                                                                          0.01], [0.93] * 8),
+             "noisy": row([0.0, 0.3, -2.5, 0.6, -0.8, 0.0, 0.3, -0.3], [0.0, 0.02, 0.09, 0.04, -0.04, 0.05, 0.0,
+                                                                         0.01], [0.88] * 8)}
+    monkeypatch.setattr(figures, "bench", lambda name: files[name])
+    close = figures.noninferiority("close", "powersgd")
+    assert close["verdict"] == "non-inferior on every mark" and close["seeds"] == 8
+    assert close["acc_mean"] == pytest.approx(-0.075) and close["acc_low"] < close["acc_mean"]
+    noisy = figures.noninferiority("noisy", "powersgd")
+    assert not noisy["ok"]["loss_high"] and not noisy["ok"]["speed"] and noisy["ok"]["acc_mean"]
+    assert "upper bound" in noisy["verdict"] and "0.90x" in noisy["verdict"]
+    both = figures.noninferiority(["close", "noisy"], "powersgd")
+    assert both["seeds"] == 16 and both["acc_mean"] == pytest.approx((close["acc_mean"] + noisy["acc_mean"]) / 2)
