@@ -12,8 +12,13 @@ window measures the prefetch, not the loader (15 workers x 2 = 30 batches made d
 from __future__ import annotations
 
 import itertools
+import sys
 import time
+from pathlib import Path
 from typing import Iterable, Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddp_utils.observers import batches_made_ahead  # noqa: E402
 
 MIN_STEPS = 200        # steps a quoted figure's window holds at least
 PREFETCH_FACTOR = 2    # torch's DataLoader default, which the kit keeps
@@ -21,8 +26,9 @@ PREFETCH_FACTOR = 2    # torch's DataLoader default, which the kit keeps
 
 def warm_batches(workers: int, prefetch_factor: int = PREFETCH_FACTOR) -> int:
     """Batches taken before the clock starts: the ones made ahead (``workers`` x ``prefetch_factor``) and one more
-    (in-process loaders, ``workers`` 0, make none ahead: only the first batch, with its start-up, is left out)."""
-    return workers * prefetch_factor + 1
+    (in-process loaders, ``workers`` 0, make none ahead: only the first batch, with its start-up, is left out): the
+    kit's own rule, which its time split and feed check use too."""
+    return batches_made_ahead(workers, prefetch_factor)
 
 
 def stream(loader, first_epoch: int = 0) -> Iterator:

@@ -15,7 +15,7 @@ import torch
 from . import distributed, own_ddp
 from .metrics import Diverged, Meter, check_finite
 from .model import devices_used, unwrap
-from .observers import Observer, Observers
+from .observers import Observer, Observers, batches_made_ahead
 from .progress import Progress
 from .robust.devices import gpu_id
 from .robust.threads import machine_id
@@ -36,7 +36,7 @@ TIME_KEYS = (*TIME_PARTS, "comm_total_s", "wall_s")   # what each rank measures 
 def observers_for(job, heartbeat=None, gpu=None, started: float | None = None) -> Observers:
     """The observers of ``job``'s run, outermost first (see the module's docstring)."""
     comm = job.communication
-    split = TimeSplit(comm.timer if comm is not None else None, warm=2 * job.settings.workers + 1)
+    split = TimeSplit(comm.timer if comm is not None else None, warm=batches_made_ahead(job.settings.workers))
     return Observers([Results(job, started), split, Watch(heartbeat), LogPoints(split), GpuUse(gpu, job.parallel),
                       FeedCheck(job.settings.workers), Profiling(), MemoryPerRank(job.parallel), EarlyStop(),
                       LocalSgd(split, comm), Gradients(comm), Divergence(), CompileTimeout()])

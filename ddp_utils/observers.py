@@ -64,6 +64,13 @@ class Loop:
         self.dtype = amp_dtype(self.settings, self.ctx.device)
 
 
+def batches_made_ahead(workers: int, prefetch_factor: int = 2) -> int:
+    """The batches a DataLoader with ``workers`` workers has made before the training asks for its first (torch's
+    default prefetch_factor, 2 a worker, which the kit keeps), and one more: where a steady window starts (the time
+    split's steady images/s, the feed check, the loader benchmarks). In-process loaders (0 workers): just the first."""
+    return workers * prefetch_factor + 1
+
+
 class Observer:
     """One optional concern of a run (see the module's docstring): override the hooks it needs."""
 

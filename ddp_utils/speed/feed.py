@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..observers import Observer
+from ..observers import Observer, batches_made_ahead
 
 STEPS = 20        # steps timed: a T4 fed 300 img/s at batch 500 decides in about 40 s
 FED = 0.85        # delivered / the step alone, under which the loader is named
@@ -31,7 +31,7 @@ class FeedCheck(Observer):
 
     def __init__(self, workers: int, steps: int = STEPS):
         self.workers, self.steps = workers, steps
-        self.after = 2 * workers + 1    # batches made ahead: a DataLoader prefetches 2 per worker
+        self.after = batches_made_ahead(workers)
         self.rows, self.result, self.seen, self.t_end = [], None, 0, None
 
     def epoch_start(self, loop) -> None:
