@@ -40,13 +40,14 @@ COMMS = ("none", "localsgd", "auto", "powersgd", "none+acc4")
 
 
 EXTRAS = {"acc": ("accumulate", int), "avg": ("average_every", int), "wu": ("powersgd_warmup_steps", int),
-          "mc": ("powersgd_min_compression", float)}
+          "mc": ("powersgd_min_compression", float), "wp": ("powersgd_warmup_precision", str)}
 
 
 def setting(name: str) -> dict:
     """The settings of a compared name: ``fp16``; ``none+acc4`` (--accumulate 4: all-reduce every 4 batches);
     ``localsgd+avg4`` (--average-every 4: average the weights every 4 steps); ``powersgd+wu20+mc2``
-    (--powersgd-warmup-steps 20, --powersgd-min-compression 2)."""
+    (--powersgd-warmup-steps 20, --powersgd-min-compression 2); ``powersgd+wpbf16`` (--powersgd-warmup-precision
+    bf16)."""
     comm, *extras = name.split("+")
     out = {"comm": comm}
     for extra in extras:

@@ -30,6 +30,7 @@ LOADERS = ("auto", "workers", "memory", "dali", "nvjpeg")
 COMM_MODES = ("auto", "none", "fp16", "bf16", "powersgd", "localsgd")
 PROGRESS_MODES = ("auto", "steps", "bar", "off")
 PARALLEL_MODES = ("ddp", "dp", "none", "zero1", "fsdp")
+WARMUP_PRECISIONS = ("fp32", "bf16")
 
 # The fields a preset's recipe fills in when they are left out (None); a model whose registry entry pairs it with
 # another optimizer (architectures.py) brings that optimizer, its lr and its weight decay.
@@ -41,7 +42,7 @@ MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_r
               "warmup_epochs", "optimizer", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
               "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps",
-              "powersgd_min_compression", "comm_auto_share", "average_every", "localsgd_warmup_steps",
+              "powersgd_warmup_precision", "powersgd_min_compression", "comm_auto_share", "average_every", "localsgd_warmup_steps",
               "auto_local_sgd", "profile_steps", "build_ddp")
 
 
@@ -153,6 +154,9 @@ class Settings:
                                        "training is the most sensitive to inexact gradients); 0: a quarter of the "
                                        "run's optimizer steps (PyTorch advises a tenth and more until the accuracy "
                                        "is kept: a quarter kept it here), at least 10 and at most 1000")
+    powersgd_warmup_precision: str = _f("fp32", "PowerSGD: how its warm-up steps send the gradients: fp32 (exact, "
+                                                "PyTorch's) or bf16 (half the bytes, each gradient rounded to bf16's "
+                                                "8 bits of mantissa)", choices=WARMUP_PRECISIONS)
     powersgd_min_compression: float = _f(4.0, "PowerSGD: send a gradient exact unless its approximation is at least "
                                               "this many times smaller (PyTorch's min_compression_rate, 2 there): a "
                                               "small classifier costs few bytes exact and loses the most compressed")

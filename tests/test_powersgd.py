@@ -117,6 +117,50 @@ def test_a_resume_continues_powersgd_exactly_whenever_it_stopped():
     assert said[7] == "PowerSGD continues at step 7 with its error feedback and warm start"
 
 
+def gradients_through_the_hook(settings, steps: int):
+    """Per step: the gradients the hook handed back to DDP, and the same step's gradients of the model alone."""
+    run = Run("cpu", "gloo", settings=settings)
+    out = []
+    for x, y in batches("cpu")[:steps]:
+        alone = copy.deepcopy(run.ddp.module)
+        nn.functional.cross_entropy(alone(x), y).backward()
+        run.optimizer.zero_grad()
+        nn.functional.cross_entropy(run.ddp(x), y).backward()
+        out.append(([p.grad.clone() for p in run.ddp.parameters()], [p.grad for p in alone.parameters()]))
+        run.optimizer.step()
+    return out, run
+
+
+def test_a_bf16_warm_up_sends_the_gradients_rounded_to_bf16_and_compresses_from_the_same_step():
+    """--powersgd-warmup-precision bf16: the warm-up's gradients travel in bf16 (half of fp32's bytes), so each
+    arrives rounded to bf16; the default warm-up sends them exact. Both compress from the same step on."""
+    halved = Settings(**{**SETTINGS.to_dict(), "powersgd_warmup_precision": "bf16"})
+    warmup, steps = SETTINGS.powersgd_warmup_steps, SETTINGS.powersgd_warmup_steps + 2
+    with one_rank_group():
+        exact, _ = gradients_through_the_hook(SETTINGS, steps)
+        rounded, run = gradients_through_the_hook(halved, steps)
+
+    def same(got, want):
+        return all(torch.equal(g, w) for g, w in zip(got, want))
+
+    def in_bf16(want):
+        return [w.bfloat16().float() for w in want]
+    for step in range(warmup):
+        assert same(*exact[step]), f"the fp32 warm-up changed a gradient at step {step}"
+        sent, alone = rounded[step]
+        assert same(sent, in_bf16(alone)) and not same(sent, alone), f"step {step} did not travel in bf16"
+    for step in range(warmup, steps):   # compressed: the fc layer's gradient is neither exact nor only rounded
+        for got in (exact, rounded):
+            sent, alone = got[step]
+            assert not same(sent, alone) and not same(sent, in_bf16(alone)), f"step {step} was not compressed"
+    assert run.memory.state.iter == steps
+
+
+def test_a_warm_up_precision_other_than_fp32_or_bf16_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="powersgd_warmup_precision='fp16' is not one of fp32, bf16"):
+        Settings(dataset="fake", comm="powersgd", powersgd_warmup_precision="fp16")
+
+
 def test_a_resume_with_more_steps_keeps_the_warm_up_the_run_started_with():
     """Issue 43, finding 6: the warm-up (a quarter of the run's steps) was recomputed on resume, so a resume with
     more epochs moved it past the step reached: exact all-reduce again, then compression with stale feedback."""

@@ -82,8 +82,10 @@ def gradient_communication(model, settings, ctx, num_classes: int, image_size: i
              if measured is not None else None)
     hook, state = hook_for(choice, settings, ctx.backend, total_steps)
     if choice == "powersgd":
-        why += (f";\n  exact for the first {powersgd_warmup(settings, total_steps)} of {total_steps} steps, and for "
-                f"the gradients rank {settings.powersgd_rank} would shrink less than "
+        first = (f"exact for the first {powersgd_warmup(settings, total_steps)} of {total_steps} steps"
+                 if settings.powersgd_warmup_precision == "fp32" else
+                 f"uncompressed in bf16 for the first {powersgd_warmup(settings, total_steps)} of {total_steps} steps")
+        why += (f";\n  {first}, and exact for the gradients rank {settings.powersgd_rank} would shrink less than "
                 f"{settings.powersgd_min_compression:g}x")
     if isinstance(state, powersgd.Memory):
         state.attach(ddp_of(model))   # its memory is kept by parameter name
@@ -228,5 +230,5 @@ def _hook_for(choice: str, settings, total_steps: int = 0):
             start_powerSGD_iter=powersgd_warmup(settings, total_steps),
             min_compression_rate=settings.powersgd_min_compression,
             use_error_feedback=True, warm_start=True, random_seed=settings.seed)
-        return powersgd.hook, powersgd.Memory(state, settings.seed)
+        return powersgd.hook, powersgd.Memory(state, settings.seed, settings.powersgd_warmup_precision)
     raise ValueError(f"comm={choice!r} is not one of {', '.join(CHOICES)}")

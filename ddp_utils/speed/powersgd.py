@@ -25,15 +25,20 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from ..checkpoint import CheckpointError
 
 
 def hook(memory: "Memory", bucket):
-    """PowerSGD, its memory laid out for ``bucket`` first (register it with a ``Memory`` as the state)."""
+    """PowerSGD, its memory laid out for ``bucket`` first (register it with a ``Memory`` as the state). A
+    ``warmup_precision`` of bf16 sends the warm-up's uncompressed gradients in bf16 instead of fp32."""
+    state = memory.state
+    if memory.warmup_precision == "bf16" and state.iter < state.start_powerSGD_iter:
+        state.maybe_increase_iter(bucket)   # what PowerSGD's own warm-up does: it compresses from the same step
+        return default_hooks.bf16_compress_hook(state.process_group, bucket)
     memory.prepare(bucket)
-    return powerSGD_hook.powerSGD_hook(memory.state, bucket)
+    return powerSGD_hook.powerSGD_hook(state, bucket)
 
 
 class Memory:
@@ -42,8 +47,8 @@ class Memory:
     ``attach`` it to the DDP model before the first step. ``state_dict`` / ``load_state_dict`` are
     collectives (every rank calls them)."""
 
-    def __init__(self, state: powerSGD_hook.PowerSGDState, seed: int):
-        self.state, self.seed = state, seed
+    def __init__(self, state: powerSGD_hook.PowerSGDState, seed: int, warmup_precision: str = "fp32"):
+        self.state, self.seed, self.warmup_precision = state, seed, warmup_precision
         self.names: dict[torch.nn.Parameter, str] = {}   # the DDP model's parameters (``attach``)
         self.order: dict[str, int] = {}                  # a parameter's position, for its random start
         self.plans: dict[int, list] = {}                 # bucket index -> its pieces, for the memory held now
