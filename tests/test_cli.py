@@ -186,8 +186,11 @@ def test_check_with_a_small_dev_shm_and_loader_workers_is_not_ready(monkeypatch)
 def test_check_with_loader_nvjpeg_says_where_it_decodes_and_refuses_a_png_preset(monkeypatch, tmp_path):
     from tests.test_data import make_cinic, make_imagenet
     imagenet = str(make_imagenet(tmp_path / "imagenet"))
-    for cuda, said in ((True, "torchvision decodes the JPEGs on the GPU (nvJPEG)"),
-                       (False, "no GPU here, so the CPU decodes")):
+    from tests.gpu_emulation import A100, pretend_gpu
+    for cuda, said in ((False, "no GPU here, so the CPU decodes"),
+                       (True, "torchvision decodes the JPEGs on the GPU's hardware JPEG decoder (nvJPEG)")):
+        if cuda:
+            pretend_gpu(monkeypatch.setattr, A100)   # the line names the GPU's decoder (test_nvjpeg: a T4's)
         ok, text = _check_one_node(monkeypatch, 1 << 30, cuda=cuda, dataset="imagenet", data_dir=imagenet,
                                    loader="nvjpeg")
         assert f"loader nvjpeg: {said}" in text, text

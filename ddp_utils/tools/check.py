@@ -13,6 +13,8 @@ import os
 import socket
 from pathlib import Path
 
+import torch
+
 from .. import datasets, distributed
 from ..datasets import DataError, check_data
 from ..progress import interactive
@@ -21,6 +23,16 @@ from ..robust import compat
 from ..data import loader_for
 from ..robust.preflight import SMALL_SHM, hardware_report, preflight, resolve_backend
 from . import sweep
+
+
+def nvjpeg_line(settings, cuda: bool) -> str:
+    """What --loader nvjpeg will do on this node: the training's own warning where the GPU has no hardware JPEG
+    decoder (T4, A10), so that the check says it before the run does."""
+    if not cuda:
+        return "loader nvjpeg: no GPU here, so the CPU decodes (a rehearsal: --loader workers is faster on a CPU)"
+    from ..speed.nvjpeg import decoder_warning
+    warning = decoder_warning(torch.device("cuda", settings.local_rank))
+    return warning or "loader nvjpeg: torchvision decodes the JPEGs on the GPU's hardware JPEG decoder (nvJPEG)"
 
 
 def run_check(settings, log=print, verify_images: bool = False) -> bool:
@@ -56,8 +68,7 @@ def run_check(settings, log=print, verify_images: bool = False) -> bool:
         if settings.loader == "nvjpeg":   # the same: a PNG preset or a torchvision without decoders stops it
             from ..speed.nvjpeg import check_nvjpeg_dataset
             check_nvjpeg_dataset(settings.dataset)
-            log("loader nvjpeg: torchvision decodes the JPEGs on the GPU (nvJPEG)" if hardware_report()["cuda"] else
-                "loader nvjpeg: no GPU here, so the CPU decodes (a rehearsal: --loader workers is faster on a CPU)")
+            log(nvjpeg_line(settings, hardware_report()["cuda"]))
         if verify_images:
             checked, bad = datasets.verify_images(settings, progress=interactive())
             if bad:
