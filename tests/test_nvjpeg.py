@@ -238,6 +238,32 @@ def test_a_broken_jpeg_decoded_on_the_thread_reaches_the_caller_naming_it_and_th
     assert decode_threads() == []
 
 
+def test_an_error_in_the_step_lets_the_decode_thread_go_although_the_traceback_is_kept(photos):
+    """An error in the training step (a Stop, a failed forward) while the epoch's generator waits: a notebook keeps
+    the traceback, which keeps the generator, its decode thread and the batches made ahead (GPU memory on a GPU).
+    release_workers (what the kit's loop calls) shuts the thread down; the loop's frame keeps its locals."""
+    import time
+    from ddp_utils import datasets
+    from ddp_utils.robust import workers
+    assert nvjpeg.DECODE_THREAD in workers.KIT_THREADS
+    loader = build_loaders(settings(photos, batch_size=2), 0, 1).train
+
+    def training_loop():
+        step, batches = 0, iter(loader.epoch(0))
+        images, _ = next(batches)
+        step += 1
+        raise RuntimeError(f"the model's forward failed at step {step}")
+    with pytest.raises(RuntimeError) as caught:
+        training_loop()
+    assert len(decode_threads()) == 1   # kept alive by the traceback
+    datasets.release_workers(caught.value)
+    deadline = time.monotonic() + 10
+    while decode_threads() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert decode_threads() == []
+    assert caught.value.__traceback__.tb_next.tb_frame.f_locals["step"] == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # GPUs without nvJPEG's hardware decoder: a paragraph at start, and the run goes on
 # ---------------------------------------------------------------------------------------------
@@ -276,6 +302,19 @@ def test_on_an_h100_nothing_is_said(photos, monkeypatch):
     h100 = {"name": "NVIDIA H100 80GB HBM3", "capability": (9, 0), "uuid": "GPU-h100-0000"}
     assert not [line for line in start_paragraphs(photos, monkeypatch, h100) if "nvjpeg" in line]
     assert nvjpeg.decoder_warning(torch.device("cpu")) is None     # a CPU rehearsal: no GPU to warn about
+
+
+def test_check_says_before_the_run_that_a_t4_has_no_hardware_decoder(monkeypatch):
+    """``python -m ddp_utils check --loader nvjpeg`` on the node: the run's own paragraph, before any run starts."""
+    from ddp_utils.tools.check import nvjpeg_line
+    from tests.gpu_emulation import A100, T4, pretend_gpu
+    nvjpeg_run = Settings(dataset="imagenet", loader="nvjpeg")
+    assert "no GPU here" in nvjpeg_line(nvjpeg_run, cuda=False)
+    pretend_gpu(monkeypatch.setattr, T4)
+    said = nvjpeg_line(nvjpeg_run, cuda=True)
+    assert "Tesla T4 (compute capability 7.5) has no hardware JPEG decoder" in said and "--loader workers" in said
+    pretend_gpu(monkeypatch.setattr, A100)
+    assert nvjpeg_line(nvjpeg_run, cuda=True).endswith("on the GPU's hardware JPEG decoder (nvJPEG)")
 
 
 @pytest.mark.gpu

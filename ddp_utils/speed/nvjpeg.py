@@ -62,7 +62,7 @@ __all__ = ["check_nvjpeg_dataset", "has_hardware_jpeg_decoder", "decoder_warning
 
 BYTES, DECODED = 0, 1             # what a JpegBytes item holds: the file's bytes, or the image decoded on the CPU
 NVJPEG_FRAMES = (0xC0, 0xC1, 0xC2)   # baseline, extended and progressive Huffman-coded frames
-DECODE_THREAD = "nvjpeg-decode"     # the decode thread's name (tests look for it)
+DECODE_THREAD = "nvjpeg-decode"     # the decode thread's name (tests and robust/workers.py look for it)
 AHEAD = 2                         # batches the decode thread may make ahead of the training (GPU memory: ~150 MB
                                   # each at 256 x 224 px float32)
 
