@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import string
 import textwrap
 from pathlib import Path
@@ -221,7 +222,20 @@ def noninferiority(names: str | list[str], key: str, link: str = "1gbit") -> dic
              "loss_high": "the validation loss's upper bound", "speed": f"{NONINFERIOR['speed']:.2f}x"}
     verdict = ("non-inferior on every mark" if not missed else
                "not shown non-inferior: " + ", ".join(words[k] for k in missed) + " missed")
-    return {**got, "ok": ok, "seeds": len(acc), "verdict": verdict}
+    return {**got, "ok": ok, "seeds": len(acc), "verdict": verdict, "acc_sd": statistics.stdev(acc),
+            "seeds_needed": seeds_needed(statistics.mean(acc), statistics.stdev(acc), NONINFERIOR["acc_low"])}
+
+
+def seeds_needed(mean: float, sd: float, mark: float) -> int | None:
+    """How many seeds a study needs for its 90 % lower bound to reach ``mark`` if its paired differences keep this
+    ``mean`` and ``sd`` (a study's power, for the pages); None when the mean itself is under the mark."""
+    from scipy import stats
+    if mean <= mark:
+        return None
+    n = 2
+    while stats.t.ppf(0.95, n - 1) * sd / n ** 0.5 > mean - mark:
+        n += 1
+    return n
 
 
 def best_variant(name: str, meets: str, link: str = "1gbit") -> str:

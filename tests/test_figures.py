@@ -205,3 +205,11 @@ def test_noninferiority_judges_the_paired_seeds_of_one_or_several_files_against_
     assert "upper bound" in noisy["verdict"] and "0.90x" in noisy["verdict"]
     both = figures.noninferiority(["close", "noisy"], "powersgd")
     assert both["seeds"] == 16 and both["acc_mean"] == pytest.approx((close["acc_mean"] + noisy["acc_mean"]) / 2)
+    # the study's power: seeds for the lower bound to reach -1.0 at this mean and spread (none under the mark)
+    assert noisy["acc_sd"] == pytest.approx(0.9856, abs=1e-3)
+    need = noisy["seeds_needed"]
+    assert need is not None and 2 < need
+    from scipy import stats
+    assert stats.t.ppf(0.95, need - 1) * noisy["acc_sd"] / need ** 0.5 <= noisy["acc_mean"] + 1.0
+    assert stats.t.ppf(0.95, need - 2) * noisy["acc_sd"] / (need - 1) ** 0.5 > noisy["acc_mean"] + 1.0
+    assert figures.seeds_needed(-1.2, 0.5, -1.0) is None
