@@ -628,42 +628,50 @@ def test_an_interrupt_while_waiting_for_a_batch_lets_the_loaders_workers_go():
     the interrupt ended them too; seen in the JupyterLab test). release_workers frees them, keeping the traceback."""
     import _thread
     import threading
-    import time
     loader, workers, children = _slow_loader_and_its_workers()
     threading.Timer(1.0, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt) as caught:
         for _ in loader.epoch(0):
             pass
     assert len(workers()) == 2   # kept alive by the traceback a notebook would keep
-    data_mod.release_workers(caught.value)
-    deadline = time.monotonic() + 10
-    while workers() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not workers() and caught.value.__traceback__ is not None
+    assert released(caught.value, workers) and caught.value.__traceback__ is not None
     assert not children(), "a worker left unreaped (a zombie)"
+
+
+def released(error: BaseException, alive, seconds: float = 10.0) -> bool:
+    """``release_workers(error)``, then whether ``alive()`` (the workers or threads still there) empties within
+    ``seconds``."""
+    import time
+    data_mod.release_workers(error)
+    deadline = time.monotonic() + seconds
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not alive()
+
+
+def failed_after_one_batch(epoch_batches) -> RuntimeError:
+    """The error of a training loop that took one batch of ``epoch_batches`` through an explicit iterator (as a
+    prefetcher or a lab's loop keeps one) and then failed in its own code (a model's forward); caught, with its
+    traceback, as a notebook keeps it. The loop's frame is the traceback's second."""
+    def training_loop():
+        step, batches = 0, iter(epoch_batches)
+        images, _ = next(batches)
+        step += 1
+        raise RuntimeError(f"the model's forward failed at step {step}")
+    with pytest.raises(RuntimeError) as caught:
+        training_loop()
+    return caught.value
 
 
 def test_an_error_in_the_loops_own_code_also_lets_the_loaders_workers_go():
     """Issue 43, finding 10: release_workers cleared only the loaders' own frames, so an error raised in other code
     (a model's forward, a Stop during the step) whose frame holds the loader's iterator left its workers alive.
     That frame keeps its locals for a debugger."""
-    import time
     loader, workers, _ = _slow_loader_and_its_workers()
-
-    def training_loop():   # an explicit iterator, as a prefetcher or a lab's loop keeps one
-        step, batches = 0, iter(loader.epoch(0))
-        images, _ = next(batches)
-        step += 1
-        raise RuntimeError(f"the model's forward failed at step {step}")
-    with pytest.raises(RuntimeError) as caught:
-        training_loop()
+    error = failed_after_one_batch(loader.epoch(0))
     assert len(workers()) == 2   # kept alive by the traceback
-    data_mod.release_workers(caught.value)
-    deadline = time.monotonic() + 10
-    while workers() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not workers()
-    assert caught.value.__traceback__.tb_next.tb_frame.f_locals["step"] == 1   # the loop's frame kept its locals
+    assert released(error, workers)
+    assert error.__traceback__.tb_next.tb_frame.f_locals["step"] == 1   # the loop's frame kept its locals
 
 
 def test_the_iterator_of_a_loop_that_is_still_running_keeps_its_workers():

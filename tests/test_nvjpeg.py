@@ -16,7 +16,7 @@ from ddp_utils.datasets import DataError
 from ddp_utils.settings import Settings
 from ddp_utils.speed import nvjpeg
 from ddp_utils.speed.nvjpeg import DECODED, BYTES, JpegBytes, NvjpegEvalLoader, NvjpegTrainLoader, jpeg_header
-from tests.test_data import WNIDS, make_cinic, make_imagenet
+from tests.test_data import WNIDS, failed_after_one_batch, make_cinic, make_imagenet, released
 from tests.test_fastjpeg import levels, make_photo_imagenet, pillow
 
 
@@ -242,26 +242,13 @@ def test_an_error_in_the_step_lets_the_decode_thread_go_although_the_traceback_i
     """An error in the training step (a Stop, a failed forward) while the epoch's generator waits: a notebook keeps
     the traceback, which keeps the generator, its decode thread and the batches made ahead (GPU memory on a GPU).
     release_workers (what the kit's loop calls) shuts the thread down; the loop's frame keeps its locals."""
-    import time
-    from ddp_utils import datasets
     from ddp_utils.robust import workers
     assert nvjpeg.DECODE_THREAD in workers.KIT_THREADS
     loader = build_loaders(settings(photos, batch_size=2), 0, 1).train
-
-    def training_loop():
-        step, batches = 0, iter(loader.epoch(0))
-        images, _ = next(batches)
-        step += 1
-        raise RuntimeError(f"the model's forward failed at step {step}")
-    with pytest.raises(RuntimeError) as caught:
-        training_loop()
+    error = failed_after_one_batch(loader.epoch(0))
     assert len(decode_threads()) == 1   # kept alive by the traceback
-    datasets.release_workers(caught.value)
-    deadline = time.monotonic() + 10
-    while decode_threads() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert decode_threads() == []
-    assert caught.value.__traceback__.tb_next.tb_frame.f_locals["step"] == 1
+    assert released(error, decode_threads)
+    assert error.__traceback__.tb_next.tb_frame.f_locals["step"] == 1
 
 
 # ---------------------------------------------------------------------------------------------
