@@ -42,8 +42,8 @@ MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_r
               "warmup_epochs", "optimizer", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
               "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
               "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps",
-              "powersgd_warmup_precision", "powersgd_min_compression", "comm_auto_share", "average_every", "localsgd_warmup_steps",
-              "auto_local_sgd", "profile_steps", "build_ddp")
+              "powersgd_warmup_precision", "powersgd_min_compression", "comm_auto_share", "average_every",
+              "localsgd_warmup_steps", "auto_local_sgd", "profile_steps", "build_ddp")
 
 
 def _f(default, help: str, **kw):
@@ -153,7 +153,8 @@ class Settings:
     powersgd_warmup_steps: int = _f(0, "PowerSGD: steps of exact fp32 all-reduce before compressing (the start of "
                                        "training is the most sensitive to inexact gradients); 0: a quarter of the "
                                        "run's optimizer steps (PyTorch advises a tenth and more until the accuracy "
-                                       "is kept: a quarter kept it here), at least 10 and at most 1000")
+                                       "is kept: docs/benchmarks.md has the kit's studies), at least 10 and at most "
+                                       "1000")
     powersgd_warmup_precision: str = _f("fp32", "PowerSGD: how its warm-up steps send the gradients: fp32 (exact, "
                                                 "PyTorch's) or bf16 (half the bytes, each gradient rounded to bf16's "
                                                 "8 bits of mantissa)", choices=WARMUP_PRECISIONS)

@@ -44,8 +44,9 @@ CHOICES = ("none", "fp16", "bf16", "powersgd", "localsgd")
 LOCALSGD_LIMIT = 0.5
 # PowerSGD's exact warm-up when powersgd_warmup_steps is 0: PyTorch's guidance for start_powerSGD_iter is to start
 # from 10 % of the training steps and raise it until the accuracy is kept; over 1 Gbit, 8 seeds, a tenth lost 1.6
-# points of Acc@1 against exact DDP and a quarter 0.3 (docs/benchmarks.md, "PowerSGD's settings"). At least 10
-# (short runs), at most 1000 (PyTorch's default)
+# points of Acc@1 against exact DDP and a quarter 0.3 (docs/benchmarks.md, "PowerSGD's settings"; on 16 fresh seeds
+# a quarter was not shown non-inferior: "PowerSGD on fresh seeds"). At least 10 (short runs), at most 1000 (PyTorch's
+# default)
 WARMUP_SHARE, WARMUP_MIN, WARMUP_MAX = 0.25, 10, 1000
 
 
@@ -82,10 +83,9 @@ def gradient_communication(model, settings, ctx, num_classes: int, image_size: i
              if measured is not None else None)
     hook, state = hook_for(choice, settings, ctx.backend, total_steps)
     if choice == "powersgd":
-        first = (f"exact for the first {powersgd_warmup(settings, total_steps)} of {total_steps} steps"
-                 if settings.powersgd_warmup_precision == "fp32" else
-                 f"uncompressed in bf16 for the first {powersgd_warmup(settings, total_steps)} of {total_steps} steps")
-        why += (f";\n  {first}, and exact for the gradients rank {settings.powersgd_rank} would shrink less than "
+        how = "exact" if settings.powersgd_warmup_precision == "fp32" else "uncompressed in bf16"
+        why += (f";\n  {how} for the first {powersgd_warmup(settings, total_steps)} of {total_steps} steps, and exact "
+                f"for the gradients rank {settings.powersgd_rank} would shrink less than "
                 f"{settings.powersgd_min_compression:g}x")
     if isinstance(state, powersgd.Memory):
         state.attach(ddp_of(model))   # its memory is kept by parameter name
