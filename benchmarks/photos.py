@@ -28,12 +28,17 @@ RECIPE = "1:1 windows 460-500 px wide of scikit-learn's photos, luminance grain 
 MARKER = "photos.json"
 
 
+def marked(root: Path) -> dict | None:
+    """What ``mark`` wrote when ``root``'s photos were made (recipe, counts, ``describe``), or None."""
+    try:
+        return json.loads((root / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 def current(root: Path, train: int, val: int) -> bool:
     """True when ``root`` holds ``train`` + ``val`` photos of this recipe."""
-    try:
-        made = json.loads((root / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
+    made = marked(root) or {}
     return made.get("recipe") == RECIPE and (made.get("train"), made.get("val")) == (train, val)
 
 

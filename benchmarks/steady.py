@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_utils.observers import batches_made_ahead  # noqa: E402
+from ddp_utils.observers import PREFETCH_FACTOR, batches_made_ahead  # noqa: E402
 
 MIN_STEPS = 200        # steps a quoted figure's window holds at least
-PREFETCH_FACTOR = 2    # torch's DataLoader default, which the kit keeps
 
 
 def warm_batches(workers: int, prefetch_factor: int = PREFETCH_FACTOR) -> int:

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from results import RESULTS, Recorder, add_out  # noqa: E402  (benchmarks/results.py)
-from photos import MARKER, current, make_photos, mark  # noqa: E402  (benchmarks/photos.py: ImageNet-like JPEGs)
+from photos import current, make_photos, mark, marked  # noqa: E402  (benchmarks/photos.py: ImageNet-like JPEGs)
 from steady import MIN_STEPS, warm_batches  # noqa: E402  (benchmarks/steady.py)
 from gpu_peak import peak_for  # noqa: E402  (benchmarks/gpu_peak.py: the datasheet peaks)
 from ddp_utils.model import build_model  # noqa: E402
@@ -88,8 +88,7 @@ def photos(root: Path, train: int, val: int, processes: int) -> dict:
         return len(list(root.glob(f"{split}/*/*.JPEG")))
 
     if current(root, train, val):
-        files = json.loads((root / MARKER).read_text(encoding="utf-8"))   # described when they were made
-        return {"made": False, "train": train, "val": val, "seconds": 0.0, "files": files}
+        return {"made": False, "train": train, "val": val, "seconds": 0.0, "files": marked(root)}
     start = time.perf_counter()
     shutil.rmtree(root, ignore_errors=True)
     parts = max(1, min(processes, train // 64 or 1))

@@ -64,7 +64,10 @@ class Loop:
         self.dtype = amp_dtype(self.settings, self.ctx.device)
 
 
-def batches_made_ahead(workers: int, prefetch_factor: int = 2) -> int:
+PREFETCH_FACTOR = 2   # batches a DataLoader worker makes ahead: torch's default, which the kit keeps
+
+
+def batches_made_ahead(workers: int, prefetch_factor: int = PREFETCH_FACTOR) -> int:
     """The batches a DataLoader with ``workers`` workers has made before the training asks for its first (torch's
     default prefetch_factor, 2 a worker, which the kit keeps), and one more: where a steady window starts (the time
     split's steady images/s, the feed check, the loader benchmarks). In-process loaders (0 workers): just the first."""
