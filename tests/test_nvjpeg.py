@@ -312,3 +312,7 @@ def test_on_this_gpu_the_paragraph_follows_its_hardware_decoder():
                                                 torch.cuda.get_device_name(device))
     warning = nvjpeg.decoder_warning(device)
     assert (warning is None) == hardware, (torch.cuda.get_device_name(device), warning)
+    from ddp_utils.tools.check import nvjpeg_line
+    said = nvjpeg_line(Settings(dataset="imagenet", loader="nvjpeg"), cuda=True)   # what check prints here
+    assert said == (warning or "loader nvjpeg: torchvision decodes the JPEGs on the GPU's hardware JPEG decoder "
+                               "(nvJPEG)"), said

@@ -117,11 +117,11 @@ def test_a_resume_continues_powersgd_exactly_whenever_it_stopped():
     assert said[7] == "PowerSGD continues at step 7 with its error feedback and warm start"
 
 
-def gradients_through_the_hook(settings, steps: int):
+def gradients_through_the_hook(settings, steps: int, device="cpu", backend="gloo"):
     """Per step: the gradients the hook handed back to DDP, and the same step's gradients of the model alone."""
-    run = Run("cpu", "gloo", settings=settings)
+    run = Run(device, backend, settings=settings)
     out = []
-    for x, y in batches("cpu")[:steps]:
+    for x, y in batches(device)[:steps]:
         alone = copy.deepcopy(run.ddp.module)
         nn.functional.cross_entropy(alone(x), y).backward()
         run.optimizer.zero_grad()
@@ -131,14 +131,13 @@ def gradients_through_the_hook(settings, steps: int):
     return out, run
 
 
-def test_a_bf16_warm_up_sends_the_gradients_rounded_to_bf16_and_compresses_from_the_same_step():
+def bf16_warm_up_checked(device, backend) -> None:
     """--powersgd-warmup-precision bf16: the warm-up's gradients travel in bf16 (half of fp32's bytes), so each
     arrives rounded to bf16; the default warm-up sends them exact. Both compress from the same step on."""
     halved = Settings(**{**SETTINGS.to_dict(), "powersgd_warmup_precision": "bf16"})
     warmup, steps = SETTINGS.powersgd_warmup_steps, SETTINGS.powersgd_warmup_steps + 2
-    with one_rank_group():
-        exact, _ = gradients_through_the_hook(SETTINGS, steps)
-        rounded, run = gradients_through_the_hook(halved, steps)
+    exact, _ = gradients_through_the_hook(SETTINGS, steps, device, backend)
+    rounded, run = gradients_through_the_hook(halved, steps, device, backend)
 
     def same(got, want):
         return all(torch.equal(g, w) for g, w in zip(got, want))
@@ -154,6 +153,18 @@ def test_a_bf16_warm_up_sends_the_gradients_rounded_to_bf16_and_compresses_from_
             sent, alone = got[step]
             assert not same(sent, alone) and not same(sent, in_bf16(alone)), f"step {step} was not compressed"
     assert run.memory.state.iter == steps
+
+
+def test_a_bf16_warm_up_sends_the_gradients_rounded_to_bf16_and_compresses_from_the_same_step():
+    with one_rank_group():
+        bf16_warm_up_checked(torch.device("cpu"), "gloo")
+
+
+@gpu_only
+def test_a_bf16_warm_up_on_a_gpu_over_nccl():
+    device = torch.device("cuda", 0)
+    with one_rank_group("nccl", device), deterministic_cudnn():
+        bf16_warm_up_checked(device, "nccl")
 
 
 def test_a_warm_up_precision_other_than_fp32_or_bf16_is_refused_with_the_choices():
