@@ -156,7 +156,7 @@ def setup(settings, log=print) -> DistContext:
     report = preflight(settings, log)
     ctx = DistContext(settings.rank, settings.world_size, settings.local_rank, _device(settings), None)
     if ctx.distributed:
-        must_agree = {f: getattr(settings, f) for f in settings_module.MUST_AGREE}
+        must_agree = settings.agreed()
         try:
             backend = _join_process_group(settings, ctx, report, device_facts(settings, ctx.device), must_agree, log)
             ctx = dataclasses.replace(ctx, backend=backend)   # the backend every rank agreed on

@@ -37,18 +37,20 @@ WARMUP_PRECISIONS = ("fp32", "bf16")
 RECIPE_FIELDS = ("arch", "batch_size", "epochs", "lr", "warmup_epochs", "optimizer", "weight_decay")
 OPTIMIZERS = ("sgd", "adamw")
 
-# Fields that every rank must share, or the ranks would silently train different things.
-MUST_AGREE = ("dataset", "arch", "epochs", "batch_size", "lr", "scale_lr", "lr_reference_batch",
-              "warmup_epochs", "optimizer", "momentum", "weight_decay", "seed", "image_size", "sync_bn",
-              "max_steps_per_epoch", "world_size", "master_port", "parallel", "patience", "link_probe",
-              "comm", "bucket_mb", "accumulate", "static_graph", "powersgd_rank", "powersgd_warmup_steps",
-              "powersgd_warmup_precision", "powersgd_min_compression", "comm_auto_share", "average_every",
-              "localsgd_warmup_steps", "auto_local_sgd", "profile_steps", "build_ddp")
+# Each field's facts live in its own declaration (``_f``): its help text (the flag's and the docs'), its section
+# (``--help`` groups the flags by it), its bound, and whether every rank must share it. MUST_AGREE and the checks
+# in ``Settings.problems`` are read from there (below the class), so a new setting is one edit.
+SECTIONS = DATA, MODEL, OPTIMISATION, SPEED, OUTPUT, DISTRIBUTED = ("data", "model", "optimisation", "speed", "output",
+                                                                   "distributed")
+POSITIVE, NOT_NEGATIVE = "positive", "not negative"   # a number's bound, said as "must be positive"
 
 
-def _f(default, help: str, **kw):
-    """A dataclass field whose ``help`` text feeds the command line and the docs."""
-    return field(default=default, metadata={"help": help, **kw})
+def _f(default, help: str, section: str, bound: str | None = None, agree: bool = False, **kw):
+    """A settings field and its facts: ``help`` feeds the command line and the docs; ``section`` groups it;
+    ``bound`` (POSITIVE or NOT_NEGATIVE) is checked; ``agree``: every rank must have the same value, or the ranks
+    would silently train different things (``distributed.setup`` compares them)."""
+    assert section in SECTIONS and bound in (None, POSITIVE, NOT_NEGATIVE), (section, bound)
+    return field(default=default, metadata={"help": help, "section": section, "bound": bound, "agree": agree, **kw})
 
 
 @dataclass(frozen=True)
@@ -56,11 +58,13 @@ class Settings:
     # -- data ---------------------------------------------------------------------------------
     dataset: str = _f("demo", f"data preset: {', '.join(PRESETS)} ("
                               f"{', '.join(n for n, p in PRESETS.items() if p.made_here)} made by the kit)",
-                      choices=DATASETS)
-    data_dir: str = _f("data/demo", "folder holding the preset's split folders (train/, val/ or valid/)")
-    val_split: str = _f("", f"split to evaluate on; empty = the preset's ({default_of('val_split')})")
-    image_size: int = _f(0, f"training crop in pixels; 0 = the preset's ({default_of('image_size')})")
-    workers: int = _f(2, "DataLoader worker processes per rank (the course used 2 per GPU)")
+                      choices=DATASETS, section=DATA, agree=True)
+    data_dir: str = _f("data/demo", "folder holding the preset's split folders (train/, val/ or valid/)", section=DATA)
+    val_split: str = _f("", f"split to evaluate on; empty = the preset's ({default_of('val_split')})", section=DATA)
+    image_size: int = _f(0, f"training crop in pixels; 0 = the preset's ({default_of('image_size')})",
+                         section=DATA, bound=NOT_NEGATIVE, agree=True)
+    workers: int = _f(2, "DataLoader worker processes per rank (the course used 2 per GPU)",
+                      section=DATA, bound=NOT_NEGATIVE)
     # Not in MUST_AGREE, like workers: every loader gives a rank the same shard, steps and
     # validation tensors; only the random crop/flip draws differ, and those differ per rank anyway.
     loader: str = _f("workers", f"auto: memory where the preset fits in memory ({', '.join(suited('memory'))}), "
@@ -71,54 +75,67 @@ class Settings:
                                 f"NVIDIA DALI decodes and augments (on the GPU with a GPU, its CPU pipeline "
                                 f"otherwise; {', '.join(suited('dali'))}); nvjpeg: the workers read the files, "
                                 f"torchvision's nvJPEG decodes and crops on the GPU ({', '.join(suited('nvjpeg'))})",
-                       choices=LOADERS)
+                       choices=LOADERS, section=DATA)
     # -- model --------------------------------------------------------------------------------
     arch: str = _f(None, "; ".join(f"{name} ({entry.about})" for name, entry in ARCHITECTURES.items()) +
                    "; or any torchvision classifier name such as resnet18, resnet50; default: the preset's recipe",
-                   type=str)
-    sync_bn: bool = _f(False, "convert BatchNorm to SyncBatchNorm so statistics use the global batch")
+                   type=str, section=MODEL, agree=True)
+    sync_bn: bool = _f(False, "convert BatchNorm to SyncBatchNorm so statistics use the global batch",
+                       section=MODEL, agree=True)
     # -- optimisation -------------------------------------------------------------------------
-    epochs: int = _f(None, "passes over the training split; default: the preset's recipe", type=int)
+    epochs: int = _f(None, "passes over the training split; default: the preset's recipe", type=int,
+                     section=OPTIMISATION, bound=POSITIVE, agree=True)
     batch_size: int = _f(None, "images per rank per step (the global batch is this times world_size, times "
-                               "accumulate); default: the preset's recipe", type=int)
+                               "accumulate); default: the preset's recipe", type=int,
+                         section=OPTIMISATION, bound=POSITIVE, agree=True)
     lr: float = _f(None, "learning rate at lr_reference_batch images, scaled to the real global batch "
-                         "(see scale_lr); default: the preset's recipe", type=float)
-    scale_lr: bool = _f(True, "scale lr linearly with the global batch: lr * global_batch / lr_reference_batch")
-    lr_reference_batch: int = _f(LR_REFERENCE_BATCH, "global batch at which lr is given (Goyal et al. use 256)")
+                         "(see scale_lr); default: the preset's recipe", type=float,
+                   section=OPTIMISATION, bound=NOT_NEGATIVE, agree=True)
+    scale_lr: bool = _f(True, "scale lr linearly with the global batch: lr * global_batch / lr_reference_batch",
+                        section=OPTIMISATION, agree=True)
+    lr_reference_batch: int = _f(LR_REFERENCE_BATCH, "global batch at which lr is given (Goyal et al. use 256)",
+                                 section=OPTIMISATION, bound=POSITIVE, agree=True)
     warmup_epochs: float = _f(None, "linear warm-up length before the cosine decay, in epochs; default: "
-                                    "the preset's recipe", type=float)
+                                    "the preset's recipe", type=float,
+                              section=OPTIMISATION, bound=NOT_NEGATIVE, agree=True)
     optimizer: str = _f(None, "sgd (with momentum) or adamw; default: the model's (a ViT's adamw) or the preset's "
-                              "recipe", choices=OPTIMIZERS, type=str)
-    momentum: float = _f(0.9, "SGD momentum")
+                              "recipe", choices=OPTIMIZERS, type=str, section=OPTIMISATION, agree=True)
+    momentum: float = _f(0.9, "SGD momentum", section=OPTIMISATION, bound=NOT_NEGATIVE, agree=True)
     weight_decay: float = _f(None, "weight decay (not applied to norm layers, biases and what the model's registry "
                                    "entry exempts); default: the model's optimizer's or the preset's recipe",
-                             type=float)
-    max_steps_per_epoch: int = _f(0, "stop each epoch after this many steps; 0 = the whole split")
+                             type=float, section=OPTIMISATION, bound=NOT_NEGATIVE, agree=True)
+    max_steps_per_epoch: int = _f(0, "stop each epoch after this many steps; 0 = the whole split",
+                                  section=OPTIMISATION, bound=NOT_NEGATIVE, agree=True)
     patience: int = _f(0, "early stopping: stop after this many epochs without a better validation Acc@1 "
-                          "(best.pt keeps the best epoch); 0 = train every epoch")
+                          "(best.pt keeps the best epoch); 0 = train every epoch",
+                       section=OPTIMISATION, bound=NOT_NEGATIVE, agree=True)
+    seed: int = _f(0, "seed for weights, shuffling and augmentation; same on every rank",
+                   section=OPTIMISATION, agree=True)
     # -- speed --------------------------------------------------------------------------------
     amp: str = _f("auto", "mixed precision: auto (bf16 on GPUs that have it, fp16 + grad scaler on "
-                          "others, off on CPU), bf16, fp16 or off", choices=AMP_MODES)
-    channels_last: bool = _f(True, "NHWC memory layout on GPU (faster convolutions; ignored on CPU)")
-    compile: bool = _f(False, "torch.compile the model (first steps are slow while it compiles)")
+                          "others, off on CPU), bf16, fp16 or off", choices=AMP_MODES, section=SPEED)
+    channels_last: bool = _f(True, "NHWC memory layout on GPU (faster convolutions; ignored on CPU)", section=SPEED)
+    compile: bool = _f(False, "torch.compile the model (first steps are slow while it compiles)", section=SPEED)
     threads: int = _f(0, "CPU threads per process; 0 = this machine's cores / the ranks on it, so that "
-                         "ranks sharing a machine do not fight over its cores (OMP_NUM_THREADS wins if set)")
-    seed: int = _f(0, "seed for weights, shuffling and augmentation; same on every rank")
-    price_per_hour: float = _f(0.0, "what one node costs per hour (any currency, e.g. 0.752 for an AWS g4dn.2xlarge "
-                                    "in USD, on demand in us-east-1); results then give the cost of the run "
-                                    "and of each epoch for all nodes together; 0 = not set, no cost")
+                         "ranks sharing a machine do not fight over its cores (OMP_NUM_THREADS wins if set)",
+                      section=SPEED, bound=NOT_NEGATIVE)
     # -- output -------------------------------------------------------------------------------
-    run_dir: str = _f("", "folder for logs, TensorBoard, checkpoints; empty = runs/<dataset>-<arch>-ws<N>-<time>")
+    run_dir: str = _f("", "folder for logs, TensorBoard, checkpoints; empty = runs/<dataset>-<arch>-ws<N>-<time>",
+                      section=OUTPUT)
     wandb: str = _f("auto", "Weights & Biases: auto (online if a key is set up, else offline), online, "
-                            "offline or disabled", choices=WANDB_MODES)
-    wandb_project: str = _f("ddp-course", "W&B project name")
-    log_every: int = _f(20, "steps between TensorBoard scalars on rank 0")
+                            "offline or disabled", choices=WANDB_MODES, section=OUTPUT)
+    wandb_project: str = _f("ddp-course", "W&B project name", section=OUTPUT)
+    log_every: int = _f(20, "steps between TensorBoard scalars on rank 0", section=OUTPUT, bound=POSITIVE)
     profile_steps: str = _f("", "A:B: trace training steps A to B-1 (counted from 0 over the run) with torch.profiler on "
                                 "every rank, written to RUN_DIR/profile/rank<N>.pt.trace.json (Perfetto, "
-                                "chrome://tracing); empty = no trace")
+                                "chrome://tracing); empty = no trace", section=OUTPUT, agree=True)
     progress: str = _f("auto", "auto: a progress bar on a terminal or in Jupyter, two lines per epoch when the "
                                "output is piped; steps: also a line every log_every steps; bar; off",
-                       choices=PROGRESS_MODES)
+                       choices=PROGRESS_MODES, section=OUTPUT)
+    price_per_hour: float = _f(0.0, "what one node costs per hour (any currency, e.g. 0.752 for an AWS g4dn.2xlarge "
+                                    "in USD, on demand in us-east-1); results then give the cost of the run "
+                                    "and of each epoch for all nodes together; 0 = not set, no cost",
+                               section=OUTPUT, bound=NOT_NEGATIVE)
     # -- distributed --------------------------------------------------------------------------
     parallel: str = _f("ddp", "ddp: one process per GPU, gradients all-reduced (DistributedDataParallel, the "
                               "course's way); dp: DataParallel, one process driving every GPU of this node "
@@ -127,66 +144,81 @@ class Settings:
                               "one device, no wrapper; zero1: DDP, and each rank keeps 1/N of the optimizer state "
                               "(ZeroRedundancyOptimizer); fsdp: FSDP2, each rank keeps 1/N of the parameters, "
                               "gradients and optimizer state (docs/zero-fsdp.md). With one process zero1 and fsdp "
-                              "have nothing to shard: plain training", choices=PARALLEL_MODES)
+                              "have nothing to shard: plain training", choices=PARALLEL_MODES,
+                       section=DISTRIBUTED, agree=True)
     link_probe: bool = _f(True, "before training, time a few all-reduces of the gradients' size and one "
-                                "step's compute: link bandwidth and predicted speed-up (a few seconds)")
+                                "step's compute: link bandwidth and predicted speed-up (a few seconds)",
+                          section=DISTRIBUTED, agree=True)
     comm: str = _f("none", "gradient communication: none (fp32 all-reduce, DDP's default), fp16 / bf16 (send "
                            "half-precision gradients: half the bytes), powersgd (low-rank compression with error "
                            "feedback: far fewer bytes, some compute), localsgd (no gradient all-reduce: each rank "
                            "steps on its own gradients and the weights are averaged every average_every steps), or "
                            "auto (choose from the link probe: compress when communication would take more than "
                            "comm_auto_share of a step)",
-                   choices=COMM_MODES)
+                   choices=COMM_MODES, section=DISTRIBUTED, agree=True)
     build_ddp: str = _f("", "train with what you wrote in lab/build_ddp (student.py; BUILD_DDP=reference: the kit's "
                             "solution) instead of torch's: a (all-reduce every gradient after backward), b (one "
                             "async all-reduce per parameter from hooks), c (buckets of bucket_mb) in place of "
                             "DistributedDataParallel; f (your ShardedOptimizer as ZeRO-1's, beside torch's DDP); "
-                            "empty: torch's", choices=("", "a", "b", "c", "f"))
+                            "empty: torch's", choices=("", "a", "b", "c", "f"), section=DISTRIBUTED, agree=True)
     bucket_mb: float = _f(25.0, "DDP gradient bucket size in MB (DDP's default 25): smaller buckets start the "
-                                "all-reduce earlier in the backward pass, larger ones make fewer, longer messages")
+                                "all-reduce earlier in the backward pass, larger ones make fewer, longer messages",
+                          section=DISTRIBUTED, bound=POSITIVE, agree=True)
     accumulate: int = _f(1, "gradient accumulation: add up the gradients of this many steps and all-reduce "
                             "once (DDP's no_sync for the others): 1/accumulate of the traffic, but a global batch "
-                            "accumulate times larger (lr scales with it) and fewer optimizer steps", type=int)
+                            "accumulate times larger (lr scales with it) and fewer optimizer steps", type=int,
+                         section=DISTRIBUTED, bound=POSITIVE, agree=True)
     static_graph: bool = _f(False, "tell DDP the model runs the same layers every step (lets it skip per-step "
-                                   "bookkeeping and overlap better); wrong for models with data-dependent branches")
-    powersgd_rank: int = _f(4, "PowerSGD: rank of the low-rank approximation (higher = closer to exact, more bytes)")
+                                   "bookkeeping and overlap better); wrong for models with data-dependent branches",
+                            section=DISTRIBUTED, agree=True)
+    powersgd_rank: int = _f(4, "PowerSGD: rank of the low-rank approximation (higher = closer to exact, more bytes)",
+                            section=DISTRIBUTED, bound=POSITIVE, agree=True)
     powersgd_warmup_steps: int = _f(0, "PowerSGD: steps of exact fp32 all-reduce before compressing (the start of "
                                        "training is the most sensitive to inexact gradients); 0: a quarter of the "
                                        "run's optimizer steps (PyTorch advises a tenth and more until the accuracy "
                                        "is kept: docs/benchmarks.md has the kit's studies), at least 10 and at most "
-                                       "1000")
+                                       "1000", section=DISTRIBUTED, bound=NOT_NEGATIVE, agree=True)
     powersgd_warmup_precision: str = _f("fp32", "PowerSGD: how its warm-up steps send the gradients: fp32 (exact, "
                                                 "PyTorch's) or bf16 (half the bytes, each gradient rounded to bf16's "
-                                                "8 bits of mantissa)", choices=WARMUP_PRECISIONS)
+                                                "8 bits of mantissa)", choices=WARMUP_PRECISIONS,
+                                        section=DISTRIBUTED, agree=True)
     powersgd_min_compression: float = _f(4.0, "PowerSGD: send a gradient exact unless its approximation is at least "
                                               "this many times smaller (PyTorch's min_compression_rate, 2 there): a "
-                                              "small classifier costs few bytes exact and loses the most compressed")
+                                              "small classifier costs few bytes exact and loses the most compressed",
+                                         section=DISTRIBUTED, bound=POSITIVE, agree=True)
     average_every: int = _f(8, "localsgd: average the weights over the ranks every this many optimizer steps "
-                               "(1/average_every of the traffic; the ranks drift apart in between)", type=int)
+                               "(1/average_every of the traffic; the ranks drift apart in between)", type=int,
+                            section=DISTRIBUTED, bound=POSITIVE, agree=True)
     localsgd_warmup_steps: int = _f(8, "localsgd: optimizer steps of plain DDP (gradients all-reduced) before the "
-                                       "ranks step on their own", type=int)
+                                       "ranks step on their own", type=int,
+                                    section=DISTRIBUTED, bound=NOT_NEGATIVE, agree=True)
     comm_auto_share: float = _f(0.2, "comm=auto: compress when the probe predicts communication above this share "
-                                     "of a step")
+                                     "of a step", section=DISTRIBUTED, bound=NOT_NEGATIVE, agree=True)
     auto_local_sgd: bool = _f(False, "comm=auto may choose local SGD, another algorithm than DDP's (the ranks' "
                                      "weights differ between averages; a few points of Acc@1 in the benchmarks); "
                                      "without it auto keeps one model and averages the gradients at every step "
-                                     "(none, half precision or PowerSGD)")
-    master_addr: str = _f("127.0.0.1", "IP of the rank-0 node: its private IP on a cloud network")
+                                     "(none, half precision or PowerSGD)", section=DISTRIBUTED, agree=True)
+    master_addr: str = _f("127.0.0.1", "IP of the rank-0 node: its private IP on a cloud network", section=DISTRIBUTED)
     master_port: int = _f(29500, "TCP port rank 0 listens on; open it (and the ports NCCL/Gloo add) "
-                                 "between the nodes")
-    rank: int = _f(0, "this process's rank: 0 on the master, 1..world_size-1 on the others")
-    world_size: int = _f(1, "number of processes in the job (2 for two nodes with one GPU each)")
-    local_rank: int = _f(0, "GPU index on this node (torchrun sets LOCAL_RANK)")
+                                 "between the nodes", section=DISTRIBUTED, agree=True)
+    rank: int = _f(0, "this process's rank: 0 on the master, 1..world_size-1 on the others", section=DISTRIBUTED)
+    world_size: int = _f(1, "number of processes in the job (2 for two nodes with one GPU each)",
+                         section=DISTRIBUTED, agree=True)
+    local_rank: int = _f(0, "GPU index on this node (torchrun sets LOCAL_RANK)",
+                         section=DISTRIBUTED, bound=NOT_NEGATIVE)
     backend: str = _f("auto", "auto (nccl when this rank has a GPU, else gloo), gloo or nccl",
-                      choices=BACKENDS)
+                      choices=BACKENDS, section=DISTRIBUTED)
     init_timeout: float = _f(300.0, "seconds to wait for the other ranks at start-up (joining, reading "
-                                    "the data, rank 0 starting W&B or writing a checkpoint) before failing")
+                                    "the data, rank 0 starting W&B or writing a checkpoint) before failing",
+                             section=DISTRIBUTED, bound=POSITIVE)
     collective_timeout: float = _f(60.0, "seconds a collective may wait during training before this rank "
-                                         "stops and names the rank that went silent")
+                                         "stops and names the rank that went silent",
+                                   section=DISTRIBUTED, bound=POSITIVE)
     socket_ifname: str = _f("", "network interface for NCCL/Gloo traffic; empty = the one that routes "
-                                "to master_addr (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win if set)")
+                                "to master_addr (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win if set)",
+                            section=DISTRIBUTED)
     init_method: str = _f("tcp", "tcp (tcp://master_addr:master_port) or env (under torchrun, whose "
-                                 "agent already holds the port)", choices=("tcp", "env"))
+                                 "agent already holds the port)", choices=("tcp", "env"), section=DISTRIBUTED)
 
     # ---------------------------------------------------------------------------------------
     def __post_init__(self):
@@ -220,16 +252,10 @@ class Settings:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 out.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
-        positive = ("epochs", "batch_size", "lr_reference_batch", "init_timeout", "collective_timeout",
-                    "log_every", "bucket_mb", "powersgd_rank", "powersgd_min_compression", "accumulate",
-                    "average_every")
-        not_negative = ("workers", "max_steps_per_epoch", "image_size", "warmup_epochs", "lr", "weight_decay",
-                        "momentum", "local_rank", "threads", "patience", "powersgd_warmup_steps",
-                        "localsgd_warmup_steps", "comm_auto_share", "price_per_hour")
         # A value typed into a notebook (MAX_STEPS = None, EPOCHS = "2") gets a sentence, not a TypeError.
-        not_numbers = [f"{name}={getattr(self, name)!r}: must be a number"
-                       for name in ("world_size", "rank", "master_port", *positive, *not_negative)
-                       if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float))]
+        not_numbers = [f"{f.name}={getattr(self, f.name)!r}: must be a number" for f in fields(self)
+                       if _kind(f) in (int, float) and (isinstance(getattr(self, f.name), bool)
+                                                        or not isinstance(getattr(self, f.name), (int, float)))]
         if not_numbers:
             return out + not_numbers
         if self.world_size < 1:
@@ -239,12 +265,12 @@ class Settings:
                        f"0..{self.world_size - 1} (0 on the master node)")
         if not 1 <= self.master_port <= 65535:
             out.append(f"master_port={self.master_port}: must be a TCP port, 1..65535 (e.g. 29500)")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                out.append(f"{name}={getattr(self, name)}: must be positive")
-        for name in not_negative:
-            if getattr(self, name) < 0:
-                out.append(f"{name}={getattr(self, name)}: must not be negative")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata["bound"] == POSITIVE and value <= 0:
+                out.append(f"{f.name}={value}: must be positive")
+            elif f.metadata["bound"] == NOT_NEGATIVE and value < 0:
+                out.append(f"{f.name}={value}: must not be negative")
         # Accumulation and local SGD train under DDP's no_sync() (comm=auto never picks localsgd with static_graph).
         under_no_sync = (f"accumulate={self.accumulate}" if self.accumulate > 1 else
                          "comm=localsgd" if self.comm == "localsgd" else None)
@@ -310,6 +336,10 @@ class Settings:
     @property
     def url(self) -> str:
         return "env://" if self.init_method == "env" else f"tcp://{self.master_addr}:{self.master_port}"
+
+    def agreed(self) -> dict[str, Any]:
+        """The values every rank must share (the fields declared with ``agree=True``), by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["agree"]}
 
     # -- conversions -------------------------------------------------------------------------
     def replace(self, **changes) -> "Settings":
@@ -385,17 +415,28 @@ class Settings:
         return cls.from_dict(values)
 
 
+# Fields that every rank must share, or the ranks would silently train different things (``agree=True`` above).
+MUST_AGREE = tuple(f.name for f in fields(Settings) if f.metadata["agree"])
+
+
+def _kind(f) -> type:
+    """The type a field's values take (its flag's): ``type=`` where the default is None, else the default's."""
+    return f.metadata.get("type", type(f.default))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per settings field (``--batch-size``), typed and documented from the dataclass."""
+    """One ``--flag`` per settings field (``--batch-size``), typed and documented from the dataclass, under its
+    section's heading in ``--help``."""
+    groups = {name: parser.add_argument_group(f"{name} settings") for name in SECTIONS}
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
-        kind = f.metadata.get("type", type(f.default))
+        kind, group = _kind(f), groups[f.metadata["section"]]
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help=f"{f.metadata['help']} (default: {f.default})")
         else:
             default = "" if f.default is None else f" (default: {f.default!r})"
-            parser.add_argument(flag, type=kind, default=None, choices=f.metadata.get("choices"),
+            group.add_argument(flag, type=kind, default=None, choices=f.metadata.get("choices"),
                                 help=f"{f.metadata['help']}{default}")
 
 

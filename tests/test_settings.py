@@ -77,6 +77,36 @@ def test_fields_that_must_agree_across_ranks_exist_and_exclude_the_rank():
     assert set(MUST_AGREE) <= names and "rank" not in MUST_AGREE and "batch_size" in MUST_AGREE
 
 
+
+def test_a_new_setting_is_one_declaration_its_bound_checked_and_compared_across_ranks():
+    """Issue 54: MUST_AGREE and the bound lists were kept by hand beside 56 fields. A field's section, bound and
+    whether the ranks must share it live in its own declaration; the checks read them from there."""
+    from ddp_utils.settings import DATA, POSITIVE, _f
+
+    @dataclasses.dataclass(frozen=True)
+    class More(Settings):
+        crops: int = _f(1, "crops per image", section=DATA, bound=POSITIVE, agree=True)
+
+    with pytest.raises(ValueError, match="crops=0: must be positive"):
+        More(crops=0)
+    with pytest.raises(ValueError, match=re.escape("crops='2': must be a number")):
+        More(crops="2")
+    assert More(crops=3).agreed()["crops"] == 3 and "crops" not in Settings().agreed()
+    assert Settings(batch_size=7).agreed()["batch_size"] == 7 and "rank" not in Settings().agreed()
+    assert tuple(Settings().agreed()) == MUST_AGREE
+
+
+def test_help_lists_each_flag_under_its_section():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    text = parser.format_help()
+    headings = [text.index(f"{name} settings:") for name in ("data", "model", "optimisation", "speed", "output",
+                                                              "distributed")]
+    assert headings == sorted(headings)
+    listed = {flag: text.index(f"\n  {flag} ") for flag in ("--loader", "--batch-size", "--master-addr")}   # not usage
+    assert headings[0] < listed["--loader"] < headings[1] and headings[2] < listed["--batch-size"] < headings[3]
+    assert headings[5] < listed["--master-addr"]
+
 # -- recipes: what the settings left out ------------------------------------------------------
 def test_unset_training_fields_come_from_the_presets_recipe():
     from ddp_utils.presets import PRESETS
