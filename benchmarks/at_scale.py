@@ -131,14 +131,14 @@ def clean_run(hosts, folder: Path) -> dict:
 
 
 def store_requests() -> dict:
-    from ddp_utils import distributed
+    from ddp_utils.robust import peers
     from tests.counting_store import CountingStore, requests_per_beat_round
-    kept = distributed._store
+    kept = peers._store
     try:
-        distributed._store = CountingStore()
+        peers._store = CountingStore()
         return {n: sum(requests_per_beat_round(n)) for n in (2, 4, 8, 16, 32, 64)}
     finally:
-        distributed._store = kept
+        peers._store = kept
 
 
 def main() -> None:

@@ -56,7 +56,8 @@ import torchvision
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_utils.speed import fastjpeg, regionjpeg  # noqa: E402
 from ddp_utils.data import build_loaders  # noqa: E402
-from ddp_utils.datasets import EpochLoader, ImageFolderDataset, load_preset, train_transform  # noqa: E402
+from ddp_utils.datasets import ImageFolderDataset, load_preset, train_transform  # noqa: E402
+from ddp_utils.loaders import EpochLoader
 from ddp_utils.runlog import cpu_name  # noqa: E402
 from ddp_utils.settings import Settings  # noqa: E402
 from photos import describe, make_photos  # noqa: E402  (benchmarks/photos.py: ImageNet-like JPEGs)

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_utils import optim, train  # noqa: E402
-from ddp_utils.concerns import loop_observers  # noqa: E402
 from ddp_utils.job import prepare  # noqa: E402
 from ddp_utils.model import build_model  # noqa: E402
 from ddp_utils.observers import Loop  # noqa: E402
@@ -65,7 +64,7 @@ def bare_epoch(model, batches, optimizer, scheduler) -> float:
 
 
 def kit_epoch(model, data, optimizer, scheduler, scaler, job) -> float:
-    loop = Loop(model, data, optimizer, scheduler, scaler, job.settings, job.ctx, job.logger, loop_observers())
+    loop = Loop(model, data, optimizer, scheduler, scaler, job.settings, job.ctx, job.logger)
     stats = train.train_one_epoch(loop, 0)
     return stats["images_per_s"]
 

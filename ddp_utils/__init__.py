@@ -15,11 +15,19 @@ The calls a notebook makes, in order (``# DDP:`` marks what a one-GPU script wou
 
 ``prepare(settings)`` makes the same calls in one (job.py): the command line (``python -m ddp_utils
 train``), the labs and the benchmarks use it. The lesson is the modules directly in this folder;
-``robust/``, ``speed/`` and ``tools/`` hold what real nodes, speed and the commands add.
+``robust/`` (below it: what real nodes need), ``speed/`` (plugged into it) and ``tools/`` (on top: the commands)
+hold the rest; ``lint-imports`` (.importlinter) keeps them in that order.
 """
+# The options plug into the core's tables (loaders, gradient communication, parallel modes, observers) when their
+# modules load. Loading them here, where the package is put together, means every way into the kit (a notebook,
+# the command line, a test importing ddp_utils.train) sees the same tables; the core itself never imports speed/.
+from . import concerns, data  # noqa: E402,F401 - the core's own rows (observers, the workers loader) come first
+from . import speed  # noqa: E402,F401
+from .loaders import check_presets  # noqa: E402
 
-# The public API as ``ddp_utils.Settings`` / ``from ddp_utils import fit``, imported on first use so that
-# ``import ddp_utils`` (and ``python -m ddp_utils --help``) does not load torch.
+check_presets()   # every preset's not_for names a loader that registered: a typo fails here, at import
+
+# The public API as ``ddp_utils.Settings`` / ``from ddp_utils import fit``, imported on first use.
 __all__ = ["Settings", "agree", "build_data", "build_loaders", "build_model", "check_data", "describe_batch", "evaluate", "fit",
            "make_logger", "open_run", "prepare", "prepare_demo", "prepare_model", "read_scalars", "run_job", "session",
            "setup", "teardown", "unwrap"]

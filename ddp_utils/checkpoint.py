@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import distributed
+from . import collectives
+from .robust import peers
 from .robust.files import atomic_write
 from .model import unwrap
-from .speed import sharding
+from .parallel import full_state, load_model_state, load_optimizer_state
 
 
 class CheckpointError(RuntimeError):
@@ -173,26 +174,26 @@ def gather_per_rank(value, ctx) -> list:
     return values
 
 
-def save_state(paths, model, optimizer, scheduler, scaler, epoch, step, best_acc1, history, settings,
-               ctx, comm: dict | None = None) -> None:
-    """Write the full training state to each of ``paths`` (rank 0 only; every rank must call this).
+def save_state(paths, loop) -> None:
+    """Write ``loop``'s full training state to each of ``paths`` (rank 0 only; every rank must call this).
 
-    ``comm``: how the gradients travel, ``{"choice": "powersgd", "powersgd": Memory.state_dict(...)}`` (the hook
-    comm=auto chose, so that a resume continues with it; PowerSGD's memory, already gathered)."""
+    ``loop`` (train.py's Loop): its model, optimizer, scheduler and scaler, where it is (``epoch`` done, ``step``,
+    ``best_acc1``, ``history``), its ``settings`` and ``ctx``, and what its observers asked the checkpoint to keep
+    (``kept``: how the gradients travel, ``{"comm": {"choice": "powersgd", "powersgd": ...}}``, so that a resume
+    continues with comm=auto's choice and PowerSGD's memory, already gathered)."""
+    ctx, scaler = loop.ctx, loop.scaler
     # collective, so that resuming restores each rank's own RNG, and its own fp16 scaler: with local SGD each
     # rank's scaler sees only its own gradients, so their scales can differ
     ranks = gather_per_rank({"rng": rng_state(), "scaler": scaler.state_dict()}, ctx)
     rngs, scalers = [r["rng"] for r in ranks], [r["scaler"] for r in ranks]
     # zero1 / fsdp: the shards gathered to rank 0 (collectives), saved as one process's state_dict()s would be
-    weights, optimizer_state = sharding.full_state(unwrap(model), optimizer, ctx)
+    weights, optimizer_state = full_state(unwrap(loop.model), loop.optimizer, ctx)
     if ctx.is_main:
         state = {"model": weights, "optimizer": optimizer_state,
-                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                 "epoch": epoch, "step": step, "best_acc1": best_acc1, "history": history,
-                 "settings": settings.to_dict(),
-                 "rng": rngs, "torch_version": str(torch.__version__)}
-        if comm is not None:
-            state["comm"] = comm
+                 "scheduler": loop.scheduler.state_dict(), "scaler": scaler.state_dict(),
+                 "epoch": loop.epoch, "step": loop.step, "best_acc1": loop.best_acc1, "history": loop.history,
+                 "settings": loop.settings.to_dict(),
+                 "rng": rngs, "torch_version": str(torch.__version__), **loop.kept}
         if ctx.distributed and any(scalers):
             state["scalers"] = scalers
         for path in paths:
@@ -205,10 +206,10 @@ def load_state(path, ctx, timeout: float = 300.0) -> dict | None:
     The others wait for the reading explicitly (``timeout`` s), not in the broadcast: a big file on a
     slow disk must not trip the collective timeout."""
     state = load_checkpoint(path) if ctx.is_main and path else None
-    distributed.wait_for_all("finish reading the checkpoint", ctx, timeout)
+    peers.wait_for_all("finish reading the checkpoint", ctx, timeout)
     if ctx.distributed:
         own = _per_rank_parts(state)   # each rank gets its own later (PowerSGD's error feedback), not everyone's
-        state = distributed.broadcast_object(state, ctx)   # DDP: worker nodes get rank 0's file
+        state = collectives.broadcast_object(state, ctx)   # DDP: worker nodes get rank 0's file
         if ctx.is_main and own is not None:
             state["comm"]["powersgd"]["errors"] = own
     return state
@@ -228,7 +229,7 @@ def mend_best(state: dict, run_dir, ctx, timeout: float = 300.0) -> bool:
     and the others wait for it (``timeout`` s) here, not in the next collective, whose short timeout a slow disk
     would trip. True on rank 0 when it wrote best.pt."""
     wrote = _mend_best(state, run_dir, ctx)
-    distributed.wait_for_all("let rank 0 write best.pt again", ctx, timeout)
+    peers.wait_for_all("let rank 0 write best.pt again", ctx, timeout)
     return wrote
 
 
@@ -268,9 +269,9 @@ def check_matches(state: dict, settings, path) -> None:
 def restore(state, model, optimizer, scheduler, scaler, ctx) -> None:
     """Put a loaded state back: weights, optimiser, schedule, this rank's own scaler and RNG (zero1 and fsdp keep
     their own shares of the full state that every rank was sent)."""
-    sharding.load_model_state(unwrap(model), state["model"])
+    load_model_state(unwrap(model), state["model"])
     if optimizer is not None:
-        sharding.load_optimizer_state(unwrap(model), optimizer, state["optimizer"])
+        load_optimizer_state(unwrap(model), optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         # A checkpoint from a run without fp16 (bf16 on A100s, a CPU) holds a disabled scaler's empty state,
         # which an fp16 scaler refuses to load: it starts afresh (its scale settles in a few steps).

@@ -1,9 +1,10 @@
-"""Every optional concern of a run as an observer of the training loop (observers.py), registered for a job.
+"""The core's observers of the training loop (observers.py): what every run reports and checks.
 
-``observers_for`` lists them, from the outermost to the innermost: the hooks before a step or an epoch run in that
-order, the hooks after them (``after_step``, ``step_end``, ``epoch_exit``, ``epoch_trained``, ``epoch_end``,
-``results``) innermost first, as nested ``with`` blocks would. So the time split (outermost) measures a step with
-everything inside it, and the watch hears of a step's end after its log point. Each class here is one concern.
+The run's own figures and its cost (``Results``), where each epoch's time went (``TimeSplit``), the kit's watch told
+what the loop does (``Watch``), the log points (``LogPoints``), early stop (``EarlyStop``), numbers that stopped being
+finite (``Divergence``), and ``--compile``'s first step (``CompileTimeout``). Each registers in the order it must run:
+the time split outside everything that works in a step, so it measures all of it, and the watch outside the log
+points, so it hears of a step's end after its log point. The options' observers live beside the options (speed/).
 """
 from __future__ import annotations
 
@@ -12,42 +13,17 @@ import time
 
 import torch
 
-from . import distributed, own_ddp
+from . import collectives, own_ddp
 from .metrics import Diverged, Meter, check_finite
-from .model import devices_used, unwrap
-from .observers import Observer, Observers, batches_made_ahead
+from .model import unwrap
+from .parallel import local_part
+from .observers import Ask, Observer, batches_made_ahead, register
 from .progress import Progress
-from .robust.devices import gpu_id
 from .robust.threads import machine_id
 from .runlog import TIME_PARTS
-from .speed import sharding
-from .speed.comm import forget_overflow
-from .speed.feed import FeedCheck
-from .speed.gpu_monitor import describe as describe_gpu
-from .speed.gpu_monitor import reduce_summaries
-from .speed.localsgd import LocalSGD
-from .speed.powersgd import Memory as PowerSGDMemory
-from .speed.profile import StepProfiler
 
 SKIPPED_IN_A_ROW = 20   # fp16 steps skipped one after another (scale / 2**20) before the run counts as broken
 TIME_KEYS = (*TIME_PARTS, "comm_total_s", "wall_s")   # what each rank measures per epoch
-
-
-def observers_for(job, heartbeat=None, gpu=None, started: float | None = None) -> Observers:
-    """The observers of ``job``'s run, outermost first (see the module's docstring)."""
-    comm = job.communication
-    split = TimeSplit(comm.timer if comm is not None else None, warm=batches_made_ahead(job.settings.workers))
-    return Observers([Results(job, started), split, Watch(heartbeat), LogPoints(split), GpuUse(gpu, job.parallel),
-                      FeedCheck(job.settings.workers), Profiling(), MemoryPerRank(job.parallel), EarlyStop(),
-                      LocalSgd(split, comm), Gradients(comm), Divergence(), CompileTimeout()])
-
-
-def loop_observers(heartbeat=None, local_sgd=None) -> Observers:
-    """What a loop needs to report an epoch (its time split, log points, divergence), for ``train_one_epoch``
-    called on its own (the labs, a benchmark, tests); ``local_sgd``: a ``LocalSGD`` stepping with it."""
-    split = TimeSplit()
-    return Observers([split, Watch(heartbeat), LogPoints(split), LocalSgd(split, sgd=local_sgd), Gradients(None),
-                      Divergence()])
 
 
 def finish_queued_work(ctx) -> float:
@@ -60,6 +36,7 @@ def finish_queued_work(ctx) -> float:
     return time.perf_counter() - start
 
 
+@register()
 class TimeSplit(Observer):
     """Where each epoch's time went, on each rank and as the ranks' means: ``data_s`` (waiting for the next batch),
     ``compute_s`` (forward, backward, step, with the communication that overlapped the backward pass), ``comm_s``
@@ -67,9 +44,12 @@ class TimeSplit(Observer):
     logging). They add up to the epoch's wall time (docs/time-split.md). Also the epoch's steady images/s: from the
     end of step ``warm`` (the batches the loader made ahead, 2 a worker, and one more) to the epoch's end."""
 
-    def __init__(self, timer=None, warm: int = 1):
-        self.timer = timer   # a CommTimer on the DDP model (speed/commtime.py), or None
+    def __init__(self, warm: int = 1):
         self.warm = warm
+
+    @classmethod
+    def for_loop(cls, loop, around):
+        return cls(warm=batches_made_ahead(loop.settings.workers))
 
     def epoch_start(self, loop) -> None:
         self.data_s = self.step_s = 0.0
@@ -104,7 +84,8 @@ class TimeSplit(Observer):
     def epoch_trained(self, loop, stats: dict) -> None:
         self.step_s += finish_queued_work(loop.ctx)   # so the epoch's wall time includes queued GPU work
         wall = time.perf_counter() - self.t_epoch
-        comm_s, comm_total_s = self.timer.take() if self.timer is not None else (0.0, 0.0)
+        timer = getattr(loop.comm, "timer", None)   # how the gradients travel times them (speed/commtime.py)
+        comm_s, comm_total_s = timer.take() if timer is not None else (0.0, 0.0)
         mine = {"data_s": self.data_s, "compute_s": max(0.0, self.step_s - comm_s), "comm_s": comm_s,
                 "comm_total_s": comm_total_s, "idle_s": max(0.0, wall - self.data_s - self.step_s), "wall_s": wall}
         per_rank = gather_times(mine, loop.ctx)   # DDP: a small collective; every rank gets every rank's split
@@ -127,16 +108,21 @@ def gather_times(mine: dict, ctx) -> list[dict]:
     """Every rank's time split, on every rank: one row per rank, summed over the ranks."""
     table = torch.zeros(ctx.world_size, len(TIME_KEYS), dtype=torch.float64)
     table[ctx.rank] = torch.tensor([mine[key] for key in TIME_KEYS], dtype=torch.float64)
-    distributed.all_reduce_sum(table, ctx)
+    collectives.all_reduce_sum(table, ctx)
     return [{"rank": r, **dict(zip(TIME_KEYS, map(float, row)))} for r, row in enumerate(table)]
 
 
+@register(after=(TimeSplit,))
 class Watch(Observer):
     """The kit's watch (robust/heartbeat.py) told what the loop does: a rank waiting for its data is told apart
     from one waiting in a collective, so a stuck loader is named as such."""
 
     def __init__(self, heartbeat=None):
         self.heartbeat = heartbeat
+
+    @classmethod
+    def for_loop(cls, loop, around):
+        return cls(around.heartbeat) if around.heartbeat is not None else None
 
     def epoch_start(self, loop) -> None:
         if self.heartbeat is not None:
@@ -157,15 +143,16 @@ class Watch(Observer):
             self.heartbeat.fetching(False)
 
 
+@register(after=(Watch, TimeSplit))   # the watch hears of a step's end after its log point
 class LogPoints(Observer):
     """Every ``log_every`` steps the loss and accuracy since the last log point, all-reduced (a collective every
     rank reaches at the same step), to the progress line and TensorBoard; the lr every step; the epoch's loss and
     accuracy at its end. Every rank shows its own bar and the same global lines; rank 0 also writes them."""
 
-    def __init__(self, split: TimeSplit):
-        self.split = split
+    split = None
 
     def epoch_start(self, loop) -> None:
+        self.split = loop.observers.find(TimeSplit)   # the log point's queued GPU work is compute
         s = loop.settings
         self.epoch_meter, self.window = Meter(loop.ctx.device), Meter(loop.ctx.device)
         self.progress = Progress(s.progress, len(loop.data.train), f"epoch {loop.epoch + 1}/{s.epochs}", show=True,
@@ -178,7 +165,9 @@ class LogPoints(Observer):
 
     def step_end(self, loop) -> None:
         if loop.step % loop.settings.log_every == 0:
-            self.split.compute(finish_queued_work(loop.ctx))
+            queued = finish_queued_work(loop.ctx)
+            if self.split is not None:
+                self.split.compute(queued)
             stats = self.window.reduced(loop.ctx)   # DDP: a collective, reached by every rank at the same step
             self.epoch_meter.add(self.window)
             self.window.reset()
@@ -186,7 +175,7 @@ class LogPoints(Observer):
             loop.logger.scalars({"Loss/train": stats["loss"], "acc1/train": stats["acc1"],
                                  "acc5/train": stats["acc5"]}, loop.step)
             self.progress.log_point(loop.step - loop.start_step, stats["loss"], stats["acc1"], loop.lr)
-        self.progress.update(self.split.data_share())
+        self.progress.update(self.split.data_share() if self.split is not None else None)
 
     def epoch_exit(self, loop) -> None:
         self.progress.close()   # also when a step fails: no half-drawn bar left behind
@@ -197,89 +186,16 @@ class LogPoints(Observer):
         check_finite(stats["loss"], "the training loss of the epoch", loop.step, loop.scheduler.get_last_lr()[0])
 
 
-class GpuUse(Observer):
-    """What the GPU monitor (speed/gpu_monitor.py) saw, training and evaluating apart; every rank's, reduced."""
-
-    def __init__(self, gpu=None, parallel: str = "none"):
-        self.gpu, self.parallel = gpu, parallel
-
-    def epoch_start(self, loop) -> None:
-        if self.gpu is not None:
-            self.gpu.phase("train")
-
-    def epoch_trained(self, loop, stats: dict) -> None:
-        if self.gpu is not None:
-            self.gpu.phase("val")
-
-    def results(self, loop, results: dict) -> None:
-        ctx = loop.ctx
-        use = self._summary(loop) if self.gpu is not None else {}
-        ranks = use.pop("per_rank", [])
-        results.update(use, gpus=len(devices_used(self.parallel, ctx)) if ctx.device.type == "cuda" else 0,
-                       job_gpus=job_gpus(self.parallel, ctx))   # this process's GPUs, the job's
-        for row, mine in zip(results["per_rank"], ranks):   # one row per rank: its time split and its GPU use
-            row.update({key: mine.get(key) for key in ("gpu_util", "gpu_util_peak", "gpu_mem_peak_mb")})
-
-    def _summary(self, loop) -> dict:
-        self.gpu.stop()
-        summary = reduce_summaries(distributed.gather_objects(self.gpu.summary(), loop.ctx))   # DDP: every sampler
-        loop.logger.info(describe_gpu(summary))
-        if isinstance(summary.get("gpu_util"), (int, float)):
-            loop.logger.scalars({"gpu/util_mean": summary["gpu_util"], "gpu/mem_peak_mb": summary["gpu_mem_peak_mb"]
-                                 or 0}, loop.step)
-        return summary
-
-
-def job_gpus(parallel: str, ctx) -> int:
-    """GPUs the whole job trained on, all ranks together (``gpus`` counts one process's): DataParallel's
-    every GPU, one per DDP rank, and a GPU that several ranks share (a rehearsal on gloo, lab 4 on a
-    one-GPU node) once. 0 on CPUs."""
-    if parallel == "dp":
-        return len(devices_used(parallel, ctx)) if ctx.device.type == "cuda" else 0
-    mine = gpu_id(ctx.device) if ctx.device.type == "cuda" else None
-    return len({g for g in distributed.gather_objects(mine, ctx) if g is not None})   # DDP: every rank's GPU
-
-
-class Profiling(Observer):
-    """``--profile-steps A:B``: steps A to B-1 traced (speed/profile.py), every rank's trace gathered to rank 0."""
-    profiler = None
-
-    def start(self, loop) -> None:
-        self.profiler = StepProfiler.from_settings(loop.settings, loop.ctx, loop.logger.run_dir, loop.logger.info)
-
-    def before_step(self, loop) -> None:
-        if self.profiler is not None:
-            self.profiler.before(loop.step)
-
-    def step_end(self, loop) -> None:
-        if self.profiler is not None:
-            self.profiler.after(loop.step)   # at the window's end: every rank's trace to rank 0 (a collective)
-
-    def epoch_trained(self, loop, stats: dict) -> None:
-        if self.profiler is not None:
-            self.profiler.finish()   # a window the epoch's end cut short
-
-
-class MemoryPerRank(Observer):
-    """What each rank holds (parameters, gradients, optimizer state) beside ZeRO's formula (speed/sharding.py)."""
-
-    def __init__(self, parallel: str):
-        self.parallel, self.held = parallel, None
-
-    def epoch_trained(self, loop, stats: dict) -> None:
-        self.held = sharding.held_bytes(unwrap(loop.model), loop.optimizer)   # after training: gradients are there
-
-    def results(self, loop, results: dict) -> None:
-        held = self.held or sharding.held_bytes(unwrap(loop.model), loop.optimizer)
-        results["memory"] = sharding.memory_results(held, unwrap(loop.model), self.parallel, loop.settings.momentum,
-                                                    loop.ctx)   # gathered: a collective
-
-
+@register(after=(LogPoints,))
 class EarlyStop(Observer):
     """``--patience N``: stop after N epochs in a row without a better validation Acc@1."""
 
-    def epoch_end(self, loop, record: dict) -> None:
-        loop.stop_reason = early_stop(loop.history, loop.settings.patience, loop.ctx)
+    @classmethod
+    def for_loop(cls, loop, around):
+        return cls() if loop.settings.patience > 0 else None
+
+    def epoch_end(self, loop, record: dict) -> Ask:
+        return Ask(stop=early_stop(loop.history, loop.settings.patience, loop.ctx))
 
 
 def early_stop(history: list[dict], patience: int, ctx) -> str | None:
@@ -294,83 +210,10 @@ def early_stop(history: list[dict], patience: int, ctx) -> str | None:
     best = max(range(len(accs)), key=lambda i: (accs[i], -i))   # the first epoch with the best Acc@1
     reason = (f"no better validation Acc@1 for {patience} epoch(s) (best {accs[best]:.2f} % at epoch "
               f"{history[best]['epoch']}, kept in best.pt)") if len(accs) - 1 - best >= patience else None
-    return distributed.broadcast_object(reason, ctx)   # DDP: rank 0 decides for all
+    return collectives.broadcast_object(reason, ctx)   # DDP: rank 0 decides for all
 
 
-class LocalSgd(Observer):
-    """``--comm localsgd`` (speed/localsgd.py): steps keep their gradients on the rank, and the weights are
-    averaged every few steps and at the end of each epoch (that last average counts as compute)."""
-
-    def __init__(self, split: TimeSplit, comm=None, sgd=None):
-        self.on, self.split, self.sgd = comm is not None and comm.choice == "localsgd", split, sgd
-        self.timer = comm.timer if comm is not None else None
-
-    def start(self, loop) -> None:
-        if self.on and loop.ctx.distributed and self.sgd is None:   # counts optimizer steps from the schedule's
-            s = loop.settings
-            self.sgd = LocalSGD(loop.model, loop.optimizer, s.average_every, s.localsgd_warmup_steps,
-                                loop.scheduler.last_epoch, self.timer)
-
-    def before_step(self, loop) -> None:
-        loop.keep_local = self.sgd is not None and self.sgd.local   # local SGD: no all-reduce at all
-
-    def after_step(self, loop) -> None:
-        if self.sgd is not None and loop.updated:
-            self.sgd.step_done(loop.last)   # every average_every steps: the ranks average their weights
-
-    def epoch_trained(self, loop, stats: dict) -> None:
-        if self.sgd is not None:
-            started = time.perf_counter()
-            self.sgd.end_of_epoch()   # one model on every rank again: for the evaluation and the checkpoint
-            self.split.compute(time.perf_counter() - started)
-
-    def epoch_end(self, loop, record: dict) -> None:
-        if self.sgd is not None:
-            self.sgd.finish()   # the optimizer state averaged while evaluating: every rank's is in the checkpoint
-
-    def results(self, loop, results: dict) -> None:
-        # waited after the evaluation for the momentum's average (not in the time split)
-        results["localsgd_wait_s"] = self.sgd.waited_s if self.sgd is not None else None
-
-
-class Gradients(Observer):
-    """How the gradients travel (speed/comm.py): the hook's timer told of each step, PowerSGD's memory kept in
-    the checkpoint and restored on a resume, your DDP (--build-ddp) waited for, a skipped fp16 step forgotten."""
-
-    def __init__(self, comm):
-        self.probe = comm.probe if comm is not None else None
-        self.timer = comm.timer if comm is not None else None   # a CommTimer on the DDP model, or None
-        state = self.timer.state if self.timer is not None else None
-        self.memory = state if isinstance(state, PowerSGDMemory) else None
-
-    def start(self, loop) -> None:
-        saved = ((loop.state or {}).get("comm") or {}).get("powersgd")
-        if self.memory is not None and saved:   # its error feedback and warm start: the resume is exact
-            loop.logger.info(self.memory.load_state_dict(saved, loop.ctx))
-
-    def before_update(self, loop) -> None:
-        if own_ddp.is_own(loop.model):   # --build-ddp: your DDP waits for its all-reduces here
-            started = self.timer.span()
-            loop.model.finish_gradient_sync()
-            self.timer.end_span(started)
-
-    def after_step(self, loop) -> None:
-        if not loop.updated or self.timer is None:
-            return
-        if loop.skipped:   # PowerSGD's memory of this step is inf now: it would poison every later one
-            forget_overflow(self.timer.state)
-        self.timer.step_done()
-
-    def epoch_end(self, loop, record: dict) -> None:
-        loop.extra_state["comm"] = {"choice": loop.meta.get("comm", "none"),   # gathered: a collective
-                                    "powersgd": self.memory.state_dict(loop.ctx) if self.memory is not None else None}
-
-    def results(self, loop, results: dict) -> None:
-        probe = self.probe
-        results.update(link_gbit_s=probe["link_gbit_s"] if probe else None, probe=probe,
-                       predicted_speedup=probe["predicted_speedup"] if probe else None)
-
-
+@register(after=(LogPoints,))
 class Divergence(Observer):
     """Numbers that stopped being finite stop the run on every rank alike (metrics.Diverged): fp16 steps skipped
     too many times in a row, a validation loss or weights that are not finite."""
@@ -392,24 +235,35 @@ class Divergence(Observer):
 def weights_finite(model, ctx) -> bool:
     """Whether every parameter and buffer is finite on every rank (one small collective per epoch)."""
     net = unwrap(model)
-    tensors = map(sharding.local, (*net.parameters(), *net.buffers()))   # FSDP: this rank's shards
+    tensors = map(local_part, (*net.parameters(), *net.buffers()))   # FSDP: this rank's shards
     bad = sum(int(not torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
-    return distributed.all_reduce_sum(torch.tensor([float(bad)], device=ctx.device), ctx).item() == 0
+    return collectives.all_reduce_sum(torch.tensor([float(bad)], device=ctx.device), ctx).item() == 0
 
 
+@register(after=(Divergence,))
 class CompileTimeout(Observer):
     """``--compile``: the short collective timeout starts after the first step, whose compilation can take minutes."""
 
-    def after_step(self, loop) -> None:
-        if loop.settings.compile and loop.step == loop.start_step + 1 and loop.ctx.distributed:
-            distributed.set_collective_timeout(loop.settings.collective_timeout)
+    @classmethod
+    def for_loop(cls, loop, around):
+        return cls() if loop.settings.compile and loop.ctx.distributed else None
+
+    def after_step(self, loop) -> Ask | None:
+        if loop.step == loop.start_step + 1:
+            return Ask(collective_timeout=loop.settings.collective_timeout)
+        return None
 
 
+@register(before=(TimeSplit,))
 class Results(Observer):
     """The run's own figures in results.json, and said: start-up, the cost, the link probe's prediction."""
 
-    def __init__(self, job, started: float | None):
-        self.join_s, self.started, self.t0 = job.ctx.join_s, started, None
+    def __init__(self, join_s: float, started: float | None):
+        self.join_s, self.started, self.t0 = join_s, started, None
+
+    @classmethod
+    def for_loop(cls, loop, around):
+        return cls(loop.ctx.join_s, around.started)
 
     def epoch_start(self, loop) -> None:
         if self.t0 is None:   # the first epoch's start
@@ -424,7 +278,7 @@ class Results(Observer):
         first = loop.history[-results["epochs_run"]]["train"].get("first_step_s") if trained else None
         mine = {"join_s": self.join_s, "startup_s": (self.t0 - self.started + first)
                 if self.started is not None and first is not None else None}
-        results.update(distributed.broadcast_object(mine, ctx))
+        results.update(collectives.broadcast_object(mine, ctx))
         if results["startup_s"] is not None:
             # lines under 100 characters: a notebook wraps longer ones mid-word
             loop.logger.info(f"start-up: {results['startup_s']:.1f} s from the start of training to the end of its "
@@ -439,7 +293,7 @@ class Results(Observer):
 
 def run_cost(settings, ctx, wall_s: float, epochs: int) -> dict:
     """What this run cost, all nodes together: ``cost`` (None without a price) and its parts."""
-    nodes = len(set(distributed.gather_objects(machine_id(), ctx)))   # DDP: ranks sharing a machine pay once
+    nodes = len(set(collectives.gather_objects(machine_id(), ctx)))   # DDP: ranks sharing a machine pay once
     if not settings.price_per_hour:
         return {"cost": None, "cost_per_epoch": None, "nodes": nodes, "price_per_hour": None}
     cost = wall_s / 3600 * nodes * settings.price_per_hour

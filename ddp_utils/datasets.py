@@ -1,51 +1,30 @@
-"""Data sets for DDP training: presets with statistics, transforms, folder checks, samplers, loaders.
-
-Everything ``data.build_loaders`` assembles, and nothing that decides between the loaders:
+"""Data sets on disk: each preset with its statistics, its transforms, its folders checked before anything loads.
 
 - ``load_preset`` gives a data set's preset (``presets.py``) with its statistics, so ImageNet is
   never normalised with CINIC-10 statistics and its validation images are always centre-cropped;
+- ``train_transform`` / ``eval_transform``: PIL image in, normalised tensor out (the workers path's);
 - ``check_data`` checks the folders before anything is loaded (each node reads its own copy: there
-  is no shared file system), and ``Data.fingerprint()`` lets the ranks compare what they found;
-- ``TrainLoader`` is the training-loader protocol, written once: this rank's DistributedSampler, its
-  ``set_epoch``, the steps per epoch. Every training loader is one (``EpochLoader`` for the workers path,
-  ``fastjpeg.NormalizedEpochLoader``, ``memdata.MemoryLoader``, ``dali.DaliTrainLoader``): each only
-  says how it makes the batches of an epoch;
-- ``EvalShardSampler`` gives exact evaluation;
-- ``augmentation_seed`` is the one seeding recipe of all of them.
+  is no shared file system), naming every preset whose layout the folders have when it is another;
+- ``ImageFolderDataset`` reads a split, naming an unreadable file in a ``DataError``.
 
-Rank and world size are plain arguments: nothing here touches ``torch.distributed``.
+How the images become batches (the samplers, the loaders and their table) is loaders.py's.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
-import hashlib
-import itertools
-import multiprocessing.context
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sized
 
-import numpy as np
-import psutil   # here, not in the forked workers: a C extension loaded after fork in a threaded parent can hang
-import torch
 from PIL import Image
-from torch import Tensor
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from torchvision import transforms as T
 from torchvision.datasets import FakeData, ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
-from .robust.workers import end_workers_in
-
 from .demo_data import DEMO_JSON, prepare_demo, read_demo_info
 from .presets import PRESETS, Preset
 
-__all__ = ["DataError", "Preset", "PRESETS", "load_preset", "train_transform", "eval_transform",
-           "check_data", "Data", "TrainLoader", "EpochLoader", "train_sampler", "EvalShardSampler", "ImageFolderDataset",
-           "augmentation_seed", "check_batch_fits"]
+__all__ = ["DataError", "Preset", "PRESETS", "load_preset", "train_transform", "eval_transform", "check_data",
+           "ImageFolderDataset"]
 
 # A split with at most this many images has every image decoded by check_data (a few seconds);
 # a bigger one (ImageNet, full CINIC-10) has one image per class checked, and a broken file
@@ -66,20 +45,6 @@ class DataError(ValueError):
         if marker in text:
             text = text.rsplit(marker, 1)[1].strip()
         return DataError(text)
-
-
-# --------------------------------------------------------------------------------------------
-# Presets (defined in presets.py) and the one seeding recipe of every training loader
-# --------------------------------------------------------------------------------------------
-def augmentation_seed(seed: int, rank: int, epoch: int) -> int:
-    """The seed of rank ``rank``'s random crops and flips in epoch ``epoch``: one independent stream
-    per (seed, rank, epoch), the same for every loader.
-
-    Why not ``seed + rank + epoch``: then rank r at epoch e+1 would repeat the crops of rank r+1 at
-    epoch e. ``numpy.random.SeedSequence`` hashes the three numbers into unrelated streams. Depending on
-    (seed, rank, epoch) alone, a run resumed at epoch k draws the same crops as one that never stopped.
-    """
-    return int(np.random.SeedSequence([seed % 2**64, rank, epoch]).generate_state(1, np.uint64)[0] % 2**63)
 
 
 def load_preset(dataset: str, data_dir: str | Path = "") -> Preset:
@@ -339,7 +304,8 @@ def _check_images(folder: Path, samples: list[tuple[str, int]], preset: Preset) 
 
 
 def _layout_hint(root: Path, preset: Preset) -> str:
-    """A guess at the right preset from the folders that are there."""
+    """Every preset whose folders are there, when they are not ``preset``'s (two presets may share a layout:
+    CIFAR-100's train/ and test/ are Food-101's too, so naming one would be a coin toss)."""
     names = {p.name for p in root.iterdir()} if root.is_dir() else set()
     if preset.val_split in names:
         return ""
@@ -348,8 +314,13 @@ def _layout_hint(root: Path, preset: Preset) -> str:
     fits.sort(key=lambda p: p.made_here != (DEMO_JSON in names))   # demo.json: the kit's own set first
     if not fits:
         return ""
-    splits = "/, ".join(dict.fromkeys(s for s in (fits[0].train_split, fits[0].val_split, fits[0].test_split) if s))
-    return f"These folders look like the {fits[0].name} layout ({splits}/): use dataset='{fits[0].name}'."
+    layouts = [f"dataset='{p.name}' (" + "/, ".join(dict.fromkeys(s for s in (p.train_split, p.val_split,
+                                                                                  p.test_split) if s)) + "/)"
+               for p in fits]
+    if len(fits) == 1:
+        return f"These folders look like the {fits[0].name} layout: use {layouts[0]}."
+    return (f"These folders fit the layout of {len(fits)} presets: use {' or '.join(layouts)}, whichever data set "
+            f"these images are.")
 
 
 def _few(names: list[str], k: int = 5) -> str:
@@ -357,238 +328,3 @@ def _few(names: list[str], k: int = 5) -> str:
     return shown + (f" (and {len(names) - k} more)" if len(names) > k else "")
 
 
-# --------------------------------------------------------------------------------------------
-# Samplers and loaders
-# --------------------------------------------------------------------------------------------
-class EvalShardSampler(Sampler[int]):
-    """Exact evaluation: rank r gets indices r, r + W, r + 2W, ... of the data set.
-
-    Every index goes to exactly one rank, with no padding (DistributedSampler pads with repeats,
-    which counts some images twice). Ranks may get one batch more or fewer than each other, so
-    an evaluation loop must not run a collective per batch: sum loss and correct counts locally,
-    then all-reduce the sums and counts once at the end.
-    """
-
-    def __init__(self, data: Sized | int, rank: int, world_size: int):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} must be in 0..{world_size - 1}")
-        self.size = data if isinstance(data, int) else len(data)
-        self.rank, self.world_size = rank, world_size
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.size, self.world_size))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.size, self.world_size))
-
-
-def close_inherited_listeners(worker_id: int = 0) -> None:
-    """DataLoader ``worker_init_fn``: close the listening sockets a forked worker inherited.
-
-    Rank 0 hosts the rendezvous store on master_port; a worker forked from it holds a copy of that
-    listening socket for as long as it lives (persistent validation workers: until the loader is gone),
-    so re-running the notebook found its own port "in use by pid <worker>". A worker never listens.
-    It imports nothing: psutil was imported by the parent before the fork.
-    """
-    for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.fd >= 0:
-            try:
-                os.close(conn.fd)
-            except OSError:
-                pass
-
-
-class _ForkWithParentsObjectsFrozen(multiprocessing.context.ForkProcess):
-    def start(self):
-        gc.freeze()   # what exists now (also the parent's garbage) sits in a generation the child never collects
-        try:
-            super().start()
-        finally:
-            gc.unfreeze()   # the parent collects its garbage as before
-
-
-class WorkerForkContext(multiprocessing.context.ForkContext):
-    """DataLoader ``multiprocessing_context``: fork, without letting the worker collect the parent's garbage.
-
-    A forked worker inherits every object of the process, also garbage the parent has not collected yet, such as
-    an old process group in a reference cycle (a notebook cell re-run, a torn-down run). When the worker's
-    collector frees that group, its destructor waits for gloo threads that exist only in the parent: the worker
-    hangs for ever, and so does the rank reading from it (seen). ``gc.freeze()`` around the fork is the recipe of
-    Python's ``gc`` documentation for processes that fork.
-    """
-    Process = _ForkWithParentsObjectsFrozen
-
-
-def worker_context(workers: int):
-    """The DataLoader ``multiprocessing_context`` for ``workers`` processes (None without workers, which
-    DataLoader requires, or where this system cannot fork)."""
-    if workers <= 0 or "fork" not in multiprocessing.get_all_start_methods():
-        return None
-    return WorkerForkContext()
-
-
-def train_sampler(size: int, rank: int, world_size: int, seed: int) -> DistributedSampler:
-    """DDP: this rank's share of a training split of ``size`` images.
-
-    Every epoch the whole split is shuffled with ``seed + epoch`` (the same order on every rank) and
-    rank r gets every world_size-th index of it from r on: the ranks' shares are disjoint, of equal
-    size (``drop_last`` leaves out the few that do not divide evenly) and together cover the epoch.
-    """
-    return DistributedSampler(range(size), num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                              drop_last=True)
-
-
-class TrainLoader:
-    """One rank's training batches, reshuffled every epoch: the protocol every training loader keeps.
-
-    ``for images, labels in loader.epoch(e)`` yields this rank's batches of epoch ``e`` (0, 1, ...):
-    images float32 (B, 3, S, S), normalised, and labels int64 (B,), every batch full. The order is
-    the DistributedSampler's for (seed, e, rank, world size), and the random crops come from
-    ``augmentation_seed(seed, rank, e)``: a re-run of epoch e gives the same batches.
-    ``len(loader)`` is the steps per epoch, the same on every rank, which keeps the ranks' collectives
-    in step. ``epoch()`` calls ``sampler.set_epoch(e)`` itself: without it a DistributedSampler repeats
-    the first epoch's order every epoch. There is deliberately no plain ``iter(loader)``.
-
-    A loader subclasses this and says how it makes the batches (``_batches``), reading
-    ``self.sampler`` for this rank's indices of the epoch.
-    """
-
-    def __init__(self, sampler: DistributedSampler, batch_size: int, seed: int = 0, rank: int = 0,
-                 max_steps: int = 0):
-        self.sampler = sampler          # DDP: this rank's share of every epoch (train_sampler)
-        self.batch_size = batch_size    # per rank
-        self.seed, self.rank = seed, rank
-        self.max_steps = max_steps      # 0 = whole epochs
-
-    def __len__(self) -> int:
-        """Steps (batches) per epoch on this rank, the same on every rank."""
-        steps = len(self.sampler) // self.batch_size
-        return min(steps, self.max_steps) if self.max_steps > 0 else steps
-
-    def epoch(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        """The batches of epoch ``epoch`` (0, 1, ...): same order and crops on a re-run, new ones each epoch."""
-        self._shuffle(epoch)
-        return self._batches(epoch)
-
-    def indices(self, epoch: int) -> list[int]:
-        """This rank's image indices for ``epoch``, in training order."""
-        self._shuffle(epoch)
-        return list(self.sampler)
-
-    def _shuffle(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)   # DDP: seed + epoch -> one shuffle shared by all ranks
-
-    def _batches(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        raise NotImplementedError
-
-    def __iter__(self):
-        raise TypeError("Iterate over loader.epoch(epoch), not the loader itself: the epoch number "
-                        "sets the shuffle (DistributedSampler.set_epoch).")
-
-
-class EpochLoader(TrainLoader):
-    """The workers path: a DataLoader (whose sampler is this rank's DistributedSampler) as a TrainLoader.
-
-    Its worker processes decode and augment; each epoch they seed their random crops from the
-    DataLoader's generator, which ``epoch()`` seeds with ``augmentation_seed(seed, rank, epoch)``.
-    """
-
-    def __init__(self, loader: DataLoader, max_steps: int = 0, seed: int = 0, rank: int = 0):
-        if not hasattr(loader.sampler, "set_epoch"):
-            raise TypeError("EpochLoader needs a DataLoader whose sampler has set_epoch (a DistributedSampler)")
-        if loader.generator is None:
-            raise TypeError("EpochLoader needs a DataLoader with a generator: it seeds the workers' augmentation")
-        if not loader.drop_last:
-            raise TypeError("EpochLoader needs a DataLoader with drop_last=True: every rank the same full batches")
-        super().__init__(loader.sampler, loader.batch_size, seed, rank, max_steps)
-        self.loader = loader
-
-    @property
-    def dataset(self):
-        return self.loader.dataset
-
-    def _batches(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        seed = augmentation_seed(self.seed, self.rank, epoch)
-        if self.loader.num_workers > 0:
-            # Each worker process seeds its random crops from this generator (train workers start
-            # afresh each epoch: they are not persistent). Seeded before iter(): that draws the seeds.
-            self.loader.generator.manual_seed(seed)
-            return itertools.islice(self.loader, len(self))
-        return _with_own_rng(itertools.islice(self.loader, len(self)), seed)
-
-
-# where the loaders' frames come from: torch's DataLoader and its iterators, the kit's loaders
-_SPEED = os.path.join(os.path.dirname(__file__), "speed")
-_LOADER_FRAMES = (os.path.join("torch", "utils", "data", ""), os.path.join(os.path.dirname(__file__), "datasets.py"),
-                  *(os.path.join(_SPEED, f"{name}.py") for name in ("memdata", "fastjpeg", "nvjpeg", "dali")))
-
-
-def release_workers(exc: BaseException) -> None:
-    """Let the loader that ``exc`` came through free its worker processes now.
-
-    An exception raised while the training loop waited for a batch (Stop, Ctrl-C, a worker's error) carries a
-    traceback whose frames hold the DataLoader's iterator, and a notebook keeps the last traceback: the iterator
-    never dies, so its workers are never joined (after a Ctrl-C, which ends them too, they stay as zombies under
-    the kernel). Clearing the locals of the loaders' own frames (torch's DataLoader, the kit's loaders) frees it;
-    the frames of your model and of the kit's loop keep theirs for a debugger.
-    """
-    end_workers_in(exc.__traceback__)   # wherever the iterator sits: the loop's own frame, a generator (robust/)
-    tb = exc.__traceback__
-    while tb is not None:
-        if any(part in tb.tb_frame.f_code.co_filename for part in _LOADER_FRAMES):
-            with contextlib.suppress(RuntimeError):   # a frame still running (the caller's) is left alone
-                tb.tb_frame.clear()
-        tb = tb.tb_next
-
-
-def _with_own_rng(batches: Iterator, seed: int) -> Iterator:
-    """``batches`` made in this process (no workers) with a random stream of their own.
-
-    Without workers the transforms draw from torch's global generator, which prepare() seeds the same
-    on every rank: every rank would crop alike, and the training step's own draws would shift the
-    crops. So each batch is made with the global generator set to this loader's stream, and the
-    training's state put back afterwards.
-    """
-    state = torch.Generator().manual_seed(seed).get_state()
-    batches = iter(batches)
-    while True:
-        with torch.random.fork_rng(devices=[]):   # CPU generator only: the transforms run on the CPU
-            torch.set_rng_state(state)
-            batch = next(batches, None)
-            state = torch.get_rng_state()
-        if batch is None:
-            return
-        yield batch
-
-
-@dataclass
-class Data:
-    """What build_data returns: this rank's loaders and facts about the data set.
-
-    ``train_size`` and ``val_size`` are the whole splits (all ranks together), in images.
-    """
-    train: TrainLoader
-    val: DataLoader
-    num_classes: int
-    classes: list[str]
-    train_size: int
-    val_size: int
-    image_size: int
-    preset: Preset
-    val_split: str = ""
-
-    def fingerprint(self) -> dict:
-        """What every rank must share (compare across ranks before training; JSON-friendly)."""
-        return {"dataset": self.preset.name, "train_size": self.train_size, "val_size": self.val_size,
-                "val_split": self.val_split, "num_classes": self.num_classes,
-                "classes_sha1": hashlib.sha1("\n".join(self.classes).encode()).hexdigest()[:12],
-                "image_size": self.image_size,
-                "mean": [round(m, 6) for m in self.preset.mean], "std": [round(s, 6) for s in self.preset.std]}
-
-
-def check_batch_fits(train_images: int, batch_size: int, world_size: int, where: str) -> None:
-    """DataError if a rank's share of the train split is smaller than one batch (no step could run)."""
-    per_rank = train_images // world_size
-    if per_rank < batch_size:
-        raise DataError(f"The train split ({train_images} images {where}) gives each of {world_size} ranks "
-                        f"{per_rank} images, less than one batch of {batch_size}: lower batch_size.")

@@ -1,4 +1,4 @@
-"""The process group: set it up, check that every rank agrees, tear it down; and the collectives the kit uses.
+"""The process group: set it up, check that every rank agrees, tear it down.
 
 In a notebook or script::
 
@@ -9,15 +9,14 @@ In a notebook or script::
 or ``with distributed.session(settings) as ctx: ...``, which tears down on errors and interrupts.
 Re-running the setup cell is safe: the same settings return the same context, changed settings
 tear the old group down and build a new one. With ``world_size == 1`` no process group is created
-and the collectives below do nothing, so the same training code runs on one process.
+and the collectives (``collectives.py``) do nothing, so the same training code runs on one process. How the kit
+hears of the other ranks besides (their failures, explicit waits, a lost peer) is ``robust/peers.py``.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
-import re
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,14 +24,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .robust import compat, failures, mesh, rendezvous, setup_watch, sockets
 from . import settings as settings_module
-from .robust.devices import agree_on_backend, agree_on_precision, device_facts, ended_beside, torch_releases_differ
-from .robust.preflight import DistSetupError, choose_interface, port_holder, preflight, resolve_backend
+from .collectives import SettingsMismatch, agree
+from .optim import precision_name
+from .robust import compat, mesh, peers, rendezvous, setup_watch, sockets
+from .robust.devices import agree_on_backend, agree_on_precision, device_facts, torch_releases_differ
+from .robust.peers import PeerLost, describe_failure, report_failure, where
+from .robust.preflight import DistSetupError, preflight
 
-__all__ = ["DistContext", "DistSetupError", "PeerLost", "SettingsMismatch", "agree", "all_reduce_sum", "barrier",
-           "broadcast_object", "sync_buffers", "choose_interface", "port_holder", "preflight", "resolve_backend",
-           "session", "setup", "teardown"]
+__all__ = ["DistContext", "DistSetupError", "leaving_on_error", "session", "setup", "teardown"]
 
 
 @dataclass(frozen=True)
@@ -54,40 +54,6 @@ class DistContext:
         return self.world_size > 1
 
 
-class SettingsMismatch(DistSetupError):
-    """The ranks were started with different settings (say, one notebook edited and not the other)."""
-
-
-class PeerLost(RuntimeError):
-    """Another rank stopped answering in the middle of training."""
-
-
-_PEER_SIGNS = ("connection", "closed", "reset", "peer", "timed out", "timeout", "broken pipe", "nccl")
-
-
-def lost_a_peer(exc: BaseException) -> bool:
-    """Whether a collective's error means another rank went away (its text is all PyTorch gives)."""
-    text = str(exc).lower()
-    return any(sign in text for sign in _PEER_SIGNS)
-
-
-def peer_lost_text(ctx, kept: str, exc: BaseException | None = None, what: str | None = None) -> str:
-    """The paragraph a surviving rank prints: what happened (``what``, the watch's verdict; else the other
-    rank's own reason when it left one in the store; else the collective's error), what is saved (``kept``,
-    only what exists), how to continue."""
-    if what is None:
-        what = peer_failure(ctx)
-    if what is None:
-        first_line = re.sub(r"^\[[^\]]*\.(cc|cpp|hpp):\d+\]\s*", "", (str(exc).strip().splitlines() or ["?"])[0])[:200]
-        what = f"another rank stopped answering ({first_line})"
-    if what.startswith("another rank stopped answering"):
-        what += ". Its node may have crashed, been stopped or lost the network"
-    kept = f" {kept[0].upper()}{kept[1:]}." if kept else ""
-    return (f"rank {ctx.rank}: training stopped because {what}.{kept} Restart every rank with --resume pointing at "
-            f"rank 0's last.pt, if there is one (in the notebooks: RESUME); rank 0 sends it to the others, so the "
-            f"nodes need no shared folder.")
-
-
 # Settings whose change needs a new process group: where the ranks meet, who they are, and what
 # they agreed on. Others (run_dir, wandb, workers, ...) can change without rebuilding the group.
 GROUP_FIELDS = tuple(dict.fromkeys(("master_addr", "master_port", "rank", "world_size", "local_rank", "backend",
@@ -96,23 +62,7 @@ GROUP_FIELDS = tuple(dict.fromkeys(("master_addr", "master_port", "rank", "world
 
 # The settings the current context was built from: setup() compares against them (idempotency).
 _active: tuple | None = None  # (settings, DistContext)
-_store = None   # the kit's own client of the rendezvous store (failures, explicit waits), kept after teardown
-_group_store = None   # torch's group's keys; on rank 0 the store's server, kept so the others can read its failure
-_waits = 0   # explicit waits made in this process group (their keys in the store)
-_watches = 0  # training runs watched in this process group (heartbeat.py; their keys in the store)
-# What the watch may cut to end a collective from another thread (abort_group): gloo's connections to
-# the other ranks, as (fd, local address, remote address); and why it did, once it has.
-_group_sockets: set = set()
-_aborted: str | None = None
-stop_signal: str | None = None   # set by the CLI's signal handling: what stopped this process, whatever broke next
-INTERRUPTED = "KeyboardInterrupt (Stop pressed in the notebook, or Ctrl-C)"   # what the others are told of one
 _collective_s = 60.0   # how long a collective may wait now (the group's timeout, or set_collective_timeout's)
-_peers: dict[int, dict] = {}   # rank -> its facts from the rendezvous: host, address, machine, pid
-
-
-def where(rank: int) -> str:
-    """``" (on node-b, 10.0.0.2)"``: where a rank runs, as it said when it joined ("" if unknown)."""
-    return f" (on {_peers[rank].get('host')}, {_peers[rank].get('addr')})" if rank in _peers else ""
 
 
 # -- setup and teardown -----------------------------------------------------------------------
@@ -158,7 +108,8 @@ def setup(settings, log=print) -> DistContext:
     if ctx.distributed:
         must_agree = settings.agreed()
         try:
-            backend = _join_process_group(settings, ctx, report, device_facts(settings, ctx.device), must_agree, log)
+            facts = device_facts(settings, ctx.device, _precision(settings, ctx.device))
+            backend = _join_process_group(settings, ctx, report, facts, must_agree, log)
             ctx = dataclasses.replace(ctx, backend=backend)   # the backend every rank agreed on
             ctx = dataclasses.replace(ctx, join_s=round(time.monotonic() - started, 2))
         except BaseException as e:  # also KeyboardInterrupt: never leave a half-made process group
@@ -186,17 +137,24 @@ def _device(settings) -> torch.device:
     return torch.device("cuda", settings.local_rank)
 
 
+def _precision(settings, device: torch.device) -> str:
+    """What this rank would train in, for the others to compare (robust/devices.py: agree_on_precision)."""
+    try:
+        return precision_name(settings, device)
+    except ValueError as e:   # amp=bf16 on a GPU without it: every rank says so
+        return f"error: {e}"
+
+
 def _join_process_group(settings, ctx: DistContext, report: dict, facts: dict, must_agree: dict, log) -> str:
     """``init_process_group`` with a bounded wait, on the backend every rank agreed on (returned), then
     ``agree`` on ``must_agree``. A failure becomes one readable DistSetupError here, and the other ranks
     hear of it: they stop within a second, every rank naming the first rank that failed and why
     (robust/setup_watch.py)."""
-    global _peers
     # Keys of this setup's own on the store on master_port (rank 0's, or torchrun's agent's), so that re-running a
     # notebook cell, or torchrun restarting the training processes, never reads an earlier attempt's (rendezvous.py)
     keys, everyone = rendezvous.join(settings, log, {**facts, "addr": report.get("local_ip")})
     # where each rank runs, for the paragraphs that name a lost rank (hosts in namespaces share one name)
-    _peers = {f["rank"]: f for f in everyone or []}
+    peers.remember(everyone)
     watch = setup_watch.SetupWatch(settings, keys)
     try:
         backend = _agree_on_backend(settings, everyone, report, log)   # the same answer (or error) on every rank
@@ -249,7 +207,7 @@ def _agree_on_backend(settings, everyone: list, report: dict, log) -> str:
 def _init_process_group(settings, keys, backend: str, report: dict, log) -> None:
     """``init_process_group`` on the generation's ``keys`` and a first barrier; raises DistSetupError with a
     readable paragraph."""
-    global _store, _group_store, _waits, _watches, _group_sockets, _aborted, _collective_s
+    global _collective_s
     if backend == "nccl":
         _set_nccl_env(log)
     # Joining may take long (the other ranks start late): made with init_timeout, lowered below -- except
@@ -265,13 +223,9 @@ def _init_process_group(settings, keys, backend: str, report: dict, log) -> None
         # The kit's own messages (failures, explicit waits, the watch's beats) go through a connection of their
         # own with a short timeout: a lost link must not block a rank's look at the store for minutes. torch's
         # group keeps its connection and init_timeout (NCCL makes later communicators through it).
-        _store = rendezvous.second_client(settings, keys, timeout=STORE_TIMEOUT_S)
-        _group_store = keys
-        _waits = _watches = 0
-        _aborted = None
         # gloo's connections to the other ranks are the ones init made (the store's use master_port)
-        _group_sockets = {c for c in sockets.tcp_connections() - before
-                          if settings.master_port not in (c[1][1], c[2][1])}
+        peers.attach(rendezvous.second_client(settings, keys, timeout=peers.STORE_TIMEOUT_S), keys,
+                     {c for c in sockets.tcp_connections() - before if settings.master_port not in (c[1][1], c[2][1])})
         # From now on a collective waits at most collective_timeout: a silent rank is named within a
         # minute. Longer waits (the others reading their data, rank 0 starting W&B or writing a
         # checkpoint) are explicit store waits (wait_for_all), bounded by init_timeout. With --compile
@@ -346,7 +300,7 @@ def teardown(abort: bool = False) -> None:
         if abort:
             _, call = compat.abort_path(dist.get_backend(), dist.distributed_c10d._get_default_group())
             with contextlib.suppress(RuntimeError):   # an NCCL communicator already broken by the failure
-                call() if call is not None else sockets.shut_down(_group_sockets)
+                call() if call is not None else peers.shut_down_connections()
         with contextlib.suppress(Exception):  # a broken group (a peer died) must not stop the cleanup
             compat.destroy_process_group(dist.get_backend())   # torch 2.6 and 2.7's gloo need a moment first
 
@@ -359,187 +313,6 @@ def session(settings, log=print):
         yield ctx
     finally:
         teardown()
-
-
-# -- the watch's tools (heartbeat.py) -------------------------------------------------------------
-def watch_store():
-    """Keys of their own for each watched training run in this process group (every rank counts alike)."""
-    global _watches
-    _watches += 1
-    return dist.PrefixStore(f"watch/{_watches}", _store)
-
-
-def abort_path() -> str:
-    """How ``abort_group`` will stop a hung collective of this process group, on this torch (the watch says it)."""
-    return compat.abort_path(dist.get_backend())[0] if dist.is_initialized() else "no process group"
-
-
-def abort_group(reason: str) -> str:
-    """End the process group's pending collectives from another thread (the watch's), so that a main
-    thread blocked in one, waiting for a rank that is gone, raises now instead of at the collective
-    timeout. NCCL: abort its communicators (``compat.abort_path``: the call this torch has). gloo has no
-    such call that reaches a pending collective, so its connections to the other ranks are shut down: the
-    waiting read fails at once ("Connection closed"). ``reason`` is kept: the explicit waits stop with it
-    too. Returns what was done, for the log."""
-    global _aborted
-    _aborted = reason
-    if not dist.is_initialized():
-        return "no process group to stop"
-    how, call = compat.abort_path(dist.get_backend(), dist.distributed_c10d._get_default_group())
-    if call is not None:
-        try:
-            call()
-        except RuntimeError as e:   # said, not swallowed: the collective then ends at its timeout
-            return f"{how} failed ({(str(e).splitlines() or [type(e).__name__])[0][:120]})"
-        return how
-    return f"shut down {sockets.shut_down(_group_sockets)} gloo connection(s) to the other ranks"
-
-
-# -- collectives (no-ops with one process) ----------------------------------------------------
-def agree(values: dict, ctx: DistContext, what: str = "settings") -> None:
-    """Check that every rank passed equal ``values``; raise SettingsMismatch on every rank if not.
-
-    The message names each differing key and every rank's value for it.
-    """
-    if not ctx.distributed:
-        return
-    gathered: list = [None] * ctx.world_size
-    dist.all_gather_object(gathered, values)
-    keys = dict.fromkeys(k for g in gathered for k in g)  # union, in order of appearance
-    differences = []
-    for key in keys:
-        per_rank = [g.get(key, "<missing>") for g in gathered]
-        if any(v != per_rank[0] for v in per_rank):
-            values_ = ", ".join(f"rank {r} has {v!r}" for r, v in enumerate(per_rank))
-            differences.append(f"{key}: {values_}")
-    if differences:
-        raise SettingsMismatch(
-            f"rank {ctx.rank}: the ranks disagree on {what} -- {'; '.join(differences)}. Every rank "
-            f"must use the same {what}, or they would silently train different things; edit the "
-            f"notebooks/flags so they match (main.ipynb and worker.ipynb should differ only in the "
-            f"rank) and run setup again on every node.")
-
-
-def all_reduce_sum(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    """Sum ``t`` over all ranks, in place (any shape); returns ``t``. NCCL needs a CUDA copy."""
-    if not ctx.distributed:
-        return t
-    if ctx.backend == "nccl" and t.device.type != "cuda":
-        on_gpu = t.to(ctx.device)
-        dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM)
-        return t.copy_(on_gpu)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
-def sync_buffers(module: torch.nn.Module, ctx: DistContext, src: int = 0) -> None:
-    """Copy rank ``src``'s buffers (BatchNorm running statistics) to every rank, in place.
-
-    During training each rank updates its BatchNorm statistics from its own batches, so after the
-    last step they differ slightly; evaluation then uses rank 0's, the ones the checkpoint holds.
-    """
-    if ctx.distributed:
-        for buffer in module.buffers():
-            dist.broadcast(buffer, src)
-
-
-def barrier(ctx: DistContext) -> None:
-    """Wait until every rank gets here."""
-    if ctx.distributed:
-        dist.barrier(device_ids=[ctx.local_rank] if ctx.backend == "nccl" else None)
-
-
-def wait_for_all(what: str, ctx: DistContext, timeout: float, log=print) -> None:
-    """An explicit barrier through the store, for waits longer than a collective may take (a rank still
-    reading its data, rank 0 starting W&B or writing a checkpoint, a notebook whose student still reads
-    the cell before). ``what`` completes "waiting for 1 other rank(s) to ...": "finish reading the data".
-    Says every ~30 s whom it waits for, and stops at once with the other rank's reason if that rank
-    failed meanwhile."""
-    if not ctx.distributed or _store is None:
-        return
-    global _waits
-    _waits += 1   # every rank makes the same waits in the same order: the n-th wait has one key
-    key = f"wait/{_waits}"
-    count = _ask_store(ctx, what, _store.add, key, 1)   # arrivals, counted by the store itself
-    start = time.monotonic()
-    next_note, pause = start + 30.0, 0.005
-    while count < ctx.world_size:
-        time.sleep(pause)
-        pause = min(0.2, pause * 2)   # quick when the others are already there, 5 polls a second after that
-        if _aborted:   # the watch found a rank gone (the store may be out of reach too)
-            raise PeerLost(f"rank {ctx.rank}: training stopped because {_aborted}")
-        count, failure = _ask_store(ctx, what, lambda: (int(_store.add(key, 0)), _failure_in_store(ctx)))
-        if failure:   # a stop during the epoch's save or evaluation is a stop in training: say how to go on
-            raise PeerLost(f"rank {ctx.rank}: stopped because {failure.rstrip().rstrip('.')}. Restart every rank "
-                           f"(with --resume pointing at rank 0's last.pt, if there is one; in the notebooks: RESUME).")
-        now = time.monotonic()
-        if count < ctx.world_size and now - start > timeout:
-            raise PeerLost(f"rank {ctx.rank}: waited {timeout:g} s for the other ranks to {what} and "
-                           f"{ctx.world_size - count} did not. Look at the other nodes' output; restart every "
-                           f"rank (with --resume RUN/last.pt if a checkpoint exists).")
-        if now >= next_note and count < ctx.world_size:
-            log(f"rank {ctx.rank}: waiting for {ctx.world_size - count} other rank(s) to {what} "
-                f"({now - start:.0f} s)")
-            next_note += 30.0
-
-
-STORE_TIMEOUT_S = 10.0   # the kit's own store connection: a request waits this long at most
-STORE_PATIENCE = 15.0   # seconds a store call may take before rank 0's node counts as unreachable
-
-
-def _ask_store(ctx: DistContext, what: str, call, *args):
-    """``call(*args)`` on the store, given up after STORE_PATIENCE s: a store call over a link that went
-    down blocks far longer than any timeout set on the store, so it runs in a thread of its own."""
-    box: list = []
-    thread = threading.Thread(target=lambda: box.append(_try(call, *args)), daemon=True)
-    thread.start()
-    thread.join(STORE_PATIENCE)
-    if not box:
-        raise PeerLost(f"rank {ctx.rank}: training stopped because another rank stopped answering (rank 0's "
-                       f"store{where(0)} gave no answer for {STORE_PATIENCE:g} s while this rank waited for "
-                       f"{what}). Its node may have crashed, been stopped or lost the network. Restart every rank with "
-                       f"--resume pointing at rank 0's last.pt, if there is one.")
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
-
-
-def _try(call, *args):
-    try:
-        return True, call(*args)
-    except Exception as e:   # noqa: BLE001 - handed to the caller's thread
-        return False, e
-
-
-REPORT_S = 5.0   # seconds the main thread gives its failure report before it goes on without it
-
-
-def report_failure(ctx: DistContext, text: str) -> None:
-    """Leave this rank's reason for stopping in the store, where the others read it (best effort, bounded: over a
-    link that just went down a store call blocks far longer than any timeout set on the store, and the client is
-    shared with the watch's beat thread, so the writes run on a thread the caller waits for REPORT_S at most;
-    Stop pressed then must not hang the cell for minutes)."""
-    if not (ctx.distributed and _store is not None):
-        return
-    store = _store
-
-    def write():
-        with contextlib.suppress(Exception):
-            failures.report(store, ctx.rank, text)
-    thread = threading.Thread(target=write, daemon=True, name="report-failure")
-    thread.start()
-    thread.join(REPORT_S)
-
-
-def describe_failure(exc: BaseException) -> str:
-    """``KeyboardInterrupt (Stop pressed, or Ctrl-C)`` or ``DataError: /data/...`` (first line only)."""
-    if stop_signal or getattr(exc, "description", None):   # cli.Terminated says what it is; and who ended before
-        return (stop_signal or exc.description) + ended_beside(_peers)
-    if isinstance(exc, KeyboardInterrupt):
-        return INTERRUPTED
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 @contextlib.contextmanager
@@ -556,44 +329,3 @@ def leaving_on_error(ctx: DistContext):
         raise
 
 
-def peer_failure(ctx: DistContext) -> str | None:
-    """The first reason another rank left in the store, or None (also when the store is gone)."""
-    if not ctx.distributed or _store is None:
-        return None
-    try:
-        return _ask_store(ctx, "the other ranks' news", _failure_in_store, ctx)
-    except Exception:   # noqa: BLE001 - rank 0's store went away with rank 0, or the link is down
-        return None
-
-
-def _failure_in_store(ctx: DistContext) -> str | None:
-    """The first failure another rank reported, or None (robust/failures.py: one store request while none did)."""
-    found = failures.first(_store, skip=ctx.rank, world_size=ctx.world_size)
-    return found[1] if found else None
-
-
-def gather_objects(obj, ctx: DistContext) -> list:
-    """Every rank's ``obj`` (any picklable object), as a list by rank, on every rank."""
-    if not ctx.distributed:
-        return [obj]
-    out: list = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def gather_to_main(obj, ctx: DistContext) -> list | None:
-    """Every rank's ``obj`` as a list by rank on rank 0 (what it alone writes), None on the others."""
-    if not ctx.distributed:
-        return [obj]
-    out = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
-def broadcast_object(obj, ctx: DistContext, src: int = 0):
-    """Rank ``src``'s ``obj`` (any picklable object), returned on every rank."""
-    if not ctx.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, device=ctx.device if ctx.backend == "nccl" else None)
-    return box[0]

@@ -24,19 +24,25 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checkpoint, distributed
+from . import checkpoint, collectives, distributed
+from .robust import peers
 from .checkpoint import kept_checkpoint
 from .data import build_data
-from .datasets import Data
-from .distributed import describe_failure, setup
+from .loaders import Data
+from .distributed import setup
+from .robust.peers import describe_failure
 from .model import build_model, parallel_mode, prepare_model, unwrap
+from .parallel import load_model_state
 from .robust import autoresume
 from .runlog import NullLogger, RunLogger, default_run_dir, make_logger, summarize
 from .settings import Settings
-from .speed import sharding
-from .speed.comm import Communication
 from .train import evaluate, fit
 from .watch import wait_for_the_others
+
+
+class Evaluate(str):
+    """``resume=Evaluate(path)``: the checkpoint at ``path`` is only evaluated, into a new run folder (``--evaluate``),
+    not continued."""
 
 
 def _check_evaluate(resume, evaluate: bool) -> None:
@@ -56,7 +62,6 @@ class Job:
     resume: str | None = None         # its path on rank 0
     model_table: str = ""             # the layer table (rank 0), also in model_summary.txt
     parallel: str = "none"            # what runs: ddp, dp or none (model.parallel_mode)
-    communication: Communication | None = None   # how the gradients travel: fit decides it before the first step
     log: object = print               # where the run's own notes go (rank 0)
 
     def __enter__(self) -> "Job":
@@ -71,10 +76,10 @@ class Job:
     def fail(self, exc: BaseException) -> None:
         """After an error or an interrupt: tell the other ranks why (DDP), write it to the run folder,
         and leave the process group so that its connections close now and setup can run again."""
-        own = isinstance(exc, distributed.PeerLost)   # another rank's failure: nothing new to tell
+        own = isinstance(exc, peers.PeerLost)   # another rank's failure: nothing new to tell
         if not own:
             kept = kept_checkpoint(self.logger.run_dir, self.ctx)
-            distributed.report_failure(self.ctx, f"rank {self.ctx.rank} stopped: {describe_failure(exc)}"
+            peers.report_failure(self.ctx, f"rank {self.ctx.rank} stopped: {describe_failure(exc)}"
                                                  + (f". {kept[0].upper()}{kept[1:]}" if kept else ""))
         self.logger.error(str(exc) if str(exc).startswith("rank") else describe_failure(exc))
         self.logger.close(exit_code=1)
@@ -112,33 +117,34 @@ def prepare(settings, resume: str | None = None, evaluate: bool = False, log=pri
     data = build_data(settings, ctx, log)   # DDP: DistributedSampler shards; the ranks agree on the data
     model = build_model(settings.arch, data.num_classes, settings.seed, data.image_size)   # seeded, for this size
     model = prepare_model(model, settings, ctx, log)   # DDP: wrap
-    return open_run(settings, ctx, data, model, resume, evaluate, log)   # DDP: rank 0 writes the run folder
+    resume = Evaluate(resume) if evaluate else resume
+    return open_run(settings, ctx, data, model, resume, log)   # DDP: rank 0 writes the run folder
 
 
-def open_run(settings, ctx, data: Data, model, resume: str | None = None, evaluate: bool = False,
-             log=print) -> Job:
+def open_run(settings, ctx, data: Data, model, resume: str | None = None, log=print) -> Job:
     """Open the run folder (rank 0 writes it; the other ranks get a NullLogger) and find where the
     run starts: a new run, or a resume.
 
     ``resume``: rank 0's path to a last.pt / best.pt; training continues after its epoch, in its
     folder (unless ``settings.run_dir`` says otherwise). ``"auto"``: continue the unfinished run of
     these settings if rank 0 has one (``robust/autoresume.py``), else start a new one; it says
-    which. With ``evaluate`` the checkpoint's weights are only evaluated, into a new run folder.
+    which. ``Evaluate(path)``: the checkpoint's weights are only evaluated, into a new run folder.
     """
+    evaluate = isinstance(resume, Evaluate)
     with distributed.leaving_on_error(ctx):
         _check_evaluate(resume, evaluate)
         # DDP: the cell's first collective (the resume decision) waits for the other notebook here, up to init_timeout
-        distributed.wait_for_all("start the run cell (open_run)", ctx, settings.init_timeout, log)
+        peers.wait_for_all("start the run cell (open_run)", ctx, settings.init_timeout, log)
         if resume and resume != "auto" and not evaluate and not settings.run_dir:
             # Continue writing into the folder the checkpoint came from (evaluation gets a new folder).
             settings = settings.replace(run_dir=os.path.dirname(os.path.abspath(resume)))
         if resume == "auto":   # DDP: rank 0 has the run folders; it decides for every rank
-            resume, run_dir, why = distributed.broadcast_object(autoresume.decide(settings) if ctx.is_main else None,
+            resume, run_dir, why = collectives.broadcast_object(autoresume.decide(settings) if ctx.is_main else None,
                                                                 ctx)
             log(f"resume auto: {why}")   # every rank says what all of them do
             settings = settings.replace(run_dir=run_dir)
         # DDP: loading is a collective (rank 0 reads its file and sends it), so all resume or none.
-        distributed.agree({"resume": bool(resume)}, ctx, what="whether to resume")
+        collectives.agree({"resume": bool(resume)}, ctx, what="whether to resume")
         state = checkpoint.load_state(resume, ctx, settings.init_timeout) if resume else None
         if state is not None:
             checkpoint.check_matches(state, settings, resume)   # not an 8 KB key dump from load_state_dict
@@ -150,7 +156,7 @@ def open_run(settings, ctx, data: Data, model, resume: str | None = None, evalua
     with _failing(job):
         job.model_table = logger.model_summary(model, (3, data.image_size, data.image_size))
         # DDP: rank 0 may take a while to start W&B; the others wait here, not in the first all-reduce
-        distributed.wait_for_all("finish starting the run", ctx, settings.init_timeout, log)
+        peers.wait_for_all("finish starting the run", ctx, settings.init_timeout, log)
     return job
 
 
@@ -260,11 +266,11 @@ def evaluate_only(job) -> dict:
     """Evaluate the weights of ``job.state`` (rank 0's checkpoint, sent to all ranks)."""
     settings, ctx, data, model, logger, resume = job.settings, job.ctx, job.data, job.model, job.logger, job.resume
     wait_for_the_others("evaluating", job)
-    sharding.load_model_state(unwrap(model), job.state["model"])
+    load_model_state(unwrap(model), job.state["model"])
     val = evaluate(model, data.val, settings, ctx)
     logger.info(f"evaluated {resume} on {val['count']} images: loss {val['loss']:.4f} "
                 f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}")
-    results = summarize(settings, ctx, val, [], 0.0, val["acc1"],
-                        extra={"parallel": job.parallel, "comm": "none", "resumed_from": None, "cost": None})
+    results = summarize(settings, ctx, val, [], {"wall_time_s": 0.0, "best_acc1": val["acc1"], "parallel": job.parallel,
+                                                 "comm": "none", "resumed_from": None, "cost": None})
     logger.results(results)
     return results

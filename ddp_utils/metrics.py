@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from . import distributed
+from . import collectives
 
 
 def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks=(1, 5)) -> torch.Tensor:
@@ -40,7 +40,7 @@ class Meter:
 
     def reduced(self, ctx) -> dict:
         """Global {loss, acc1, acc5 (percent), count} over all ranks. A collective: call on every rank."""
-        sums = distributed.all_reduce_sum(self.sums.clone(), ctx)
+        sums = collectives.all_reduce_sum(self.sums.clone(), ctx)
         loss, c1, c5, n = sums.tolist()
         n_safe = max(n, 1.0)
         return {"loss": loss / n_safe, "acc1": 100.0 * c1 / n_safe, "acc5": 100.0 * c5 / n_safe, "count": int(n)}

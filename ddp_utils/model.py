@@ -8,10 +8,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import distributed, own_ddp
+from . import distributed, own_ddp, parallel
 from .architectures import architecture
 from .optim import amp_dtype, channels_last_on, use_fast_gpu_kernels
-from .speed import sharding
+from .robust import peers
 
 
 def build_model(arch: str, num_classes: int, seed: int | None = None, image_size: int = 0) -> nn.Module:
@@ -52,15 +52,16 @@ def _autocast_on(device_type: str) -> bool:
 
 
 def parallel_mode(settings, ctx) -> str:
-    """What really runs: ``ddp`` with several ranks (``zero1`` or ``fsdp`` when asked for: speed/sharding.py),
-    ``dp`` when DataParallel was asked for (one process), else ``none`` (one process, one device, no wrapper).
+    """What really runs: ``ddp`` with several ranks (a sharded mode when asked for: ``zero1`` or ``fsdp``, from
+    speed/sharding.py), ``dp`` when DataParallel was asked for (one process), else ``none`` (one process, one
+    device, no wrapper).
     DataParallel over one GPU or on a CPU splits nothing (torch then calls the model itself): a rehearsal of its
     code path where the node has fewer than 2 GPUs, as the homework's nodes do, and ``describe_parallel`` says so.
     zero1 and fsdp on one process have nothing to shard: ``none``, said too."""
     if ctx.distributed:
         if settings.build_ddp == "f":   # your ShardedOptimizer (lab/build_ddp, part f) as ZeRO-1's
             return "zero1"
-        return settings.parallel if settings.parallel in sharding.MODES else "ddp"
+        return settings.parallel if _sharded(settings.parallel) else "ddp"
     return "dp" if settings.parallel == "dp" else "none"
 
 
@@ -87,22 +88,15 @@ def describe_parallel(settings, ctx, model: nn.Module | None = None) -> str:
     if mode == "ddp" and settings.build_ddp:
         return (f"parallel: {ctx.world_size} processes, {own_ddp.named(settings.build_ddp)} from lab/build_ddp/"
                 f"{own_ddp.which()}, part {settings.build_ddp}: {own_ddp.PARTS[settings.build_ddp]}")
-    if mode == "zero1" and settings.build_ddp == "f":
+    if mode == "zero1" and settings.build_ddp == "f":   # your ShardedOptimizer as ZeRO-1's
         return (f"parallel: ZeRO-1, {ctx.world_size} processes: DDP all-reduces the gradients; "
                 f"{own_ddp.named('f')} from lab/build_ddp/{own_ddp.which()},\n  part f: "
                 f"{own_ddp.PARTS['f']}")
     if mode == "ddp":
         return f"parallel: DDP, {ctx.world_size} processes, gradients all-reduced in buckets during backward"
-    if mode == "zero1":
-        return (f"parallel: ZeRO-1, {ctx.world_size} processes: DDP all-reduces the gradients; each rank keeps the "
-                f"optimizer\n  state of about 1/{ctx.world_size} of the parameters (ZeroRedundancyOptimizer), steps "
-                f"them, broadcasts them")
-    if mode == "fsdp":
-        blocks = len(sharding.blocks(sharding.blueprint(unwrap(model)))) if model is not None else "its"
-        return (f"parallel: FSDP (fully_shard), {ctx.world_size} processes: each rank keeps 1/{ctx.world_size} of "
-                f"every parameter,\n  its gradient and its optimizer state; a block's weights are all-gathered for "
-                f"its\n  forward and backward, its gradients reduce-scattered ({blocks} blocks and the root)")
-    if settings.parallel in sharding.MODES:
+    if _sharded(mode):
+        return parallel.MODES[mode].describe(settings, ctx, model)
+    if _sharded(settings.parallel):
         return (f"parallel: {settings.parallel} with one process: nothing to shard, so plain one-process training "
                 f"on {ctx.device}\n  (recorded as none)")
     return f"parallel: none, one process on {ctx.device}"
@@ -112,7 +106,8 @@ def prepare_model(model: nn.Module, settings, ctx, log=print) -> nn.Module:
     """Move to the device, apply the speed settings and, with several ranks, wrap in
     ``DistributedDataParallel`` (buckets of ``bucket_mb``; how its gradients travel is decided when
     training starts: ``train.fit``); DataParallel for parallel=dp (over every GPU of the node); for parallel=fsdp
-    no wrapper: its blocks and root are sharded in place (``speed/sharding.py``; zero1 is DDP here).
+    a sharded mode's own placing (fsdp: its blocks and root sharded in place, ``speed/sharding.py``; zero1 is DDP
+    here).
 
     Returns the module to train with; ``unwrap(result)`` gives back the plain model. Rank 0 says
     what runs (``describe_parallel``). On an error every rank is told and the process group is left.
@@ -120,7 +115,7 @@ def prepare_model(model: nn.Module, settings, ctx, log=print) -> nn.Module:
     with distributed.leaving_on_error(ctx):
         # DDP: the wrap is a collective (rank 0's weights go to every rank); the other notebook may still be
         # at an earlier cell, so wait for it here, up to init_timeout, not in a collective that times out
-        distributed.wait_for_all("start the model cell (prepare_model)", ctx, settings.init_timeout, log)
+        peers.wait_for_all("start the model cell (prepare_model)", ctx, settings.init_timeout, log)
         model = _place(model, settings, ctx)
         use_fast_gpu_kernels(ctx.device)   # cuDNN's autotuner and TF32 on a GPU
         if ctx.is_main:
@@ -135,13 +130,14 @@ def _place(model: nn.Module, settings, ctx) -> nn.Module:
                              "Turn sync_bn off for CPU runs.")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # DDP: BN statistics over the global batch
     model = model.to(ctx.device)
-    fsdp = parallel_mode(settings, ctx) == "fsdp"
+    mode = parallel.MODES[parallel_mode(settings, ctx)]
+    placing = mode.places_model   # a mode that places the model itself (FSDP shards it)
     # FSDP2 shards only contiguous parameters: under fsdp the weights stay NCHW, and the batches alone go
     # channels_last (a convolution takes its layout from its input)
-    if channels_last_on(settings, ctx.device) and not fsdp:
+    if channels_last_on(settings, ctx.device) and not placing:
         model = model.to(memory_format=torch.channels_last)
-    if fsdp:   # FSDP: no wrapper; the model's blocks are sharded in place
-        model = sharding.shard_model(model, ctx, architecture(settings.arch).units)
+    if placing:   # FSDP: no wrapper; the model's blocks are sharded in place
+        model = mode.place(model, settings, ctx)
         return torch.compile(model) if settings.compile else model
     if ctx.distributed and settings.build_ddp in own_ddp.WRAPPERS:   # the DDP you wrote (lab/build_ddp)
         model = own_ddp.wrap(model, settings.build_ddp, settings.bucket_mb)
@@ -166,17 +162,18 @@ def wrap_ddp(model: nn.Module, settings, ctx) -> DDP:
 
 
 def local_gradients(model: nn.Module, local: bool):
-    """DDP's ``no_sync()`` (FSDP: ``sharding.no_sync``) while ``local``: this batch's gradients are added to the
+    """DDP's ``no_sync()`` (a sharded mode's, FSDP's) while ``local``: this batch's gradients are added to the
     ones already there, not all-reduced (gradient accumulation). Nothing for one process or DataParallel."""
     if not local:
         return contextlib.nullcontext()
-    return model.no_sync() if hasattr(model, "no_sync") else sharding.no_sync(unwrap(model))
+    net = unwrap(model)
+    return model.no_sync() if hasattr(model, "no_sync") else parallel.of_state(net).no_sync(net)
 
 
 def forwards_to_add(net: nn.Module, loader, ctx) -> int:
     """FSDP: the empty forwards this rank adds after its evaluation batches (every rank runs as many: each
-    forward all-gathers); 0 for any other model (speed/sharding.py)."""
-    return sharding.forwards_to_add(net, loader, ctx)
+    forward all-gathers); 0 for any other model (parallel.py's modes)."""
+    return parallel.of_state(net).forwards_to_add(net, loader, ctx)
 
 
 def ddp_of(model: nn.Module) -> DDP | None:
@@ -195,3 +192,8 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def _sharded(name: str) -> bool:
+    """Whether ``name`` is a registered mode that splits what a DDP rank holds (zero1, fsdp: speed/sharding.py)."""
+    return name in parallel.MODES and parallel.MODES[name].sharded

@@ -1,10 +1,11 @@
 """The data set presets: each one is the only owner of its data set's facts.
 
-Its folders and layout, statistics, transforms, default training recipe, and which loaders suit it (and why not
-the others). Plain data, no torch: ``settings.py`` reads the recipes to fill in what a user leaves out and its help
-texts from here; ``datasets.py`` builds the transforms and folder checks, ``data.py`` asks ``loader_refusal`` and
-``auto_loader`` before building a loader, and docs/commands.md's table is ``recipe_table()``. Adding a data set is
-one entry here (tests/test_registry.py adds CIFAR-100 that way).
+Its folders and layout, statistics, transforms, default training recipe, and which loaders do not suit it, and why
+(``not_for``: names of the table of loaders, loaders.py, checked against it when ddp_utils is imported). Plain data,
+no torch: ``settings.py`` reads the recipes to fill in what a user leaves out and its help texts from here;
+``datasets.py`` builds the transforms and folder checks, ``data.py`` asks ``loader_refusal`` before building a
+loader, and loaders.py makes docs/commands.md's table (``recipe_table()``). Adding a data set is one entry here
+(tests/test_registry.py adds CIFAR-100 that way).
 
 A recipe is what makes ``python -m ddp_utils train --dataset NAME`` learn with no other flag: the
 model, the batch per rank, the number of epochs, the warm-up, the learning rate, the optimizer and its weight decay.
@@ -18,13 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 LR_REFERENCE_BATCH = 256   # the global batch at which every lr in this kit is given
-
-# How a data set can be fed to the GPUs (data.py builds each): every preset takes the workers; the others it takes
-# unless its ``not_for`` says why not.
-LOADERS = {"workers": "DataLoader worker processes decode and augment each image (Pillow, libjpeg-turbo)",
-           "memory": "the splits decoded once into a uint8 tensor, augmented a whole batch at a time",
-           "dali": "NVIDIA DALI decodes JPEGs on the GPU (nvJPEG) and augments there",
-           "nvjpeg": "torchvision's decode_jpeg on the GPU, fed the files' bytes by the workers"}
 
 
 @dataclass(frozen=True)
@@ -132,12 +126,6 @@ def loader_refusal(dataset: str, loader: str) -> str | None:
     return f"loader='{loader}' is for {', '.join(suited(loader))} only, not dataset={dataset!r}: {why}."
 
 
-def auto_loader(dataset: str) -> str:
-    """What ``--loader auto`` feeds ``dataset`` with: from memory where its splits fit, else the workers (no
-    worker processes competing with the ranks for the cores: on a CPU rehearsal that is most of the difference)."""
-    return "memory" if loader_refusal(dataset, "memory") is None else "workers"
-
-
 def default_of(field_name: str) -> str:
     """A help text's "the preset's" part: each value and the presets that have it, e.g. "224 imagenet, fake;
     32 cinic10, demo"."""
@@ -147,13 +135,3 @@ def default_of(field_name: str) -> str:
     return "; ".join(f"{value} {', '.join(names)}" for value, names in by_value.items())
 
 
-def recipe_table() -> str:
-    """docs/commands.md's table of the recipes (a generated region: python docs/quotes.py pages)."""
-    rows = ["| `--dataset` | model | batch per rank | epochs | lr (at 256) | warm-up (epochs) | optimizer | weight "
-            "decay | loaders (auto first) |", "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
-    for name, preset in PRESETS.items():
-        r = preset.recipe
-        loaders = [auto_loader(name), *(x for x in LOADERS if x != auto_loader(name) and x not in preset.not_for)]
-        rows.append(f"| `{name}` | `{r.arch}` | {r.batch_size} | {r.epochs} | {r.lr:g} | {r.warmup_epochs:g} | "
-                    f"{r.optimizer} | {r.weight_decay:g} | {', '.join(loaders)} |")
-    return "\n".join(rows)

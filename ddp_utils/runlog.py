@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from .distributed import describe_failure
+from .robust.peers import describe_failure
 from .robust.files import atomic_write_text, remove_leftovers
 
 from .summary import model_summary as _model_summary_text
@@ -308,9 +308,13 @@ def cpu_name() -> str:
 TIME_PARTS = ("data_s", "compute_s", "comm_s", "idle_s")   # per rank, they add up to the train time
 
 
-def summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=None, extra=None) -> dict:
+def summarize(settings, ctx, val, history, run: dict) -> dict:
     """What results.json holds: final evaluation, speed and its time split over every trained
-    epoch, and the hardware. ``extra`` (probe, GPU use, early stop, mode) is added as it is."""
+    epoch, and the hardware. ``run``: what the run says of itself: ``wall_time_s``, ``best_acc1``,
+    ``epochs_run`` (the epochs trained now; default: every epoch of ``history``), and the rest (probe, GPU use,
+    early stop, mode), added as it is."""
+    run = dict(run)
+    wall, best_acc1, epochs_run = run.pop("wall_time_s"), run.pop("best_acc1"), run.pop("epochs_run", None)
     trained = [h["train"] for h in history]
     images = sum(t["count"] for t in trained)
     train_s = sum(t["wall_s"] for t in trained)
@@ -334,7 +338,7 @@ def summarize(settings, ctx, val, history, wall, best_acc1, epochs_run=None, ext
         "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
         "backend": ctx.backend or "none", "host": socket.gethostname(), "cpus": os.cpu_count(),
         "cpu_name": cpu_name(), "threads": torch.get_num_threads(),
-        **(extra or {}),
+        **run,
         "history": history,
     }
 

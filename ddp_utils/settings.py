@@ -19,17 +19,17 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .architectures import ARCHITECTURES, architecture
+from .communication import COMMS, describe_comms
+from .loaders import LOADERS, describe_loaders
+from .parallel import MODES, describe_modes
+from .presets import LR_REFERENCE_BATCH, PRESETS, default_of
 from .slurm import first_host
-from .presets import LR_REFERENCE_BATCH, PRESETS, default_of, suited
 
 DATASETS = PRESETS.keys()   # live: a preset added to PRESETS (a test's) is a choice too
 BACKENDS = ("auto", "gloo", "nccl")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
-LOADERS = ("auto", "workers", "memory", "dali", "nvjpeg")
-COMM_MODES = ("auto", "none", "fp16", "bf16", "powersgd", "localsgd")
 PROGRESS_MODES = ("auto", "steps", "bar", "off")
-PARALLEL_MODES = ("ddp", "dp", "none", "zero1", "fsdp")
 WARMUP_PRECISIONS = ("fp32", "bf16")
 
 # The fields a preset's recipe fills in when they are left out (None); a model whose registry entry pairs it with
@@ -39,7 +39,9 @@ OPTIMIZERS = ("sgd", "adamw")
 
 # Each field's facts live in its own declaration (``_f``): its help text (the flag's and the docs'), its section
 # (``--help`` groups the flags by it), its bound, and whether every rank must share it. MUST_AGREE and the checks
-# in ``Settings.problems`` are read from there (below the class), so a new setting is one edit.
+# in ``Settings.problems`` are read from there (below the class), so a new setting is one edit. The choices (and
+# help) of --loader, --comm and --parallel are read from the tables the modules that implement them fill
+# (loaders.py, communication.py, parallel.py): functions here, called when they are needed.
 SECTIONS = DATA, MODEL, OPTIMISATION, SPEED, OUTPUT, DISTRIBUTED = ("data", "model", "optimisation", "speed", "output",
                                                                    "distributed")
 POSITIVE, NOT_NEGATIVE = "positive", "not negative"   # a number's bound, said as "must be positive"
@@ -67,15 +69,7 @@ class Settings:
                       section=DATA, bound=NOT_NEGATIVE)
     # Not in MUST_AGREE, like workers: every loader gives a rank the same shard, steps and
     # validation tensors; only the random crop/flip draws differ, and those differ per rank anyway.
-    loader: str = _f("workers", f"auto: memory where the preset fits in memory ({', '.join(suited('memory'))}), "
-                                f"workers otherwise; workers: DataLoader worker processes decode images each epoch "
-                                f"(JPEGs as uint8 crops, normalised per batch on the device); memory: decode the "
-                                f"split once into a uint8 tensor kept in memory (on the GPU when there is one), "
-                                f"batched augmentation, no worker processes ({', '.join(suited('memory'))}); dali: "
-                                f"NVIDIA DALI decodes and augments (on the GPU with a GPU, its CPU pipeline "
-                                f"otherwise; {', '.join(suited('dali'))}); nvjpeg: the workers read the files, "
-                                f"torchvision's nvJPEG decodes and crops on the GPU ({', '.join(suited('nvjpeg'))})",
-                       choices=LOADERS, section=DATA)
+    loader: str = _f("workers", describe_loaders, choices=lambda: ("auto", *LOADERS), section=DATA)
     # -- model --------------------------------------------------------------------------------
     arch: str = _f(None, "; ".join(f"{name} ({entry.about})" for name, entry in ARCHITECTURES.items()) +
                    "; or any torchvision classifier name such as resnet18, resnet50; default: the preset's recipe",
@@ -137,25 +131,15 @@ class Settings:
                                     "and of each epoch for all nodes together; 0 = not set, no cost",
                                section=OUTPUT, bound=NOT_NEGATIVE)
     # -- distributed --------------------------------------------------------------------------
-    parallel: str = _f("ddp", "ddp: one process per GPU, gradients all-reduced (DistributedDataParallel, the "
-                              "course's way); dp: DataParallel, one process driving every GPU of this node "
-                              "(with one GPU or none a rehearsal: nothing to split, torch runs the model "
-                              "directly); none: one process, "
-                              "one device, no wrapper; zero1: DDP, and each rank keeps 1/N of the optimizer state "
-                              "(ZeroRedundancyOptimizer); fsdp: FSDP2, each rank keeps 1/N of the parameters, "
-                              "gradients and optimizer state (docs/zero-fsdp.md). With one process zero1 and fsdp "
-                              "have nothing to shard: plain training", choices=PARALLEL_MODES,
-                       section=DISTRIBUTED, agree=True)
+    parallel: str = _f("ddp", lambda: describe_modes() + " (docs/zero-fsdp.md). With one process a mode that shards "
+                                                       "has nothing to shard: plain training",
+                       choices=lambda: tuple(MODES), section=DISTRIBUTED, agree=True)
     link_probe: bool = _f(True, "before training, time a few all-reduces of the gradients' size and one "
                                 "step's compute: link bandwidth and predicted speed-up (a few seconds)",
                           section=DISTRIBUTED, agree=True)
-    comm: str = _f("none", "gradient communication: none (fp32 all-reduce, DDP's default), fp16 / bf16 (send "
-                           "half-precision gradients: half the bytes), powersgd (low-rank compression with error "
-                           "feedback: far fewer bytes, some compute), localsgd (no gradient all-reduce: each rank "
-                           "steps on its own gradients and the weights are averaged every average_every steps), or "
-                           "auto (choose from the link probe: compress when communication would take more than "
-                           "comm_auto_share of a step)",
-                   choices=COMM_MODES, section=DISTRIBUTED, agree=True)
+    comm: str = _f("none", lambda: f"gradient communication: {describe_comms()}, or auto (choose from the link probe: "
+                                   f"compress when communication would take more than comm_auto_share of a step)",
+                   choices=lambda: ("auto", *COMMS), section=DISTRIBUTED, agree=True)
     build_ddp: str = _f("", "train with what you wrote in lab/build_ddp (student.py; BUILD_DDP=reference: the kit's "
                             "solution) instead of torch's: a (all-reduce every gradient after backward), b (one "
                             "async all-reduce per parameter from hooks), c (buckets of bucket_mb) in place of "
@@ -249,7 +233,7 @@ class Settings:
         """Every inconsistency in these settings, phrased as what is wrong and what to do."""
         out = []
         for f in fields(self):
-            choices = f.metadata.get("choices")
+            choices = _choices(f)
             if choices and getattr(self, f.name) not in choices:
                 out.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         # A value typed into a notebook (MAX_STEPS = None, EPOCHS = "2") gets a sentence, not a TypeError.
@@ -294,8 +278,8 @@ class Settings:
                        f"loop times its finish_gradient_sync() for one backward pass a step: use it with comm=none, "
                        f"accumulate=1 and parallel=ddp")
         if self.build_ddp == "f" and (self.parallel != "ddp" or self.comm == "localsgd" or self.auto_local_sgd):
-            out.append(f"build_ddp='f' runs ZeRO-1 with your ShardedOptimizer beside torch's DDP: use it with "
-                       f"parallel=ddp (the run is then zero1's) and without local SGD")
+            out.append("build_ddp='f' runs ZeRO-1 with your ShardedOptimizer beside torch's DDP: use it with "
+                       "parallel=ddp (the run is then zero1's) and without local SGD")
         window = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(self.profile_steps))
         if str(self.profile_steps).strip() and not (window and int(window[1]) < int(window[2])):
             out.append(f"profile_steps={self.profile_steps!r}: write A:B with A < B, the training steps to trace "
@@ -419,6 +403,17 @@ class Settings:
 MUST_AGREE = tuple(f.name for f in fields(Settings) if f.metadata["agree"])
 
 
+def _choices(f) -> tuple | None:
+    """A field's choices: a tuple, or read now from a table (a loader, comm or parallel mode registered since)."""
+    choices = f.metadata.get("choices")
+    return tuple(choices()) if callable(choices) else choices
+
+
+def _help(f) -> str:
+    """A field's help text, read now where it comes from a table."""
+    return f.metadata["help"]() if callable(f.metadata["help"]) else f.metadata["help"]
+
+
 def _kind(f) -> type:
     """The type a field's values take (its flag's): ``type=`` where the default is None, else the default's."""
     return f.metadata.get("type", type(f.default))
@@ -433,11 +428,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kind, group = _kind(f), groups[f.metadata["section"]]
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=f"{f.metadata['help']} (default: {f.default})")
+                                help=f"{_help(f)} (default: {f.default})")
         else:
             default = "" if f.default is None else f" (default: {f.default!r})"
-            group.add_argument(flag, type=kind, default=None, choices=f.metadata.get("choices"),
-                                help=f"{f.metadata['help']}{default}")
+            group.add_argument(flag, type=kind, default=None, choices=_choices(f),
+                                help=f"{_help(f)}{default}")
 
 
 def from_args(args: argparse.Namespace, environ=None) -> Settings:

@@ -12,15 +12,15 @@ training RNG is untouched) with forward hooks on the layers, in eval mode and wi
 DDP, DataParallel and torch.compile wrappers are unwrapped first, so the pass runs on the plain
 module on this rank alone: no collective, no deadlock when only rank 0 calls it. An FSDP model's forward
 all-gathers its weights (a collective): the table comes from a meta-device copy taken before sharding
-(``sharding.blueprint``), shapes without data.
+(its mode's ``blueprint``, parallel.py), shapes without data.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from . import parallel
 from .model import unwrap
-from .speed import sharding
 
 
 def model_summary(model: nn.Module, input_shape: tuple) -> str:
@@ -31,34 +31,13 @@ def model_summary(model: nn.Module, input_shape: tuple) -> str:
     that owns parameters itself (a ViT's class token); a module called twice gets two rows, with
     its parameters counted on the first only, so the column adds up to the total.
     """
-    model = sharding.blueprint(unwrap(model))   # FSDP: its meta-device copy (a forward of the real one is a collective)
-    rows = []          # (layer, output shape, parameters)
-    counted = set()    # ids of parameters already in a row (shared layers, tied weights)
-
-    def record(name):
-        def hook(module, inputs, output):
-            new = [p for p in module.parameters(recurse=False) if id(p) not in counted]
-            counted.update(id(p) for p in new)
-            rows.append((f"{name or 'model'} ({type(module).__name__})", _shape(output),
-                         sum(p.numel() for p in new)))
-        return hook
-
-    hooks = [module.register_forward_hook(record(name)) for name, module in model.named_modules()
-             if _is_leaf(module) or _owns_parameters(module)]
+    net = unwrap(model)
+    model = parallel.of_state(net).blueprint(net)   # FSDP: its meta-device copy (the real one's forward all-gathers)
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     dtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
     dummy = torch.zeros(2, *input_shape, device=device, dtype=dtype)
-    modes = {module: module.training for module in model.modules()}
-    try:
-        model.eval()  # BatchNorm must not update its running statistics on a dummy batch
-        with torch.no_grad():
-            model(dummy)
-    finally:
-        for hook in hooks:
-            hook.remove()
-        for module, training in modes.items():  # restore each one: some may be frozen on purpose
-            module.training = training
+    rows = _layer_rows(model, dummy)
 
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
@@ -85,6 +64,35 @@ def model_summary(model: nn.Module, input_shape: tuple) -> str:
     if not_called:
         out.append(f"Params of modules not called in this forward pass: {not_called:,}")
     return "\n".join(out) + "\n"
+
+
+def _layer_rows(model: nn.Module, dummy: torch.Tensor) -> list[tuple[str, str, int]]:
+    """``(layer, output shape, parameters)`` of each call of a leaf module (or one that owns parameters) in a
+    forward of ``dummy``, in eval mode (BatchNorm must not learn from a dummy batch), every module's mode put back."""
+    rows = []          # (layer, output shape, parameters)
+    counted = set()    # ids of parameters already in a row (shared layers, tied weights)
+
+    def record(name):
+        def hook(module, inputs, output):
+            new = [p for p in module.parameters(recurse=False) if id(p) not in counted]
+            counted.update(id(p) for p in new)
+            rows.append((f"{name or 'model'} ({type(module).__name__})", _shape(output),
+                         sum(p.numel() for p in new)))
+        return hook
+
+    hooks = [module.register_forward_hook(record(name)) for name, module in model.named_modules()
+             if _is_leaf(module) or _owns_parameters(module)]
+    modes = {module: module.training for module in model.modules()}
+    try:
+        model.eval()  # BatchNorm must not update its running statistics on a dummy batch
+        with torch.no_grad():
+            model(dummy)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module, training in modes.items():  # restore each one: some may be frozen on purpose
+            module.training = training
+    return rows
 
 
 def _is_leaf(module: nn.Module) -> bool:

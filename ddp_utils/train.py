@@ -6,8 +6,9 @@ model is not wrapped and every collective is a no-op. The DDP-specific lines are
 
 Read it top to bottom: ``fit`` -> ``train_epochs`` (each epoch: train, evaluate, save) -> ``train_one_epoch``
 (each batch: forward, backward, optimizer step). Everything else a run does (the watch, the time split, log
-points, the GPU monitor, the profiler, local SGD, PowerSGD's memory, memory per rank, the cost, early stop,
-divergence) is an observer of this loop, called at fixed points (observers.py, concerns.py): it names none.
+points, the GPU monitor, the profiler, how the gradients travel, local SGD, memory per rank, the cost, early stop,
+divergence) is an observer of this loop, called at fixed points (observers.py): it names none. What an observer
+wants changed comes back from its hook as an ``Ask``, applied here in a line of its own.
 """
 from __future__ import annotations
 
@@ -16,13 +17,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import checkpoint, distributed
-from .concerns import loop_observers
+from . import checkpoint, collectives, distributed
 from .metrics import Meter
 from .model import forwards_to_add, local_gradients, unwrap
-from .observers import Loop, Observers
-from .optim import ScaledStep, amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, optimizer_steps, \
-    to_device
+from .observers import Around, Loop
+from .optim import amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, optimizer_steps, to_device
+from .robust import peers
 from .runlog import epoch_line, summarize
 from .settings import describe_batch
 from .watch import watched
@@ -35,30 +35,38 @@ def fit(job) -> dict:
     ``job.state`` (a checkpoint that rank 0 read and sent to every rank) makes training continue
     after the saved epoch. Returns the dict also written to ``results.json`` (accuracies in
     percent), the same on every rank. When another rank stops answering, raises
-    ``distributed.PeerLost`` with a paragraph that says what was saved and how to resume.
+    ``peers.PeerLost`` with a paragraph that says what was saved and how to resume.
     """
-    with watched(job) as (observers, meta):   # the run's guard, watch and observers; what broke, said (watch.py)
-        return train_epochs(new_loop(job, observers, meta))
+    with watched(job) as around:   # the run's guard and watch; what broke, said (watch.py)
+        return train_epochs(new_loop(job, around))
 
 
-def new_loop(job, observers: Observers | None = None, meta: dict | None = None) -> Loop:
-    """The run's optimizer, learning-rate schedule and fp16 scaler, in a Loop with its observers (those a loop
-    needs to report an epoch when none are given: ``train_one_epoch(new_loop(job), 0)`` trains one)."""
+def new_loop(job, around: Around | None = None, **chosen) -> Loop:
+    """The run's optimizer, learning-rate schedule and fp16 scaler, in a Loop with the observers the run needs
+    (``train_one_epoch(new_loop(job), 0)`` trains one epoch; ``chosen``: the Loop's ``given`` / ``only``)."""
     settings, ctx = job.settings, job.ctx
-    observers, meta = observers or loop_observers(), meta or {"parallel": job.parallel}
-    optimizer = build_optimizer(job.model, settings, zero=meta["parallel"] == "zero1")   # ZeRO-1: state sharded
+    optimizer = build_optimizer(job.model, settings, zero=job.parallel == "zero1")   # ZeRO-1: state sharded
     scheduler = build_scheduler(optimizer, settings, optimizer_steps(len(job.data.train), settings.accumulate))
     scaler = make_scaler(amp_dtype(settings, ctx.device), ctx.device)
-    return Loop(job.model, job.data, optimizer, scheduler, scaler, settings, ctx, job.logger, observers,
-                ScaledStep(optimizer, scaler), meta, state=job.state)
+    meta = {"parallel": job.parallel, "resumed_from": job.resume if job.state is not None else None}
+    return Loop(job.model, job.data, optimizer, scheduler, scaler, settings, ctx, job.logger, meta=meta,
+                state=job.state, log=job.log, around=around, **chosen)
 
 
 def train_epochs(loop: Loop) -> dict:
     """Each epoch: train, evaluate, save; then the run's results (results.json), the same on every rank."""
-    settings, logger = loop.settings, loop.logger
     if loop.state is not None:
         resume(loop, loop.meta.get("resumed_from"))
-    loop.observers.start(loop)
+    try:
+        return _train_epochs(loop)
+    finally:
+        loop.observers.close(loop)   # what the observers started (the GPU monitor's thread), also after an error
+
+
+def _train_epochs(loop: Loop) -> dict:
+    settings, logger = loop.settings, loop.logger
+    asked = loop.observers.start(loop)   # how the gradients travel is decided here (speed/comm.py)
+    loop.comm, loop.meta = asked.comm, {**loop.meta, **asked.meta}
     if loop.state is not None and checkpoint.mend_best(loop.state, logger.run_dir, loop.ctx, settings.init_timeout):
         logger.info(f"best.pt was older than the best epoch ({loop.state['epoch'] + 1}) that last.pt records (a stop "
                     f"between the two writes): written again from it")
@@ -66,13 +74,14 @@ def train_epochs(loop: Loop) -> dict:
     logger.info(f"{describe_batch(settings)}; precision {precision}; device {loop.ctx.device}")
     val, trained_now, started = None, 0, time.perf_counter()
     for epoch in range(loop.epoch, settings.epochs):
-        record = train_and_evaluate(loop, epoch)
+        record, asked = train_and_evaluate(loop, epoch)
+        loop.kept.update(asked.keep)   # what the observers keep in the checkpoint (PowerSGD's memory)
         save(loop, record)
         val, trained_now = record["val"], trained_now + 1
         logger.info(epoch_line(settings, record["train"], val, epoch, loop.meta.get("algorithm", "")))
-        if loop.stop_reason and epoch + 1 < settings.epochs:
-            loop.meta.update(stopped_early=epoch + 1, stop_reason=loop.stop_reason)
-            logger.info(f"early stop after epoch {epoch + 1} of {settings.epochs}: {loop.stop_reason}")
+        if asked.stop and epoch + 1 < settings.epochs:   # an observer's reason to stop early (--patience)
+            loop.meta.update(stopped_early=epoch + 1, stop_reason=asked.stop)
+            logger.info(f"early stop after epoch {epoch + 1} of {settings.epochs}: {asked.stop}")
             break
     wall = time.perf_counter() - started
     if val is None:                    # nothing left to train (resumed after the last epoch)
@@ -80,15 +89,16 @@ def train_epochs(loop: Loop) -> dict:
     return results(loop, val, trained_now, wall)
 
 
-def train_and_evaluate(loop: Loop, epoch: int) -> dict:
-    """One epoch's record: its training figures and the exact evaluation after it."""
+def train_and_evaluate(loop: Loop, epoch: int):
+    """One epoch's record (its training figures and the exact evaluation after it), and what the observers ask
+    at its end: what the checkpoint keeps, a reason to stop early."""
     train = train_one_epoch(loop, epoch)
     val = evaluate(loop.model, loop.data.val, loop.settings, loop.ctx)
     record = {"epoch": epoch + 1, "train": train, "val": val}
     loop.history.append(record)
-    loop.observers.epoch_end(loop, record)   # checks; what the checkpoint keeps; a reason to stop early
+    asked = loop.observers.epoch_end(loop, record)   # checks; what the checkpoint keeps; a reason to stop early
     loop.logger.epoch(record, loop.step)   # TensorBoard's and W&B's scalars of the epoch, from the record
-    return record
+    return record, asked
 
 
 def save(loop: Loop, record: dict) -> None:
@@ -97,12 +107,9 @@ def save(loop: Loop, record: dict) -> None:
     loop.best_acc1 = max(loop.best_acc1, record["val"]["acc1"])
     last, best = checkpoint.checkpoint_paths(loop.logger.run_dir) if loop.logger.run_dir else (None, None)
     paths = [p for p in ([last, best] if is_best else [last]) if p]
-    checkpoint.save_state(paths, loop.model, loop.optimizer, loop.scheduler, loop.scaler, record["epoch"] - 1,
-                          loop.step, loop.best_acc1, loop.history, loop.settings, loop.ctx,
-                          loop.extra_state.get("comm"))   # what the observers keep: how the gradients travel
+    checkpoint.save_state(paths, loop)   # with what the observers keep (how the gradients travel)
     # DDP: rank 0 may write for a while; the others wait for it here, not in a collective that times out
-    distributed.wait_for_all(f"finish saving epoch {record['epoch']}", loop.ctx, loop.settings.init_timeout,
-                             loop.logger.info)
+    peers.wait_for_all(f"finish saving epoch {record['epoch']}", loop.ctx, loop.settings.init_timeout, loop.logger.info)
 
 
 def train_one_epoch(loop: Loop, epoch: int) -> dict:
@@ -120,37 +127,41 @@ def train_one_epoch(loop: Loop, epoch: int) -> dict:
     try:
         for i, (images, labels) in enumerate(loop.data.train.epoch(epoch)):   # DDP: set_epoch happens inside .epoch()
             loop.last, loop.lr = i == batches - 1, loop.scheduler.get_last_lr()[0]   # the lr this step uses
-            loop.observers.before_step(loop)
+            asked = loop.observers.before_step(loop)
             images, labels = to_device(images, labels, settings, ctx.device)
             first = i - i % k
             group = min(k, batches - first)   # batches in this optimizer step
             loop.updated = i == first + group - 1   # its last batch: all-reduce, then the optimizer step
             if i == first:
                 loop.optimizer.zero_grad(set_to_none=True)
-            train_step(loop, images, labels, group)
-    finally:
+            train_step(loop, images, labels, group, send=loop.updated and not asked.no_sync)   # local SGD: no
+    finally:                                                                                   # all-reduce at all
         loop.observers.epoch_exit(loop)   # also when a step fails: no half-drawn progress bar left behind
     stats = {}
     loop.observers.epoch_trained(loop, stats)   # the epoch's loss, accuracy and time split, over every rank
-    stats.update(epoch=epoch, step=loop.step, steps=loop.step - loop.start_step, lr=loop.scheduler.get_last_lr()[0])
+    stats.update(epoch=epoch, step=loop.step, steps=loop.step - loop.start_step, lr=loop.lr)   # the last step's lr
     return stats
 
 
-def train_step(loop: Loop, images, labels, group: int) -> None:
-    """One training step on one batch: forward, backward, and (for the group's last batch) the optimizer step."""
-    local = not loop.updated or loop.keep_local   # local SGD's steps send nothing at all
-    with local_gradients(loop.model, local):   # DDP: no_sync() for the group's other batches
+def train_step(loop: Loop, images, labels, group: int, send: bool) -> None:
+    """One training step on one batch: forward, backward (``send``: with DDP's all-reduce), and (for the group's
+    last batch) the optimizer step."""
+    with local_gradients(loop.model, not send):   # DDP: no_sync() for the group's other batches
         with autocast(loop.dtype, loop.ctx.device):
             logits = loop.model(images)
             loss = F.cross_entropy(logits, labels)
         loop.scaler.scale(loss if group == 1 else loss / group).backward()   # DDP: gradients all-reduced
     loop.skipped = False                                                      # (averaged) during backward
     if loop.updated:
-        loop.observers.before_update(loop)   # --build-ddp: your DDP waits for its all-reduces here
+        loop.observers.after_backward(loop)   # --build-ddp: your DDP waits for its all-reduces here
+        loop.scaler.unscale_(loop.optimizer)   # fp16: the observers and the optimizer see the true gradients
+        loop.observers.before_update(loop)
         loop.skipped = not loop.stepper()   # fp16: the scaler skips a step whose gradients overflowed
         loop.scheduler.step()
     loop.loss, loop.logits, loop.labels, loop.step = loss, logits, labels, loop.step + 1
-    loop.observers.after_step(loop)
+    asked = loop.observers.after_step(loop)
+    if asked.collective_timeout:   # --compile: the short timeout from the second step on (the first compiles)
+        distributed.set_collective_timeout(asked.collective_timeout)
     loop.observers.step_end(loop)
 
 
@@ -175,9 +186,10 @@ def results(loop: Loop, val: dict, trained_now: int, wall: float) -> dict:
     extra = {"stopped_early": None, "stop_reason": None, **loop.meta,
              "skipped_steps": loop.stepper.skipped}   # fp16: steps the gradient scaler skipped (overflow)
     # DDP: rank 0's run folder, named in every rank's results (the worker notebook's table shows it)
-    extra["run_dir"] = distributed.broadcast_object(str(loop.logger.run_dir) if ctx.is_main else None, ctx)
-    out = summarize(settings, ctx, val, loop.history, wall, loop.best_acc1, epochs_run=trained_now, extra=extra)
-    out = distributed.broadcast_object(out, ctx)   # DDP: rank 0's timings on every rank: one table
+    extra["run_dir"] = collectives.broadcast_object(str(loop.logger.run_dir) if ctx.is_main else None, ctx)
+    out = summarize(settings, ctx, val, loop.history, {"wall_time_s": wall, "best_acc1": loop.best_acc1,
+                                                       "epochs_run": trained_now, **extra})
+    out = collectives.broadcast_object(out, ctx)   # DDP: rank 0's timings on every rank: one table
     loop.observers.results(loop, out)   # GPU use, memory per rank, cost, start-up, the link probe (collectives)
     loop.logger.results(out)
     return out
@@ -206,7 +218,7 @@ def evaluate(model, loader, settings, ctx) -> dict:
     acc5, count} on every rank.
     """
     net = unwrap(model)
-    distributed.sync_buffers(net, ctx)   # DDP: every rank evaluates rank 0's model, the one saved
+    collectives.sync_buffers(net, ctx)   # DDP: every rank evaluates rank 0's model, the one saved
     was_training = net.training
     net.eval()
     dtype = amp_dtype(settings, ctx.device)

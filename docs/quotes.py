@@ -534,7 +534,7 @@ def cells() -> None:
 
 def recipes() -> None:
     """Cog: docs/commands.md's table of every preset's recipe and loaders, made from ddp_utils/presets.py."""
-    from ddp_utils.presets import recipe_table
+    from ddp_utils.loaders import recipe_table
     _out(recipe_table())
 
 

@@ -49,25 +49,25 @@ def gloo_timeout(rank: int, port: int) -> None:
 
 def kit_timeout(rank: int, port: int) -> None:
     """The kit's setup with collective_timeout=3 (init_timeout 30): whatever this torch allows, 3 s must hold."""
-    from ddp_utils import distributed
+    from ddp_utils import collectives, distributed
     from ddp_utils.settings import Settings
     settings = Settings(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port, backend="gloo",
                         init_timeout=30, collective_timeout=3, workers=0)
     distributed.setup(settings)
-    distributed.barrier(distributed._active[1])
+    collectives.barrier(distributed._active[1])
     late_all_reduce(rank, 8.0)
 
 
 def setup_teardown_cycles(rank: int, port: int) -> None:
     """Join, agree (a collective), leave at once, 15 times: a notebook's setup cell run again and again. On torch
     2.6 destroying the gloo group right after a collective could deadlock on the GIL (robust/compat.py)."""
-    from ddp_utils import distributed
+    from ddp_utils import collectives, distributed
     from ddp_utils.settings import Settings
     settings = Settings(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port, backend="gloo",
                         init_timeout=30, workers=0)
     for cycle in range(15):
         ctx = distributed.setup(settings.replace(epochs=cycle + 1), log=lambda *_: None)
-        distributed.agree({"cycle": cycle}, ctx)
+        collectives.agree({"cycle": cycle}, ctx)
         distributed.teardown()
     check("cycles", 15)
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_utils import distributed
+from ddp_utils.robust import peers
 
 
 class CountingStore(dist.Store):
@@ -43,10 +44,10 @@ def context(rank: int, world_size: int) -> distributed.DistContext:
 
 
 def requests_per_beat_round(world_size: int) -> list[int]:
-    """The requests of one beat of each rank (every rank has beaten before), by rank; uses ``distributed._store``
+    """The requests of one beat of each rank (every rank has beaten before), by rank; uses ``peers._store``
     (the caller sets it to a CountingStore and restores it)."""
     from ddp_utils.robust.heartbeat import Heartbeat
-    store = distributed._store
+    store = peers._store
     beats = []
     for rank in range(world_size):
         beat = Heartbeat(context(rank, world_size), log=lambda *_: None)

@@ -17,7 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddp_utils import distributed
+from ddp_utils import collectives, distributed
+from ddp_utils.robust import peers
 from ddp_utils.settings import Settings
 
 
@@ -33,12 +34,12 @@ def basics(s: Settings) -> None:
     ctx = distributed.setup(s)
     check("env", {v: os.environ.get(v) for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")})
     t = torch.full((3,), float(ctx.rank + 1))
-    check("sum", distributed.all_reduce_sum(t, ctx).tolist())
-    check("broadcast", distributed.broadcast_object({"from": ctx.rank}, ctx))
+    check("sum", collectives.all_reduce_sum(t, ctx).tolist())
+    check("broadcast", collectives.broadcast_object({"from": ctx.rank}, ctx))
     group = dist.group.WORLD  # also keeps the old group (and its store) alive, as a DDP model would
     # issue 43, finding 9: torch's group keeps init_timeout on its store; the kit's messages have their own client
     check("store_timeouts", [dist.distributed_c10d._get_default_store().timeout.total_seconds(),
-                             distributed._store.timeout.total_seconds()])
+                             peers._store.timeout.total_seconds()])
     check("same_ctx", distributed.setup(s) is ctx)
     check("same_group", dist.group.WORLD is group)
     check("inits_after_same", len(inits))
@@ -47,8 +48,8 @@ def basics(s: Settings) -> None:
     check("new_group", dist.group.WORLD is not group and dist.is_initialized())
     # a new run folder (the notebook's Settings cell re-run) needs no new process group
     check("same_ctx_new_run_dir", distributed.setup(s.replace(epochs=s.epochs + 1, run_dir="elsewhere")) is ctx2)
-    distributed.barrier(ctx2)
-    check("sum_after_reinit", distributed.all_reduce_sum(torch.ones(2) * (ctx2.rank + 1), ctx2).tolist())
+    collectives.barrier(ctx2)
+    check("sum_after_reinit", collectives.all_reduce_sum(torch.ones(2) * (ctx2.rank + 1), ctx2).tolist())
     distributed.teardown()
     distributed.teardown()  # twice is fine
     check("initialized_after_teardown", dist.is_initialized())
@@ -64,7 +65,7 @@ def joined(s: Settings) -> None:
     """Just join and sum the ranks (the unreachable-master and network-namespace tests)."""
     with distributed.session(s) as ctx:
         check("interface", os.environ.get("GLOO_SOCKET_IFNAME"))
-        check("sum", distributed.all_reduce_sum(torch.tensor([float(ctx.rank + 1)]), ctx).tolist())
+        check("sum", collectives.all_reduce_sum(torch.tensor([float(ctx.rank + 1)]), ctx).tolist())
 
 
 def mismatch(s: Settings) -> None:
@@ -104,7 +105,7 @@ def stopped_in_setup(s: Settings, where: str) -> None:
         if where == "init":
             dist.init_process_group = interrupted
         else:
-            distributed.agree = lambda values, ctx, *a: (time.sleep(1.0), interrupted())   # rank 0 waits in it
+            collectives.agree = lambda values, ctx, *a: (time.sleep(1.0), interrupted())   # rank 0 waits in it
     try:
         distributed.setup(s)
     except KeyboardInterrupt:
@@ -154,12 +155,12 @@ def slow_rank0_writes(s: Settings) -> None:
     prof.before(0)
     torch.ones(4).sum()
     prof.after(1)
-    check("sum_after_traces", distributed.all_reduce_sum(torch.ones(1), ctx).tolist())
+    check("sum_after_traces", collectives.all_reduce_sum(torch.ones(1), ctx).tolist())
     check("traces", sorted(p.name for p in (run_dir / "profile").glob("*.json")) if ctx.is_main else None)
     checkpoint.save_checkpoint = slow(checkpoint.save_checkpoint)
     state = {"history": [{"val": {"acc1": 50.0}}], "best_acc1": 50.0, "model": {}}
     check("mended", checkpoint.mend_best(state, run_dir, ctx, 30))
-    check("sum_after_best", distributed.all_reduce_sum(torch.ones(1), ctx).tolist())
+    check("sum_after_best", collectives.all_reduce_sum(torch.ones(1), ctx).tolist())
     distributed.teardown()
 
 
@@ -174,7 +175,7 @@ def left_group(s: Settings, mode: str) -> None:
     distributed.set_collective_timeout(60.0)
     model, optimizer, scheduler, scaler = build(settings, ctx)
     train(model, optimizer, scheduler, scaler, settings, ctx, steps=2, seed=1)
-    distributed.wait_for_all("trained", ctx, 60)
+    peers.wait_for_all("trained", ctx, 60)
     if ctx.rank == 1:
         release_group(model)
         distributed.teardown(abort=True)
@@ -183,7 +184,7 @@ def left_group(s: Settings, mode: str) -> None:
         return
     start = time.monotonic()
     try:
-        distributed.all_reduce_sum(torch.ones(1), ctx)
+        collectives.all_reduce_sum(torch.ones(1), ctx)
         check("collective", "completed")
     except RuntimeError as e:
         check("collective", f"failed: {str(e)[:80]}")

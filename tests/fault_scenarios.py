@@ -162,7 +162,7 @@ def slow_compile(rank: int) -> None:
 def rerun(settings) -> None:
     """Stop pressed in rank 0's notebook, then "Run All" again in the same two processes (kernels),
     resuming from last.pt: the port, the group and the loaders must all be usable again."""
-    from ddp_utils.distributed import PeerLost
+    from ddp_utils.robust.peers import PeerLost
     settings = settings.replace(epochs=3, max_steps_per_epoch=20)
     last = os.path.join(f"{os.path.dirname(settings.run_dir)}/run0", "last.pt")
     if settings.rank == 0:

@@ -26,17 +26,18 @@ import os
 import shutil
 import sys
 import traceback
+import types
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ddp_utils import checkpoint, distributed, optim
+from ddp_utils import checkpoint, distributed, optim, parallel
+from ddp_utils.robust import peers
 from ddp_utils.model import prepare_model, unwrap
 from ddp_utils.optim import ScaledStep, autocast, build_optimizer, build_scheduler, make_scaler, to_device
 from ddp_utils.robust import compat
 from ddp_utils.settings import Settings
-from ddp_utils.speed import sharding
 from tests.sharding_ranks import same
 
 CLASSES, IMAGE = 10, 16
@@ -111,9 +112,10 @@ def save(settings, ctx, folder: Path, layout: str) -> None:
     if ctx.is_main:
         run.mkdir(parents=True, exist_ok=True)
     history = [{"epoch": 0, "val": {"acc1": 50.0}}]
-    checkpoint.save_state(checkpoint.checkpoint_paths(run), model, optimizer, scheduler, scaler, 0, 2, 50.0,
-                          history, settings, ctx)
-    distributed.wait_for_all("save the matrix's checkpoint", ctx, 60)
+    checkpoint.save_state(checkpoint.checkpoint_paths(run), types.SimpleNamespace(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, epoch=0, step=2, best_acc1=50.0,
+        history=history, settings=settings, ctx=ctx, kept={}))
+    peers.wait_for_all("save the matrix's checkpoint", ctx, 60)
 
 
 def resume(settings, ctx, source: Path) -> str:
@@ -123,7 +125,7 @@ def resume(settings, ctx, source: Path) -> str:
     sent = copy.deepcopy(state)
     checkpoint.restore(state, model, optimizer, scheduler, scaler, ctx)
     unchanged = same(state, sent)
-    weights, optimizer_state = sharding.full_state(unwrap(model), optimizer, ctx)
+    weights, optimizer_state = parallel.full_state(unwrap(model), optimizer, ctx)
     equal = (difference({"model": weights, "optimizer": optimizer_state},
                         {"model": sent["model"], "optimizer": sent["optimizer"]}) or True) if ctx.is_main else True
     # mend_best's case: last.pt records its epoch as the best, best.pt was never written
@@ -135,9 +137,10 @@ def resume(settings, ctx, source: Path) -> str:
     mended = checkpoint.mend_best(state, target if ctx.is_main else None, ctx, 60) or not ctx.is_main
     train(model, optimizer, scheduler, scaler, settings, ctx, steps=1, seed=2)
     unchanged = unchanged and same(state, sent)   # training shares no tensor with it either
-    checkpoint.save_state([target / "last.pt"], model, optimizer, scheduler, scaler, 1, 3, 50.0,
-                          state["history"], settings, ctx)
-    distributed.wait_for_all("save after the resume", ctx, 60)
+    checkpoint.save_state([target / "last.pt"], types.SimpleNamespace(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, epoch=1, step=3, best_acc1=50.0,
+        history=state["history"], settings=settings, ctx=ctx, kept={}))
+    peers.wait_for_all("save after the resume", ctx, 60)
     return f"input={unchanged} mended={mended} stepped=True equal={equal}"
 
 
@@ -160,7 +163,7 @@ def main() -> None:
                     except Exception as exc:   # noqa: BLE001 - the matrix goes on; the test names each failure
                         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
                         print(f"FAIL {name}: {last[:300]}", flush=True)
-                        distributed.wait_for_all(f"go on after {name}", ctx, 60)
+                        peers.wait_for_all(f"go on after {name}", ctx, 60)
     distributed.teardown()
 
 

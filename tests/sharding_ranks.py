@@ -5,7 +5,7 @@
 Each rank makes what a resume makes with ``--parallel MODE`` (``prepare_model``: DDP for zero1, fully_shard for
 fsdp; ``build_optimizer``, the schedule, the scaler), loads the checkpoint as ``fit`` does (``checkpoint.load_state``:
 rank 0 reads it and sends it; ``checkpoint.restore``), and gathers the state back as the next save would
-(``sharding.full_state``). Rank 0 prints ``CHECK weights=<equal to the file's, bit for bit>`` and ``CHECK
+(``parallel.full_state``). Rank 0 prints ``CHECK weights=<equal to the file's, bit for bit>`` and ``CHECK
 optimizer=<the optimizer state likewise>``; every rank prints ``CHECK held=<its optimizer state, bytes>`` and
 ``CHECK total=<the whole optimizer state, bytes>``.
 """
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ddp_utils import checkpoint, distributed
+from ddp_utils import checkpoint, distributed, parallel
 from ddp_utils.model import build_model, prepare_model, unwrap
 from ddp_utils.optim import build_optimizer, build_scheduler, make_scaler
 from ddp_utils.settings import Settings
@@ -43,7 +43,7 @@ def main() -> None:
     scheduler, scaler = build_scheduler(optimizer, settings, 10), make_scaler(None, ctx.device)
     state = checkpoint.load_state(path, ctx)
     checkpoint.restore(state, model, optimizer, scheduler, scaler, ctx)
-    weights, optimizer_state = sharding.full_state(unwrap(model), optimizer, ctx)
+    weights, optimizer_state = parallel.full_state(unwrap(model), optimizer, ctx)
     if ctx.is_main:
         saved = checkpoint.load_checkpoint(path)
         print(f"CHECK weights={same(weights, saved['model'])}", flush=True)

@@ -14,7 +14,6 @@ from ddp_utils.model import build_model
 from ddp_utils.optim import build_optimizer, build_scheduler, make_scaler, optimizer_steps
 from ddp_utils.runlog import NullLogger
 from ddp_utils.settings import MUST_AGREE, Settings, describe_batch
-from ddp_utils.concerns import loop_observers
 from ddp_utils.observers import Loop
 from ddp_utils.train import train_one_epoch
 from tests.procs import base_env, describe, free_port, run_all
@@ -68,7 +67,7 @@ def test_ddp_all_reduces_once_per_group_and_the_optimizer_steps_once_per_group(c
         optimizer = build_optimizer(model, settings)
         scheduler = build_scheduler(optimizer, settings, optimizer_steps(7, 3))
         train_one_epoch(Loop(model, data, optimizer, scheduler, make_scaler(None, ctx.device), settings, ctx,
-                             NullLogger(), loop_observers()), 0)
+                             NullLogger()), 0)
     assert rounds.count(0) == 3, rounds   # bucket 0 travelled once per group, not once per batch
     assert scheduler.last_epoch == 3
 
@@ -95,7 +94,7 @@ def test_fsdp_reduce_scatters_once_per_group(clean_env, monkeypatch):
         optimizer = build_optimizer(model, settings)
         scheduler = build_scheduler(optimizer, settings, optimizer_steps(7, 3))
         train_one_epoch(Loop(model, data, optimizer, scheduler, make_scaler(None, ctx.device), settings, ctx,
-                             NullLogger(), loop_observers()), 0)
+                             NullLogger()), 0)
     assert len(reduces) == 3 * len(sharding.units(model)), reduces
     assert scheduler.last_epoch == 3
 

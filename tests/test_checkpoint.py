@@ -3,6 +3,7 @@ import math
 import os
 import pickle
 import random
+import types
 
 import numpy as np
 import pytest
@@ -341,8 +342,9 @@ def test_every_ranks_fp16_scaler_is_saved_and_each_rank_resumes_with_its_own(tmp
         values[:] = [value, rank1]
     monkeypatch.setattr(dist, "all_gather_object", two_ranks)
     ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
-    checkpoint.save_state([tmp_path / "last.pt"], model, optimizer, scheduler, scaler, 0, 10, 50.0, [], Settings(),
-                          ctx)
+    checkpoint.save_state([tmp_path / "last.pt"], types.SimpleNamespace(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, epoch=0, step=10, best_acc1=50.0,
+        history=[], settings=Settings(), ctx=ctx, kept={}))
     state = load_checkpoint(tmp_path / "last.pt")
     assert [s["scale"] for s in state["scalers"]] == [1024.0, 256.0] and state["scaler"]["scale"] == 1024.0
     for rank, scale in ((0, 1024.0), (1, 256.0)):

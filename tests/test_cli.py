@@ -373,8 +373,7 @@ def test_every_resend_of_a_dropped_stop_is_cancelled_when_the_command_ends(monke
     """Issue 43, finding 8: a Ctrl-C and a SIGTERM both dropped by Python each schedule a resend; only the last
     was kept and cancelled, so the first fired after main() had made the stop (into whatever ran next)."""
     import types
-    from ddp_utils import distributed
-    from ddp_utils.robust import guard
+    from ddp_utils.robust import guard, peers
     timers = []
 
     class Timer:
@@ -388,7 +387,7 @@ def test_every_resend_of_a_dropped_stop_is_cancelled_when_the_command_ends(monke
         def cancel(self):
             self.cancelled = True
     monkeypatch.setattr(guard.threading, "Timer", Timer)
-    monkeypatch.setattr(distributed, "stop_signal", None)
+    monkeypatch.setattr(peers, "stop_signal", None)
     before = signal.getsignal(signal.SIGTERM)
     with guard.RunGuard(sigterm=True) as run:
         for exc in (KeyboardInterrupt(), guard.Terminated("SIGTERM")):

@@ -74,8 +74,8 @@ def test_each_rank_gets_the_workers_paths_shard_and_steps(imagenet, world_size):
 
 def test_train_batches_are_full_normalised_float32_images_and_int64_labels(photos):
     loader = build_loaders(settings(photos, batch_size=4, image_size=48), 1, 2).train
-    low = (0 - torch.tensor(loader.preset.mean)) / torch.tensor(loader.preset.std)
-    high = (1 - torch.tensor(loader.preset.mean)) / torch.tensor(loader.preset.std)
+    low = (0 - torch.tensor(loader.how.preset.mean)) / torch.tensor(loader.how.preset.std)
+    high = (1 - torch.tensor(loader.how.preset.mean)) / torch.tensor(loader.how.preset.std)
     for images, labels in loader.epoch(0):
         assert images.shape == (4, 3, 48, 48) and images.dtype == torch.float32 and images.device.type == "cpu"
         assert labels.shape == (4,) and labels.dtype == torch.int64

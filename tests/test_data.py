@@ -18,9 +18,11 @@ from PIL import Image
 from torchvision import transforms as T
 
 from ddp_utils import datasets as data_mod
+from ddp_utils import loaders
 from ddp_utils.data import build_loaders
-from ddp_utils.datasets import (PRESETS, Data, DataError, EpochLoader, EvalShardSampler, ImageFolderDataset,
-                                check_data, eval_transform, load_preset, train_transform)
+from ddp_utils.datasets import (PRESETS, DataError, ImageFolderDataset, check_data, eval_transform, load_preset,
+                                train_transform)
+from ddp_utils.loaders import Data, EpochLoader, EvalShardSampler
 from ddp_utils.demo_data import DEMO_CLASSES, DEMO_JSON, prepare_demo, read_demo_info
 from ddp_utils.settings import Settings
 from tests import procs
@@ -299,7 +301,7 @@ def test_without_workers_the_loader_leaves_the_training_rng_alone(demo_dir, monk
 
 def test_both_loaders_take_their_seed_from_the_one_recipe():
     from ddp_utils.speed import memdata
-    from ddp_utils.datasets import augmentation_seed
+    from ddp_utils.loaders import augmentation_seed
     seeds = {augmentation_seed(0, rank, epoch) for rank in range(8) for epoch in range(50)}
     assert len(seeds) == 400
     a = torch.rand(4, generator=memdata.augmentation_generator(3, 1, 2))
@@ -541,12 +543,12 @@ def test_check_verify_images_finds_every_unreadable_file_that_the_quick_check_sk
 
 
 def test_every_training_loader_shares_one_written_protocol():
-    """The sampler, set_epoch and the steps per epoch are written once (datasets.TrainLoader); each loader only
+    """The sampler, set_epoch and the steps per epoch are written once (loaders.TrainLoader); each loader only
     makes its batches. A loader with its own epoch() or __len__ could forget set_epoch or count steps apart."""
     import inspect
 
     import ddp_utils
-    from ddp_utils.datasets import TrainLoader
+    from ddp_utils.loaders import TrainLoader
     from ddp_utils.speed.dali import DaliTrainLoader
     from ddp_utils.speed.fastjpeg import NormalizedEpochLoader
     from ddp_utils.speed.memdata import MemoryLoader
@@ -558,7 +560,7 @@ def test_every_training_loader_shares_one_written_protocol():
     calling = sorted(f"{p.relative_to(package)}:{node.lineno}" for p in package.rglob("*.py")
                      for node in ast.walk(ast.parse(p.read_text()))
                      if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "set_epoch")
-    assert len(calling) == 1 and calling[0].startswith("datasets.py:"), calling
+    assert len(calling) == 1 and calling[0].startswith("loaders.py:"), calling
     assert "set_epoch(" in inspect.getsource(TrainLoader._shuffle)
 
 
@@ -642,7 +644,7 @@ def released(error: BaseException, alive, seconds: float = 10.0) -> bool:
     """``release_workers(error)``, then whether ``alive()`` (the workers or threads still there) empties within
     ``seconds``."""
     import time
-    data_mod.release_workers(error)
+    loaders.release_workers(error)
     deadline = time.monotonic() + seconds
     while alive() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -683,7 +685,7 @@ def test_the_iterator_of_a_loop_that_is_still_running_keeps_its_workers():
         try:
             raise RuntimeError("one attempt failed")
         except RuntimeError as exc:
-            data_mod.release_workers(exc)
+            loaders.release_workers(exc)
         seen.append(batch.tolist())
     assert seen == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
@@ -692,13 +694,13 @@ def test_a_forked_loader_worker_imports_nothing_when_it_closes_the_inherited_lis
     """Issue 43, finding 8: the workers imported psutil after the fork, in a parent whose threads (the watch, the
     store's) may hold the loader's lock then: a C extension loaded there can hang the worker for good."""
     import builtins
-    from ddp_utils import datasets
+    from ddp_utils import loaders
     imported, real = [], builtins.__import__
 
     def noted(name, *args, **kwargs):
         imported.append(name)
         return real(name, *args, **kwargs)
     monkeypatch.setattr(builtins, "__import__", noted)
-    datasets.close_inherited_listeners(0)
+    loaders.close_inherited_listeners(0)
     monkeypatch.undo()
     assert imported == []

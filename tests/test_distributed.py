@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_utils import distributed
+from ddp_utils import collectives, distributed
+from ddp_utils.robust import peers
 from ddp_utils.robust import rendezvous
 from ddp_utils.settings import Settings
 from tests import netns
@@ -242,14 +243,14 @@ def test_world_size_one_creates_no_process_group(clean_env):
     assert ctx.backend is None and not ctx.distributed and ctx.is_main
     assert not dist.is_initialized()
     t = torch.ones(2)
-    assert distributed.all_reduce_sum(t, ctx) is t and t.tolist() == [1.0, 1.0]
-    assert distributed.broadcast_object("x", ctx) == "x"
-    distributed.barrier(ctx)
+    assert collectives.all_reduce_sum(t, ctx) is t and t.tolist() == [1.0, 1.0]
+    assert collectives.broadcast_object("x", ctx) == "x"
+    collectives.barrier(ctx)
 
 
 def test_agree_is_a_no_op_with_one_process(clean_env):
     ctx = distributed.setup(Settings(workers=0), log=lambda *_: None)
-    assert distributed.agree({"batch_size": 64}, ctx) is None
+    assert collectives.agree({"batch_size": 64}, ctx) is None
 
 
 def test_keyboard_interrupt_after_init_tears_the_group_down(clean_env, monkeypatch):
@@ -439,7 +440,7 @@ def test_a_rank_that_makes_no_step_says_so_and_names_the_silent_peer(monkeypatch
     import time as _time
 
     from ddp_utils.robust.heartbeat import Heartbeat
-    monkeypatch.setattr(distributed, "_store", dist.HashStore())
+    monkeypatch.setattr(peers, "_store", dist.HashStore())
     ctx = distributed.DistContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
     lines = []
     with Heartbeat(ctx, log=lines.append, every=0.1, note_after=0.5) as beat:
@@ -447,16 +448,16 @@ def test_a_rank_that_makes_no_step_says_so_and_names_the_silent_peer(monkeypatch
         assert beat.silent(older_than=1.0)[0][0] == 1
     assert any(line.startswith("rank 0: no training step for ") and "rank 1's last sign of life" in line
                for line in lines), lines
-    assert distributed._store.get("watch/1/alive/0")   # this rank's own sign of life is in the store (this fit's keys)
+    assert peers._store.get("watch/1/alive/0")   # this rank's own sign of life is in the store (this fit's keys)
 
 
 @pytest.fixture
 def watched(monkeypatch):
     """A rank 0 of 3 whose store is an in-memory one, and the abort_group calls the watch makes."""
-    monkeypatch.setattr(distributed, "_store", dist.HashStore())
-    monkeypatch.setattr(distributed, "_watches", 0)
+    monkeypatch.setattr(peers, "_store", dist.HashStore())
+    monkeypatch.setattr(peers, "_watches", 0)
     aborted = []
-    monkeypatch.setattr(distributed, "abort_group", aborted.append)
+    monkeypatch.setattr(peers, "abort_group", aborted.append)
     ctx = distributed.DistContext(rank=0, world_size=3, local_rank=0, device=torch.device("cpu"), backend="gloo")
     return ctx, aborted
 
@@ -475,7 +476,7 @@ def test_the_watch_aborts_the_group_when_a_rank_goes_silent_and_names_it(watched
     from ddp_utils.robust.heartbeat import Heartbeat
     ctx, aborted = watched
     with Heartbeat(ctx, log=lambda *_: None, every=0.1, silent_after=1.0) as beat:
-        beat_for(distributed._store, 1, 2.0)   # rank 1 keeps beating, rank 2 never does
+        beat_for(peers._store, 1, 2.0)   # rank 1 keeps beating, rank 2 never does
     assert len(aborted) == 1 and beat.verdict == aborted[0], aborted
     assert beat.verdict.startswith("another rank stopped answering (rank 2's last sign of life:"), beat.verdict
     assert "rank 1" not in beat.verdict
@@ -487,7 +488,7 @@ def test_the_watch_aborts_the_group_with_the_reason_another_rank_reported(watche
     ctx, aborted = watched
     with Heartbeat(ctx, log=lambda *_: None, every=0.1, silent_after=30.0) as beat:
         rank1 = distributed.DistContext(rank=1, world_size=3, local_rank=0, device=torch.device("cpu"), backend="gloo")
-        distributed.report_failure(rank1, "rank 1 stopped: KeyboardInterrupt")
+        peers.report_failure(rank1, "rank 1 stopped: KeyboardInterrupt")
         deadline = _time.monotonic() + 5
         while not aborted and _time.monotonic() < deadline:
             _time.sleep(0.05)
@@ -501,24 +502,24 @@ def test_the_watch_and_the_waits_ask_rank_0s_store_a_few_times_per_rank_whatever
     number of ranks would make rank 0's store serve N x N of them (768 per beat round at 16 ranks)."""
     from tests.counting_store import CountingStore, context, requests_per_beat_round
     store = CountingStore()
-    monkeypatch.setattr(distributed, "_store", store)
+    monkeypatch.setattr(peers, "_store", store)
     assert max(requests_per_beat_round(world_size)) <= 4   # its beat, the others' beats, any failure reported
     ctx = context(3, world_size)
     store.requests = 0
-    assert distributed._failure_in_store(ctx) is None and store.requests == 1   # a wait's poll for failures
-    distributed.report_failure(context(world_size - 2, world_size), "rank N: disk full")
-    assert distributed._failure_in_store(ctx) == "rank N: disk full"
+    assert peers._failure_in_store(ctx) is None and store.requests == 1   # a wait's poll for failures
+    peers.report_failure(context(world_size - 2, world_size), "rank N: disk full")
+    assert peers._failure_in_store(ctx) == "rank N: disk full"
 
 
 def test_a_rank_that_finished_is_never_judged_silent(watched):
     from ddp_utils.robust.heartbeat import Heartbeat
     ctx, aborted = watched
-    distributed._store.set("watch/1/alive/1", "done")
-    distributed._store.set("watch/1/alive/2", "done")
+    peers._store.set("watch/1/alive/1", "done")
+    peers._store.set("watch/1/alive/2", "done")
     with Heartbeat(ctx, log=lambda *_: None, every=0.1, silent_after=0.5):
         __import__("time").sleep(1.5)
     assert aborted == []
-    assert distributed._store.get("watch/1/alive/0") == b"done"   # and this one says so on leaving
+    assert peers._store.get("watch/1/alive/0") == b"done"   # and this one says so on leaving
 
 
 def test_a_rank_that_lost_rank_0s_store_names_rank_0(watched, monkeypatch):
@@ -530,7 +531,7 @@ def test_a_rank_that_lost_rank_0s_store_names_rank_0(watched, monkeypatch):
     class Unreachable:
         def __getattr__(self, name):
             raise RuntimeError("Connection reset by peer")
-    monkeypatch.setattr(distributed, "watch_store", lambda: Unreachable())
+    monkeypatch.setattr(peers, "watch_store", lambda: Unreachable())
     with Heartbeat(ctx, log=lambda *_: None, every=0.1, silent_after=1.0) as beat:
         __import__("time").sleep(2.0)
     assert aborted and beat.verdict.startswith("another rank stopped answering (rank 0's store gave no answer for")
@@ -555,15 +556,15 @@ def test_a_peer_whose_beats_stopped_is_silent_not_stuck_in_its_loader(watched):
 def test_the_failure_named_is_the_first_reported_not_the_lowest_ranks(monkeypatch):
     """Issue 37, finding 2: rank 2 failed and reported; rank 1, stopped as a consequence (its launcher's SIGTERM),
     reported after it. Rank 0 names rank 2, the cause; rank 2 itself reads rank 1's (the first that is not its own)."""
-    monkeypatch.setattr(distributed, "_store", dist.HashStore())
+    monkeypatch.setattr(peers, "_store", dist.HashStore())
 
     def ctx(rank):
         return distributed.DistContext(rank=rank, world_size=3, local_rank=0, device=torch.device("cpu"),
                                        backend="gloo")
-    distributed.report_failure(ctx(2), "rank 2 stopped: DataError: /data/bad.JPEG ...")
-    distributed.report_failure(ctx(1), "rank 1 stopped: SIGTERM (the process was told to stop)")
-    assert distributed._failure_in_store(ctx(0)).startswith("rank 2 stopped: DataError")
-    assert distributed._failure_in_store(ctx(2)).startswith("rank 1 stopped: SIGTERM")
+    peers.report_failure(ctx(2), "rank 2 stopped: DataError: /data/bad.JPEG ...")
+    peers.report_failure(ctx(1), "rank 1 stopped: SIGTERM (the process was told to stop)")
+    assert peers._failure_in_store(ctx(0)).startswith("rank 2 stopped: DataError")
+    assert peers._failure_in_store(ctx(2)).startswith("rank 1 stopped: SIGTERM")
 
 
 def test_a_failure_report_over_a_store_that_blocks_returns_within_its_bound(monkeypatch):
@@ -582,11 +583,11 @@ def test_a_failure_report_over_a_store_that_blocks_returns_within_its_bound(monk
         def add(self, key, n):
             return 1
     store = Blocking()
-    monkeypatch.setattr(distributed, "_store", store)
-    monkeypatch.setattr(distributed, "REPORT_S", 0.5)
+    monkeypatch.setattr(peers, "_store", store)
+    monkeypatch.setattr(peers, "REPORT_S", 0.5)
     ctx = distributed.DistContext(rank=1, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
     start = _time.monotonic()
-    distributed.report_failure(ctx, "rank 1 stopped: KeyboardInterrupt")
+    peers.report_failure(ctx, "rank 1 stopped: KeyboardInterrupt")
     assert _time.monotonic() - start < 2.0
     store.release.set()
 
@@ -664,12 +665,12 @@ def test_a_store_wait_that_gets_no_answer_names_rank_0s_host(monkeypatch):
     """A rank behind a cut link, waiting for rank 0 to finish its checkpoint: its paragraph says where rank 0 runs
     (at 16 ranks it named only "rank 0's store", the one survivor's line without the lost host's address)."""
     import threading
-    monkeypatch.setattr(distributed, "STORE_PATIENCE", 0.2)
-    monkeypatch.setattr(distributed, "_peers", {0: {"host": "node-a", "addr": "10.0.0.1"}})
+    monkeypatch.setattr(peers, "STORE_PATIENCE", 0.2)
+    monkeypatch.setattr(peers, "_peers", {0: {"host": "node-a", "addr": "10.0.0.1"}})
     ctx = distributed.DistContext(rank=1, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
     never = threading.Event()
-    with pytest.raises(distributed.PeerLost) as lost:
-        distributed._ask_store(ctx, "finish saving epoch 1", never.wait)
+    with pytest.raises(peers.PeerLost) as lost:
+        peers._ask_store(ctx, "finish saving epoch 1", never.wait)
     never.set()   # the store call's thread ends
     assert "(rank 0's store (on node-a, 10.0.0.1) gave no answer for 0.2 s while this rank waited for finish " \
            "saving epoch 1)" in str(lost.value)

@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_utils.speed import fastjpeg
 from ddp_utils.data import build_loaders
-from ddp_utils.datasets import (DataError, EpochLoader, EvalShardSampler, ImageFolderDataset, augmentation_seed,
-                                eval_transform, load_preset, train_transform)
+from ddp_utils.datasets import DataError, ImageFolderDataset, eval_transform, load_preset, train_transform
+from ddp_utils.loaders import EpochLoader, EvalShardSampler, augmentation_seed
 from ddp_utils.speed.memdata import normalize
 from ddp_utils.settings import Settings
 from tests.test_data import WNIDS, make_imagenet

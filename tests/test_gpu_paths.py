@@ -459,16 +459,16 @@ def test_the_scaled_step_tells_a_skipped_fp16_step_on_a_gpu():
 
 @gpu_only
 def test_the_watchs_abort_ends_an_nccl_group():
-    """What the watch does on nccl (heartbeat.py -> distributed.abort_group): afterwards no collective waits."""
-    from ddp_utils import distributed
+    """What the watch does on nccl (heartbeat.py -> peers.abort_group): afterwards no collective waits."""
+    from ddp_utils.robust import peers
     device = torch.device("cuda", 0)
     with one_rank_group("nccl", device):
-        distributed.abort_group("test")
+        peers.abort_group("test")
         with pytest.raises(Exception):
             t = torch.ones(1, device=device)
             dist.all_reduce(t)
             torch.cuda.synchronize()
-    distributed._aborted = None
+    peers._aborted = None
 
 
 @gpu_only

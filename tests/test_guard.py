@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from ddp_utils import distributed
+from ddp_utils.robust import peers
 from ddp_utils.robust import guard
 from ddp_utils.robust.stderr import HeldStderr
 from ddp_utils.tools import cli
@@ -14,7 +14,7 @@ from ddp_utils.tools import cli
 def process_settings() -> dict:
     return {"SIGTERM": signal.getsignal(signal.SIGTERM), "SIGCHLD": signal.getsignal(signal.SIGCHLD),
             "SIGINT": signal.getsignal(signal.SIGINT), "unraisablehook": sys.unraisablehook,
-            "stop_signal": distributed.stop_signal, "fd 2": os.fstat(2).st_ino, "guard": guard.current()}
+            "stop_signal": peers.stop_signal, "fd 2": os.fstat(2).st_ino, "guard": guard.current()}
 
 
 @pytest.mark.parametrize("ending", ["returns", "sigterm", "error"])
@@ -24,7 +24,7 @@ def test_a_command_puts_back_every_process_wide_setting_it_changed(monkeypatch, 
     thread) kept the student's error output in a temporary file. A command run in a process that lives on (tests,
     a notebook calling cli.main) must find the process as it was."""
     import ddp_utils.job
-    monkeypatch.setattr(distributed, "stop_signal", None)
+    monkeypatch.setattr(peers, "stop_signal", None)
     before = process_settings()
     sigterm, sigchld = before["SIGTERM"], before["SIGCHLD"]
     seen = {}
@@ -75,7 +75,7 @@ def test_a_stop_python_dropped_is_raised_as_what_it_was(monkeypatch):
     """What broke after a dropped stop is replaced by the stop: a SIGTERM's as Terminated (exit 143 and "SIGTERM" to
     the others), a Ctrl-C's as KeyboardInterrupt, and the cause leaves with the run."""
     import types
-    monkeypatch.setattr(distributed, "stop_signal", None)
+    monkeypatch.setattr(peers, "stop_signal", None)
     monkeypatch.setattr(guard, "RESEND_S", 60.0)   # cancelled before it fires
     before = signal.getsignal(signal.SIGTERM)
     try:
@@ -85,6 +85,6 @@ def test_a_stop_python_dropped_is_raised_as_what_it_was(monkeypatch):
                     run.stopped_by(guard.Terminated.description, first=False)
                 run._unraisable(types.SimpleNamespace(exc_value=exc))
                 assert run.dropped and type(run.stop()) is raised
-            assert distributed.stop_signal is None and signal.getsignal(signal.SIGTERM) is before
+            assert peers.stop_signal is None and signal.getsignal(signal.SIGTERM) is before
     finally:
         signal.signal(signal.SIGTERM, before)

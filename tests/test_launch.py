@@ -341,7 +341,7 @@ def test_on_a_one_gpu_node_processes_may_share_the_gpu_on_gloo_when_asked(monkey
         launch_module.plan(base, nproc_per_node=2)
     plans = launch_module.plan(base, nproc_per_node=2, share_gpu=True)
     assert [(s.rank, s.local_rank, s.world_size) for s in plans] == [(0, 0, 2), (1, 0, 2)]
-    launcher = launch_module.Launcher(plans, log_dir=tmp_path)
+    launcher = launch_module.Launcher(plans, launch_module.LaunchOptions(log_dir=tmp_path))
     assert launcher.train[-2:] == ["--local-rank", "0"] and "all on GPU 0, shared" in launcher.describe()[0]
     with pytest.raises(ValueError, match="need gloo: NCCL refuses two ranks on one GPU"):
         launch_module.plan(base.replace(backend="nccl"), nproc_per_node=2, share_gpu=True)
@@ -351,7 +351,7 @@ def test_on_a_one_gpu_node_processes_may_share_the_gpu_on_gloo_when_asked(monkey
         launch_module.plan(base, nproc_per_node=3, share_gpu=True)
     plans = launch_module.plan(base, nproc_per_node=2, share_gpu=True)
     assert [s.local_rank for s in plans] == [0, 1]
-    assert "--local-rank" not in launch_module.Launcher(plans, log_dir=tmp_path).train
+    assert "--local-rank" not in launch_module.Launcher(plans, launch_module.LaunchOptions(log_dir=tmp_path)).train
 
 
 # -- two hosts, two processes each ----------------------------------------------------------------------------

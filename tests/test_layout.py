@@ -52,7 +52,7 @@ def imports_of(module: str) -> set[str]:
 def test_the_modules_are_found_in_every_layer():
     """Guards the tests below: they see the modules of every layer (not an empty list)."""
     assert {layer_of(m) for m in MODULES} == {"core", *LAYERS}
-    assert "robust.heartbeat" in imports_of("watch") and "distributed" in imports_of("robust.heartbeat")
+    assert "robust.heartbeat" in imports_of("watch") and "robust.peers" in imports_of("robust.heartbeat")
 
 
 def test_the_training_loop_reads_top_to_bottom_and_names_no_optional_feature():
@@ -65,7 +65,7 @@ def test_the_training_loop_reads_top_to_bottom_and_names_no_optional_feature():
             params = len(node.args.args) + len(node.args.kwonlyargs)
             assert node.end_lineno - node.lineno + 1 <= 60 and params <= 6, (node.name, params)
     layers = {layer_of(m) for m in imports_of("train")}
-    assert layers == {"core"}, imports_of("train")   # none of speed/ or robust/
+    assert "speed" not in layers, imports_of("train")   # the options reach it as observers alone
     identifiers = {getattr(node, field) for node in ast.walk(tree) for field in ("id", "attr", "name", "arg")
                    if isinstance(getattr(node, field, None), str)}
     for word in ("heartbeat", "profiler", "sgd", "powersgd", "gpu", "patience", "cost", "held", "probe", "memory"):

@@ -13,9 +13,8 @@ from ddp_utils.optim import build_optimizer, build_scheduler, make_scaler
 from ddp_utils.runlog import NullLogger
 from ddp_utils.settings import MUST_AGREE, Settings
 from ddp_utils.speed import localsgd
-from ddp_utils.speed.localsgd import LocalSGD
-from ddp_utils.concerns import loop_observers
-from ddp_utils.observers import Loop
+from ddp_utils.speed.localsgd import LocalSGD, LocalSgd
+from ddp_utils.observers import Around, Loop
 from ddp_utils.train import train_one_epoch
 from tests.test_accumulate import count_all_reduces
 from tests.test_comm import run_two
@@ -107,7 +106,7 @@ def test_gradients_travel_only_in_the_warmup_steps(clean_env):
         scheduler = build_scheduler(optimizer, settings, 8)
         sgd = LocalSGD(model, optimizer, settings.average_every, settings.localsgd_warmup_steps)
         train_one_epoch(Loop(model, data, optimizer, scheduler, make_scaler(None, ctx.device), settings, ctx,
-                             NullLogger(), loop_observers(local_sgd=sgd)), 0)
+                             NullLogger(), given=[LocalSgd(sgd)]), 0)
     assert rounds.count(0) == 2, rounds
     assert sgd.averages == 3   # and the momentum at the end
 
@@ -144,5 +143,5 @@ def test_a_rank_waiting_in_the_epochs_last_average_is_not_waiting_for_its_data()
         def end_of_epoch(self):
             seen.append(heartbeat.fetching_since)
     train_one_epoch(Loop(model, data, optimizer, build_scheduler(optimizer, settings, 3), make_scaler(None, ctx.device),
-                         settings, ctx, NullLogger(), loop_observers(heartbeat=heartbeat, local_sgd=Averaging())), 0)
+                         settings, ctx, NullLogger(), around=Around(heartbeat), given=[LocalSgd(Averaging())]), 0)
     assert seen == [None]

@@ -80,7 +80,8 @@ def test_channels_last_reaches_the_convolutions_and_fsdps_weights_stay_contiguou
     monkeypatch.setattr(optim, "NHWC_DEVICES", {"cuda", "cpu"})
     monkeypatch.setattr(kit_model, "channels_last_on", optim.channels_last_on)
     monkeypatch.setattr(kit_model, "parallel_mode", lambda settings, ctx: mode)   # no group needed to ask it
-    monkeypatch.setattr(kit_model.sharding, "shard_model", lambda net, ctx, units=None: net)
+    from ddp_utils.speed import sharding
+    monkeypatch.setattr(sharding, "shard_model", lambda net, ctx, units=None: net)
     ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
     settings = mode_matrix.settings_for(mode, 0.9, "nhwc", 0, 1, 29500)
     model = kit_model.prepare_model(mode_matrix.MatrixNet(), settings, ctx, log=lambda *_: None)

@@ -195,11 +195,11 @@ def test_the_steps_inside_prepare_are_tagged_too():
 
 @pytest.mark.parametrize("module, function, essential", [
     ("distributed", "_init_process_group", "dist.init_process_group("),
-    ("datasets", "train_sampler", "DistributedSampler("),
-    ("datasets", "TrainLoader._shuffle", "set_epoch("),
+    ("loaders", "train_sampler", "DistributedSampler("),
+    ("loaders", "TrainLoader._shuffle", "set_epoch("),
     ("model", "wrap_ddp", "DDP(model"),
     ("metrics", "Meter.reduced", "all_reduce_sum("),
-    ("distributed", "all_reduce_sum", "dist.all_reduce("),
+    ("collectives", "all_reduce_sum", "dist.all_reduce("),
     ("runlog", "make_logger", "NullLogger()"),
     ("distributed", "teardown", "destroy_process_group("),
 ])

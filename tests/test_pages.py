@@ -214,7 +214,7 @@ def test_kit_commands_on_every_page_use_only_their_own_flags():
 
 # -- (3) every list of parameters to keep equal names them all -------------------------------------------
 # RANK is the one parameter main.ipynb and worker.ipynb hold differently, by design. The kit's settings agreement
-# (distributed.agree: settings.MUST_AGREE, the backend, the data) refuses a mismatch in what decides the
+# (collectives.agree: settings.MUST_AGREE, the backend, the data) refuses a mismatch in what decides the
 # training; the other parameters are not compared, but either only rank 0 reads them (RUN_DIR, RESUME,
 # WANDB_MODE, PRICE_PER_HOUR, TENSORBOARD) or they set one rank's own pace (WORKERS, LOADER, THREADS,
 # INIT_TIMEOUT), so a difference there is silently ignored or slows one node: the pages ask for every one

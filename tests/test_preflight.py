@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 
-from ddp_utils import distributed
 from ddp_utils.robust import preflight
 from ddp_utils.robust.preflight import DistSetupError
 from ddp_utils.settings import Settings
@@ -24,28 +23,28 @@ def two_rank(**kw) -> Settings:
 # -- backend ----------------------------------------------------------------------------------
 def test_resolve_backend_auto_is_gloo_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert distributed.resolve_backend(Settings()) == "gloo"
+    assert preflight.resolve_backend(Settings()) == "gloo"
 
 
 def test_resolve_backend_auto_is_nccl_with_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
-    assert distributed.resolve_backend(Settings()) == "nccl"
+    assert preflight.resolve_backend(Settings()) == "nccl"
 
 
 def test_resolve_backend_refuses_nccl_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DistSetupError, match="backend='nccl' needs a CUDA GPU"):
-        distributed.resolve_backend(Settings(backend="nccl"))
+        preflight.resolve_backend(Settings(backend="nccl"))
 
 
 def test_resolve_backend_keeps_an_explicit_gloo():
-    assert distributed.resolve_backend(Settings(backend="gloo")) == "gloo"
+    assert preflight.resolve_backend(Settings(backend="gloo")) == "gloo"
 
 
 # -- interface --------------------------------------------------------------------------------
 def test_choose_interface_for_loopback_is_lo():
-    assert distributed.choose_interface("127.0.0.1") == ("lo", "127.0.0.1")
+    assert preflight.choose_interface("127.0.0.1") == ("lo", "127.0.0.1")
 
 
 def test_preflight_sets_gloo_and_nccl_socket_ifname(clean_env):
@@ -87,12 +86,12 @@ def test_port_holder_names_the_listening_pid():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        holder = distributed.port_holder(s.getsockname()[1])
+        holder = preflight.port_holder(s.getsockname()[1])
     assert holder.startswith(f"pid {os.getpid()} (") and "python" in holder
 
 
 def test_port_holder_is_none_for_a_free_port():
-    assert distributed.port_holder(free_port()) is None
+    assert preflight.port_holder(free_port()) is None
 
 
 def test_wait_for_master_retries_until_init_timeout_then_explains():

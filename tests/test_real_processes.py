@@ -115,16 +115,16 @@ def test_a_sigterm_whose_exception_python_ignored_is_still_the_cause_said_and_re
     """CI: the SIGTERM landed while a DataLoader was forking its workers; Python ignores an exception raised in an
     at-fork handler, so the rank went on until the workers the same signal ended broke the loader, and reported
     "DataLoader worker ... exited unexpectedly" (exit 2) to the user and the other ranks instead of the SIGTERM."""
-    from ddp_utils import distributed, job
-    from ddp_utils.robust import guard
+    from ddp_utils import job
+    from ddp_utils.robust import guard, peers
     from ddp_utils.tools import cli
-    monkeypatch.setattr(distributed, "stop_signal", None)
-    monkeypatch.setattr(distributed, "_peers", {})
+    monkeypatch.setattr(peers, "stop_signal", None)
+    monkeypatch.setattr(peers, "_peers", {})
     with pytest.raises(cli.Terminated):
         guard.on_sigterm(signal.SIGTERM, None)   # the handler: it also leaves the cause where it cannot be lost
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    assert distributed.stop_signal == cli.Terminated.description
+    assert peers.stop_signal == cli.Terminated.description
 
     def broken(*args, **kwargs):
         raise RuntimeError("DataLoader worker (pid(s) 8447, 8452) exited unexpectedly")
@@ -132,7 +132,7 @@ def test_a_sigterm_whose_exception_python_ignored_is_still_the_cause_said_and_re
     monkeypatch.setattr(cli, "run_job", broken, raising=False)
     assert cli.main(["train", "--dataset", "fake"]) == 143
     assert "terminated (SIGTERM): " in capsys.readouterr().err
-    assert distributed.describe_failure(RuntimeError("DataLoader worker exited")) == cli.Terminated.description
+    assert peers.describe_failure(RuntimeError("DataLoader worker exited")) == cli.Terminated.description
 
 
 def fresh_env() -> dict:
@@ -208,20 +208,20 @@ def test_a_sigterm_report_names_a_rank_on_the_same_machine_that_had_already_ende
     """Issue 37, finding 2: torchrun's agent SIGTERMs a machine's other ranks when one ends; the one that ended
     (SIGKILLed, out of memory) reports nothing, so the SIGTERMed rank's report, the first the others read, must name
     it. A rank on another machine, or one still running, is not named (a scheduler's SIGTERM reaches them all)."""
-    from ddp_utils import distributed
+    from ddp_utils.robust import peers
     from ddp_utils.robust.devices import machine_id, pid_space
     from ddp_utils.tools import cli
     ended = subprocess.Popen(["true"])
     ended.wait()   # its pid is free now
     here = {"machine": machine_id(), "pid_space": pid_space()}   # what every rank's facts carry
-    peers = {0: {**here, "pid": os.getpid()}, 1: {**here, "pid": os.getppid()},   # this, running
+    facts = {0: {**here, "pid": os.getpid()}, 1: {**here, "pid": os.getppid()},   # this, running
              2: {"machine": "another machine", "pid": ended.pid}, 3: {**here, "pid": ended.pid}}
-    monkeypatch.setattr(distributed, "_peers", peers)
-    monkeypatch.setattr(distributed, "stop_signal", None)
-    said = distributed.describe_failure(cli.Terminated("SIGTERM"))
+    monkeypatch.setattr(peers, "_peers", facts)
+    monkeypatch.setattr(peers, "stop_signal", None)
+    said = peers.describe_failure(cli.Terminated("SIGTERM"))
     assert said.startswith(cli.Terminated.description) and "after rank 3 on the same machine had ended" in said, said
-    monkeypatch.setattr(distributed, "_peers", {r: peers[r] for r in (0, 1, 2)})
-    assert distributed.describe_failure(cli.Terminated("SIGTERM")) == cli.Terminated.description
+    monkeypatch.setattr(peers, "_peers", {r: facts[r] for r in (0, 1, 2)})
+    assert peers.describe_failure(cli.Terminated("SIGTERM")) == cli.Terminated.description
 
 
 _AT_FORK = {"armed": False, "registered": False, "handler": None}   # the test's at-fork handler stays (none can be unregistered)
@@ -241,7 +241,7 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
     and rank 0 was told that instead of the SIGTERM. Now whatever Python drops goes to the CLI's unraisable hook:
     nothing printed, the signal sent again a moment later, its cause kept for this rank and the others."""
     import sys
-    from ddp_utils import distributed
+    from ddp_utils.robust import peers
     from ddp_utils.robust import guard
     from ddp_utils.tools import cli
     sent, during = [], {}
@@ -256,8 +256,8 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
         def cancel(self):
             sent.append("cancelled")
     monkeypatch.setattr(guard.threading, "Timer", Timer)
-    monkeypatch.setattr(distributed, "stop_signal", None)
-    monkeypatch.setattr(distributed, "_peers", {})
+    monkeypatch.setattr(peers, "stop_signal", None)
+    monkeypatch.setattr(peers, "_peers", {})
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
     def handler():   # what the signal's handler does: the kit's for SIGTERM, Python's own for SIGINT
@@ -286,7 +286,7 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
             os.waitpid(pid, 0)
         during.update(sent=list(sent), sigterm=signal.getsignal(signal.SIGTERM), sigchld=signal.getsignal(signal.SIGCHLD),
                       # what breaks before the signal comes again is told to the others, and said here, as the signal
-                      said=distributed.describe_failure(RuntimeError("DataLoader worker (pid 31031) is killed by "
+                      said=peers.describe_failure(RuntimeError("DataLoader worker (pid 31031) is killed by "
                                                                      "signal: Terminated.")))
         raise RuntimeError("DataLoader worker (pid(s) 26981) exited unexpectedly")
     import ddp_utils.job   # alone, the test would find it not yet imported
@@ -297,7 +297,7 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
         assert "Exception ignored" not in err
         assert ("terminated (SIGTERM): " if sig == signal.SIGTERM else "interrupted: ") in err
         assert during["sent"] == [(guard.RESEND_S, os.kill, (os.getpid(), sig), True)]
-        assert during["said"] == (cli.Terminated.description if sig == signal.SIGTERM else distributed.INTERRUPTED)
+        assert during["said"] == (cli.Terminated.description if sig == signal.SIGTERM else peers.INTERRUPTED)
         assert sent[-1] == "cancelled"   # main ended first: the stop the resend would make is made
         if sig == signal.SIGTERM:
             assert during["sigterm"] is guard.on_sigterm   # the resend is handled, not ignored
@@ -321,7 +321,8 @@ def test_a_signal_whose_exception_python_drops_is_delivered_again_without_a_trac
 # and the KeyboardInterrupt lands in the kernel's at-fork handler, where Python drops it.
 NOTEBOOK_STOP = """
 import os, signal, sys, time
-from ddp_utils import distributed, train
+from ddp_utils import train
+from ddp_utils.robust import peers
 from ddp_utils.job import prepare
 from ddp_utils.settings import Settings
 forks = []
@@ -343,7 +344,7 @@ except KeyboardInterrupt:
 except Exception as e:
     print(f"stopped by {type(e).__name__}: {e}")
 time.sleep(0.5)   # no second interrupt comes later, into the next cell
-print("hook restored:", sys.unraisablehook is sys.__unraisablehook__, "| cause cleared:", distributed.stop_signal is None)
+print("hook restored:", sys.unraisablehook is sys.__unraisablehook__, "| cause cleared:", peers.stop_signal is None)
 """
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from ddp_utils import architectures, presets
+from ddp_utils import architectures, loaders, presets
 from ddp_utils.architectures import ARCHITECTURES, architecture, vision_transformer
 from ddp_utils.datasets import DataError
 from ddp_utils.presets import PRESETS, Preset, Recipe
@@ -80,7 +80,7 @@ def test_a_preset_owns_its_loaders_and_the_help_and_docs_follow_it(added):
     args = build_parser().parse_args(["train", "--dataset", "cifar100", "--data-dir", "x"])   # a choice at once
     assert args.dataset == "cifar100"
     assert "| `cifar100` | `resnet18_cifar` | 128 | 30 | 0.2 | 1 | sgd | 0.0005 | memory, workers |" in \
-        presets.recipe_table()
+        loaders.recipe_table()
     assert "test cifar100" in presets.default_of("val_split")
 
 
@@ -91,7 +91,7 @@ def test_the_docs_recipe_table_and_the_help_texts_are_made_from_the_presets():
     from ddp_utils.settings import Settings as S
     from tests.procs import REPO
     page = (Path(REPO) / "docs" / "commands.md").read_text()
-    assert presets.recipe_table() in page
+    assert loaders.recipe_table() in page
     helps = {f.name: f.metadata["help"] for f in dataclasses.fields(S)}
     for name in PRESETS:
         assert name in helps["dataset"] and name in helps["image_size"] and name in helps["val_split"]
@@ -99,13 +99,18 @@ def test_the_docs_recipe_table_and_the_help_texts_are_made_from_the_presets():
         assert name in helps["arch"]
 
 
-def test_the_layout_hint_names_the_preset_whose_folders_are_there(tmp_path, added):
+def test_the_layout_hint_names_every_preset_whose_folders_are_there(tmp_path, added, monkeypatch):
+    """Issue 54: the hint named the first preset that fit; Food-101 and CIFAR-100 share train/ and test/, so which
+    one it named was a coin toss. Every preset that fits is named."""
     from ddp_utils.datasets import _layout_hint
     for split in ("train", "test"):
         (tmp_path / split).mkdir()
-    assert "use dataset='cifar100'" in _layout_hint(tmp_path, PRESETS["imagenet"])
+    assert "use dataset='cifar100' (train/, test/)" in _layout_hint(tmp_path, PRESETS["imagenet"])
+    monkeypatch.setitem(PRESETS, "food101", dataclasses.replace(CIFAR100, name="food101", image_size=224))
+    both = _layout_hint(tmp_path, PRESETS["imagenet"])
+    assert "dataset='cifar100' (train/, test/) or dataset='food101' (train/, test/)" in both, both
     (tmp_path / "val").mkdir()
-    assert "use dataset='imagenet'" in _layout_hint(tmp_path, PRESETS["cinic10"])
+    assert "dataset='imagenet' (train/, val/)" in _layout_hint(tmp_path, PRESETS["cinic10"])
 
 
 def test_a_model_that_cannot_take_the_data_sets_image_size_is_refused_at_the_settings_with_the_sizes_it_takes():

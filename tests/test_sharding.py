@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from ddp_utils import checkpoint
+from ddp_utils import checkpoint, parallel
 from ddp_utils.distributed import DistContext
 from ddp_utils.model import build_model, describe_parallel, parallel_mode
 from ddp_utils.robust import compat
@@ -67,7 +67,7 @@ def results(folder) -> dict:
 # Both ranks stop right after epoch 2's checkpoint (Stop in both notebooks, both nodes lost, a spot instance taken).
 STOPPED_AFTER_EPOCH_2 = """
 import sys
-from ddp_utils import checkpoint
+from ddp_utils import checkpoint, parallel
 from ddp_utils.tools import cli
 real = checkpoint.save_state
 def save_state(paths, model, optimizer, scheduler, scaler, epoch, *rest, **kw):
@@ -385,10 +385,10 @@ def _one_gpu_steps(mode: str) -> dict:
         torch.nn.functional.cross_entropy(model(images),
                                           torch.randint(0, 10, (8,), device=device)).backward()
         optimizer.step()
-    weights, state = sharding.full_state(unwrap(model), optimizer, ctx)
-    sharding.load_model_state(unwrap(model), weights)
-    sharding.load_optimizer_state(unwrap(model), optimizer, state)
-    again, _ = sharding.full_state(unwrap(model), optimizer, ctx)
+    weights, state = parallel.full_state(unwrap(model), optimizer, ctx)
+    parallel.load_model_state(unwrap(model), weights)
+    parallel.load_optimizer_state(unwrap(model), optimizer, state)
+    again, _ = parallel.full_state(unwrap(model), optimizer, ctx)
     assert all(torch.equal(again[k], weights[k]) for k in weights)
     return sharding.memory_results(sharding.held_bytes(unwrap(model), optimizer), unwrap(model), mode, 0.9, ctx)
 

@@ -24,6 +24,12 @@ def test_waited_for_communication_starts_when_the_last_bucket_is_ready():
     assert commtime.split([(1.0, 3.0), (2.0, 4.0)]) == (2.0, 3.0)
 
 
+def run_data(num_classes: int, image_size: int, train=None):
+    """What the link probe reads of a run's Data: its classes, image size and train loader (None: not timed)."""
+    import types
+    return types.SimpleNamespace(num_classes=num_classes, image_size=image_size, train=train)
+
+
 def test_in_flight_time_counts_overlapping_buckets_once_and_gaps_not_at_all():
     waited, in_flight = commtime.split([(0.0, 1.0), (0.5, 1.5), (3.0, 3.5)])
     assert in_flight == pytest.approx(1.5 + 0.5)
@@ -275,7 +281,7 @@ def test_a_probed_step_is_the_median_of_its_rounds_so_one_slow_step_does_not_mov
     monkeypatch.setattr(linkprobe, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
-    seconds = linkprobe._time_compute(model, Settings(batch_size=2, channels_last=False), ctx, 3, 2)
+    seconds = linkprobe._time_compute(model, Settings(batch_size=2, channels_last=False), ctx, run_data(3, 2))
     assert seconds == pytest.approx(0.3)   # the mean would say 1.83
 
 
@@ -290,9 +296,9 @@ def test_the_predicted_speed_up_is_never_above_the_world_size(monkeypatch):
     monkeypatch.setattr(linkprobe, "_time_allreduce", lambda grads, ctx: 0.01)
     monkeypatch.setattr(linkprobe, "Stepper", lambda *args, **kw: types.SimpleNamespace(step=lambda: next(steps)))
     monkeypatch.setattr(linkprobe, "_slowest", lambda seconds, ctx: seconds)
-    monkeypatch.setattr(linkprobe.distributed, "barrier", lambda ctx: None)
+    monkeypatch.setattr(linkprobe.collectives, "barrier", lambda ctx: None)
     ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
-    result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, 3, 2, log=lambda line: None)
+    result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, run_data(3, 2), log=lambda line: None)
     assert result["predicted_speedup"] == 2.0
 
 
@@ -313,9 +319,9 @@ def test_together_and_alone_are_timed_in_turn_so_a_machine_slowing_down_moves_bo
     monkeypatch.setattr(linkprobe, "_time_allreduce", lambda grads, ctx: 0.5)
     monkeypatch.setattr(linkprobe, "Stepper", lambda *args, **kw: types.SimpleNamespace(step=step))
     monkeypatch.setattr(linkprobe, "_slowest", lambda seconds, ctx: seconds)
-    monkeypatch.setattr(linkprobe.distributed, "barrier", lambda ctx: None)
+    monkeypatch.setattr(linkprobe.collectives, "barrier", lambda ctx: None)
     ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
-    result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, 3, 2, log=lambda line: None)
+    result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, run_data(3, 2), log=lambda line: None)
     assert len(calls) == 2 * linkprobe.PAIRS
     assert result["compute_alone_s"] / result["compute_s"] == pytest.approx(0.9)   # in series: 1.8
     assert result["predicted_speedup"] == pytest.approx(2 * 1.35 / (1.5 + 0.5))
@@ -339,10 +345,10 @@ def test_with_torch_ddp_the_prediction_is_a_timed_ddp_step_of_a_copy_overlap_inc
     monkeypatch.setattr(linkprobe, "ddp_of", lambda model: model)       # the run's model is torch's DDP
     monkeypatch.setattr(linkprobe, "_time_allreduce", lambda grads, ctx: 0.5)
     monkeypatch.setattr(linkprobe, "_slowest", lambda seconds, ctx: seconds)
-    monkeypatch.setattr(linkprobe.distributed, "barrier", lambda ctx: None)
+    monkeypatch.setattr(linkprobe.collectives, "barrier", lambda ctx: None)
     ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
     lines = []
-    result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, 3, 2, log=lines.append)
+    result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, run_data(3, 2), log=lines.append)
     assert made == [False, True]
     assert result["ddp_step_s"] == result["predicted_step_s"] == 0.6           # not 0.25 + 0.5
     assert result["predicted_speedup"] == pytest.approx(2 * 0.23 / 0.6)
@@ -350,7 +356,7 @@ def test_with_torch_ddp_the_prediction_is_a_timed_ddp_step_of_a_copy_overlap_inc
     assert lines[0].endswith("2 ranks should be about 0.77x one rank (ideal 2x)"), lines
     monkeypatch.setattr(linkprobe, "ddp_of", lambda model: None)              # --build-ddp: your own DDP
     made.clear()
-    result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, 3, 2, log=lines.append)
+    result = linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, run_data(3, 2), log=lines.append)
     assert made == [False] and result["ddp_step_s"] is None and result["predicted_step_s"] == 0.75
 
 
@@ -381,10 +387,10 @@ def _probe_with(monkeypatch, loader, step_s=0.2, alone_s=0.2, allreduce_s=0.1):
     monkeypatch.setattr(linkprobe, "_time_allreduce", lambda grads, ctx: allreduce_s)
     monkeypatch.setattr(linkprobe, "Stepper", lambda *args, **kw: types.SimpleNamespace(step=lambda: next(steps)))
     monkeypatch.setattr(linkprobe, "_slowest", lambda seconds, ctx: seconds)
-    monkeypatch.setattr(linkprobe.distributed, "barrier", lambda ctx: None)
+    monkeypatch.setattr(linkprobe.collectives, "barrier", lambda ctx: None)
     ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
-    return linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, 3, 2, log=lambda line: None,
-                           loader=loader)
+    return linkprobe.probe(torch.nn.Linear(4, 3), Settings(world_size=2), ctx, run_data(3, 2, loader),
+                           log=lambda line: None)
 
 
 def test_a_slow_loader_raises_the_predicted_step_by_its_time_a_batch(monkeypatch):
@@ -441,14 +447,14 @@ def _communication(monkeypatch, compute_s: float, allreduce_s: float, ddp_step_s
     monkeypatch.setattr(linkprobe, "Stepper", stepper)
     monkeypatch.setattr(linkprobe, "_time_allreduce", lambda grads, ctx: allreduce_s)
     monkeypatch.setattr(linkprobe, "_slowest", lambda seconds, ctx: seconds)
-    monkeypatch.setattr(linkprobe.distributed, "barrier", lambda ctx: None)
+    monkeypatch.setattr(linkprobe.collectives, "barrier", lambda ctx: None)
     monkeypatch.setattr(linkprobe, "ddp_of", lambda model: model)   # the run's model is torch's DDP
     monkeypatch.setattr(comm, "ddp_of", lambda model: model)
     monkeypatch.setattr(comm.CommTimer, "attach", lambda self, model, hook=None, state=None: None)
     ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
     lines = []
-    chosen = comm.gradient_communication(_Net(), Settings(world_size=2, comm="auto"), ctx, 10, 2, log=lines.append,
-                                         total_steps=100)
+    chosen = comm.gradient_communication(_Net(), Settings(world_size=2, comm="auto"), ctx, run_data(10, 2),
+                                         log=lines.append)
     return chosen, [hook for c in copies for hook in c.hooks], lines
 
 

@@ -9,7 +9,7 @@ Where it looks (rank 0 only: the run folders are on rank 0's disk):
 
 A folder is continued when its run is unfinished (a ``last.pt`` and no ``results.json`` written
 after it: ``results.json`` is written when a run ends) and its ``settings.json`` agrees with these
-settings on everything that decides what is trained (``RUN_SETTINGS``). So "Run All" again after
+settings on everything that decides what is trained (``run_settings``). So "Run All" again after
 a crash, an interrupt or a lost node continues the run, and after a finished run starts a new one.
 """
 from __future__ import annotations
@@ -18,10 +18,12 @@ import json
 import time
 from pathlib import Path
 
-from ..settings import MUST_AGREE
 
-# What must be equal for a folder to be the same run (the port and the folder itself may change).
-RUN_SETTINGS = tuple(name for name in MUST_AGREE if name != "master_port") + ("data_dir",)
+
+def run_settings(settings) -> list[str]:
+    """What must be equal for a folder to be the same run: what the ranks must agree on (``settings.agreed()``)
+    and the data folder; the port and the folder itself may change."""
+    return [name for name in settings.agreed() if name != "master_port"] + ["data_dir"]
 
 
 def decide(settings, now: str | None = None) -> tuple[str | None, str, str]:
@@ -67,7 +69,7 @@ def _continuable(folder: Path, settings) -> tuple[bool, str]:
         saved = json.loads((folder / "settings.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False, "no readable settings.json"
-    differ = [name for name in RUN_SETTINGS if name in saved and saved[name] != getattr(settings, name)]
+    differ = [name for name in run_settings(settings) if name in saved and saved[name] != getattr(settings, name)]
     if differ:
         return False, "other settings: " + ", ".join(f"{n}={saved[n]!r}" for n in differ[:3])
     return True, f"continuing the unfinished run in {folder}"

@@ -11,7 +11,7 @@ works on the floor, and no other module branches on torch's version:
   although its release should not is caught by that error too).
 - **a hung collective** is stopped from the watch's thread: ``ProcessGroup.abort()`` (2.7 on), else the
   NCCL backend's own ``abort()`` (2.6), else ``_abort_process_group``. gloo has no call that reaches a
-  collective already waiting, so the kit shuts its connections down instead (``distributed.abort_group``).
+  collective already waiting, so the kit shuts its connections down instead (``peers.abort_group``).
 - **destroying a gloo group** right after a collective can deadlock on the GIL before 2.8 (its destructor
   holds the GIL while a worker thread needs it): the kit lets the workers finish first (``destroy_process_group``).
 - **the collective timeout**: NCCL takes a new one after init on every supported torch; gloo only from
@@ -113,7 +113,7 @@ def store_path() -> str:
 def abort_path(backend: str, group=None):
     """``(how, call)``: how this torch stops a collective that waits for a lost rank, from another thread, and
     the call that does it for ``group`` (None without a group; None for gloo, whose connections
-    ``distributed.abort_group`` shuts down itself)."""
+    ``peers.abort_group`` shuts down itself)."""
     if backend != "nccl":
         return "shutting down gloo's connections (gloo has no abort that reaches a waiting collective)", None
     if hasattr(dist.ProcessGroup, "abort"):   # torch 2.7 on

@@ -21,22 +21,18 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ..optim import precision_name
 from .preflight import DistSetupError
 from .threads import machine_id
 
 
-def device_facts(settings, device: torch.device) -> dict:
+def device_facts(settings, device: torch.device, precision: str) -> dict:
     """What the other ranks must know of this rank's device: its machine, its GPU (an id unique across
-    machines; None without a GPU) and what this rank alone would choose for backend=auto."""
+    machines; None without a GPU), what this rank alone would choose for backend=auto, and the ``precision`` it
+    would train in ("bf16", "fp16", "fp32", or "error: ..." where amp asks for what this GPU lacks)."""
     gpu = name = None
     if device.type == "cuda":
         gpu, name = gpu_id(device), torch.cuda.get_device_name(device)
     alone = "nccl" if gpu and dist.is_nccl_available() else "gloo"
-    try:
-        precision = precision_name(settings, device)
-    except ValueError as e:   # amp=bf16 on a GPU without it: every rank says so (agree_on_precision)
-        precision = f"error: {e}"
     return {"rank": settings.rank, "host": socket.gethostname(), "machine": machine_id(), "gpu": gpu,
             "gpu_name": name, "auto": alone, "precision": precision, "torch": str(torch.__version__),
             "pid": os.getpid(), "pid_space": pid_space()}

@@ -2,7 +2,7 @@
 
 A run (``fit`` in a notebook, a command of ``python -m ddp_utils``) changes things that belong to the process: signal
 handlers, ``sys.unraisablehook``, timers that send a signal again, the cause of a stop that the other ranks are told
-(``distributed.stop_signal``) and fd 2 while C++ noise is held (robust/stderr.py). ``RunGuard`` is the only place
+(``peers.stop_signal``) and fd 2 while C++ noise is held (robust/stderr.py). ``RunGuard`` is the only place
 that sets them, and when the run ends, whichever way, it puts each one back: a notebook's kernel lives on after the
 cell, and the next run starts clean. ``guarded()`` gives the run its guard: a new one for the outermost run, the same
 one for a ``fit`` inside a command.
@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 
-from .. import distributed
+from . import peers
 from . import stderr
 
 RESEND_S = 0.1   # a dropped stop is delivered again this much later
@@ -56,7 +56,7 @@ class RunGuard:
 
     def __enter__(self) -> RunGuard:
         global _active
-        self._before = (sys.unraisablehook, distributed.stop_signal, _active)
+        self._before = (sys.unraisablehook, peers.stop_signal, _active)
         sys.unraisablehook = self._unraisable
         if self.sigterm:   # without it SIGTERM ends the process with no word to the others
             self.handle(signal.SIGTERM, on_sigterm)
@@ -75,7 +75,7 @@ class RunGuard:
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(signum, handler)
         self._signals.clear()
-        sys.unraisablehook, distributed.stop_signal, _active = self._before
+        sys.unraisablehook, peers.stop_signal, _active = self._before
 
     def handle(self, signum: int, handler) -> None:
         """``handler`` for ``signum`` until the run ends; the handler before it comes back then."""
@@ -91,11 +91,11 @@ class RunGuard:
 
     def stopped_by(self, cause: str, *, first: bool = True) -> None:
         """The cause of this stop, for this rank and the others, whatever breaks next (the first one, unless not)."""
-        distributed.stop_signal = (distributed.stop_signal or cause) if first else cause
+        peers.stop_signal = (peers.stop_signal or cause) if first else cause
 
     def stop(self) -> KeyboardInterrupt:
         """The exception of the stop whose cause is kept: what to raise in place of what broke after it."""
-        return Terminated("SIGTERM") if distributed.stop_signal == Terminated.description else KeyboardInterrupt()
+        return Terminated("SIGTERM") if peers.stop_signal == Terminated.description else KeyboardInterrupt()
 
     def resend(self, signum: int) -> None:
         """``signum`` sent to this process again ``RESEND_S`` from now, where its exception can be raised."""
@@ -119,7 +119,7 @@ class RunGuard:
             signal.signal(signal.SIGTERM, on_sigterm)   # on_sigterm ignored further ones: the resend must be handled
             self.resend(signal.SIGTERM)
         else:
-            self.stopped_by(distributed.INTERRUPTED)
+            self.stopped_by(peers.INTERRUPTED)
             self.resend(signal.SIGINT)
 
 

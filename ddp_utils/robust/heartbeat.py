@@ -7,10 +7,10 @@ gloo. The store the ranks met through (rendezvous.py) is a second channel, and t
 rank use it:
 
 - the **beat** thread writes ``alive/<rank>`` every ``every`` s and reads the others' beats and the
-  failures they reported (``distributed.report_failure``);
+  failures they reported (``peers.report_failure``);
 - the **judge** thread never touches the store itself, so a dead link cannot block it. When a rank
   reported a failure, or no beat of a rank has changed for ``silent_after`` s (rank 0's store giving no
-  answer counts as rank 0's silence), it aborts the process group (``distributed.abort_group``, by the
+  answer counts as rank 0's silence), it aborts the process group (``peers.abort_group``, by the
   path this torch and backend allow: rank 0 names it when the watch starts): the main thread's blocked
   collective returns now, and ``train.fit`` raises ``PeerLost`` with this
   ``verdict``. A rank that finished writes ``done`` instead of a beat and is never judged silent.
@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 
-from .. import distributed
+from . import peers
 from . import guard
 
 SILENT_AFTER = 15.0   # seconds without a beat before a rank counts as gone (beats come every 2 s)
@@ -62,8 +62,8 @@ class Heartbeat:
                          threading.Thread(target=self._judge, name="ddp_utils-watch", daemon=True)]
 
     def __enter__(self) -> "Heartbeat":
-        if self.ctx.distributed and distributed._store is not None:
-            self._keys = distributed.watch_store()   # this fit's own keys: a re-run fit starts clean
+        if self.ctx.distributed and peers._store is not None:
+            self._keys = peers.watch_store()   # this fit's own keys: a re-run fit starts clean
             start = self._store_ok = self.progress_at = time.monotonic()
             self._main = threading.current_thread()
             if guard.current() is not None:   # the self-interrupt of a stalled loop below must raise (robust/guard.py)
@@ -73,7 +73,7 @@ class Heartbeat:
                 thread.start()
             if self.ctx.is_main:   # the path depends on the backend and on torch's release (robust/compat.py)
                 self.log(f"rank 0: the kit's watch is on: a rank silent for {self.silent_after:g} s is named, and a "
-                         f"hung collective is stopped by\n  {distributed.abort_path()}")
+                         f"hung collective is stopped by\n  {peers.abort_path()}")
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -102,12 +102,12 @@ class Heartbeat:
         every 2 s)."""
         store_quiet = time.monotonic() - self._store_ok
         if self.ctx.rank != 0 and store_quiet > 2.5 * self.every:   # then every beat looks old: rank 0 is the one
-            return f"rank 0's store gave no answer for {store_quiet:.0f} s{distributed.where(0)}"
+            return f"rank 0's store gave no answer for {store_quiet:.0f} s{peers.where(0)}"
         quiet = self.silent(older_than=2.5 * self.every)
         # the lost ones are the quietest: on a loaded machine a live peer's beat can be late by a beat or two (at
         # 16 ranks on 2 cores, ranks still beating were named beside the killed one)
         oldest = max((age for _, age in quiet), default=0.0)
-        return "; ".join(f"rank {r}'s last sign of life: {age:.0f} s ago{distributed.where(r)}" for r, age in quiet
+        return "; ".join(f"rank {r}'s last sign of life: {age:.0f} s ago{peers.where(r)}" for r, age in quiet
                          if age >= oldest - self.every)
 
     def name_the_lost(self, timeout: float) -> str:
@@ -168,7 +168,7 @@ class Heartbeat:
             if beat and beat != self.seen[r][0]:
                 self.seen[r] = (beat, time.monotonic())
                 self.changes[r] = self.changes.get(r, 0) + 1
-        self._failure = self._failure or distributed._failure_in_store(self.ctx)
+        self._failure = self._failure or peers._failure_in_store(self.ctx)
         self._store_ok = time.monotonic()
 
     # -- the judge thread: decides from what the beat thread saw, never blocks -----------------------
@@ -186,9 +186,9 @@ class Heartbeat:
                 self.verdict = verdict
                 stalled_here = self.stalled == me
                 if stalled_here:   # the others read why in the store before their collective breaks
-                    distributed.report_failure(self.ctx, verdict)
+                    peers.report_failure(self.ctx, verdict)
                 self.log(f"rank {me}: the kit's watch stops this rank's collectives: {verdict}")
-                done = distributed.abort_group(verdict)
+                done = peers.abort_group(verdict)
                 self.log(f"rank {me}: the kit's watch: {done}")
                 if stalled_here:
                     self._interrupt_the_stalled_loop()
@@ -210,9 +210,9 @@ class Heartbeat:
         # rank 11, whose beat had last changed a beat before the store's last answer)
         if store_quiet > self.silent_after or (quiet and store_quiet > 2.5 * self.every):
             return (f"another rank stopped answering (rank 0's store gave no answer for {store_quiet:.0f} s; "
-                    f"rank 0's last sign of life: {self._age(0):.0f} s ago{distributed.where(0)})")
+                    f"rank 0's last sign of life: {self._age(0):.0f} s ago{peers.where(0)})")
         if quiet:
-            named = "; ".join(f"rank {r}'s last sign of life: {age:.0f} s ago{distributed.where(r)}" for r, age in quiet)
+            named = "; ".join(f"rank {r}'s last sign of life: {age:.0f} s ago{peers.where(r)}" for r, age in quiet)
             return f"another rank stopped answering ({named})"
         return self.stall()
 
@@ -234,7 +234,7 @@ class Heartbeat:
         if not stuck:
             return None
         r = self.stalled = stuck[0]
-        return (f"rank {r}{distributed.where(r)} has waited {waits[r]:.0f} s for its next training batch (its data "
+        return (f"rank {r}{peers.where(r)} has waited {waits[r]:.0f} s for its next training batch (its data "
                 f"loader) while the other ranks wait for it in a collective: a stuck DataLoader worker, a stalled "
                 f"disk or network file system, or a deadlock in the dataset's code")
 

@@ -1,7 +1,7 @@
 """This process's TCP connections, and shutting some of them down from another thread.
 
 A wait in C++ (a collective, ``init_process_group``'s store requests) cannot be interrupted from Python;
-what ends it at once is its connection failing. The watch (``distributed.abort_group``, ``setup_watch``)
+what ends it at once is its connection failing. The watch (``peers.abort_group``, ``setup_watch``)
 uses these to stop a wait for a rank that is known to be gone.
 """
 from __future__ import annotations

@@ -33,12 +33,15 @@ from dataclasses import dataclass, replace
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from .. import own_ddp
+from ..communication import COMMS, Comm, register_comm
+from ..concerns import TimeSplit
+from ..model import ddp_of, unwrap
+from ..observers import Ask, Observer, register
+from ..optim import optimizer_steps, precision_name
 from . import linkprobe, powersgd, sharding
 from .commtime import CommTimer
-from ..model import ddp_of, unwrap
-from ..optim import precision_name
 
-CHOICES = ("none", "fp16", "bf16", "powersgd", "localsgd")
 # comm=auto takes local SGD while its averages are predicted to take at most this share of the time; beyond,
 # the link is so slow that PowerSGD's much smaller messages at every step win (measured: docs/benchmarks.md)
 LOCALSGD_LIMIT = 0.5
@@ -59,21 +62,21 @@ class Communication:
     reason: str = ""                 # why (comm=auto says what the probe predicted)
 
 
-def gradient_communication(model, settings, ctx, num_classes: int, image_size: int, log=print,
-                           kept: str | None = None, total_steps: int = 0, loader=None) -> Communication:
+def gradient_communication(model, settings, ctx, data, log=print, kept: str | None = None) -> Communication:
     """Probe the link, choose the hook (``settings.comm``, ``auto`` from the probe), predict the step with it and
     register it, timed, on the DDP model. With one rank: nothing to send, nothing registered.
 
-    ``kept``: the hook a resumed run's checkpoint names. comm=auto keeps it, whatever the probe says now:
-    the resumed run continues the same run (and stays bit-exact). ``total_steps``: the run's optimizer steps
-    (PowerSGD's default warm-up is a share of them). ``loader``: the run's train loader (the probe times a few of
-    its batches: the loader's wait is part of every step)."""
+    ``data``: the run's Data (its classes and image size; the probe times a few batches of its ``train`` loader,
+    whose steps also set PowerSGD's default warm-up: a share of the run's optimizer steps). ``kept``: the hook a
+    resumed run's checkpoint names. comm=auto keeps it, whatever the probe says now: the resumed run continues the
+    same run (and stays bit-exact)."""
+    total_steps = settings.epochs * optimizer_steps(len(data.train), settings.accumulate) if data.train is not None else 0
     if not ctx.distributed:
         return Communication(reason="one process: nothing to send")
     if sharding.is_fsdp(unwrap(model)):   # no DDP to hook into, no gradient all-reduce to probe
         return Communication(reason="fsdp: FSDP reduce-scatters the gradients itself")
     # the probe in two parts: the choice needs its timings, its prediction needs the choice
-    measured = linkprobe.measure(model, settings, ctx, num_classes, image_size, loader)
+    measured = linkprobe.measure(model, settings, ctx, data)
     if ddp_of(model) is None:   # --build-ddp: your own DDP; the loop times its finish_gradient_sync()
         probe = linkprobe.predict(measured, "none", log=log) if measured is not None else None
         return Communication(CommTimer(ctx.device), probe, "none", "your DDP (lab/build_ddp): no comm hook")
@@ -123,7 +126,7 @@ def choose(settings, probe: dict | None, kept: str | None = None, precision: str
         raise ValueError("this run trains with local SGD (comm=auto chose it when the run started; its checkpoint "
                          "says so), which runs under DDP's no_sync(), and static_graph cannot (pytorch/pytorch"
                          "#187732): resume it without static_graph (--static-graph), or start a new run")
-    if kept in CHOICES:
+    if kept in COMMS:
         now, _ = choose(settings, probe, precision=precision)
         return kept, (f"comm=auto: {kept}, as this run chose when it started (its checkpoint says so), so that "
                       f"the resume continues it" + ("" if now == kept else f";\n  the link probe would choose {now} now"))
@@ -155,8 +158,6 @@ def choose(settings, probe: dict | None, kept: str | None = None, precision: str
                         f"\n  PowerSGD (rank {settings.powersgd_rank}) sends far fewer bytes per step{keeps}")
 
 
-ALGORITHMS = {"none": "DDP", "fp16": "DDP, fp16 gradients", "bf16": "DDP, bf16 gradients",
-              "powersgd": "DDP, PowerSGD gradients", "localsgd": "local SGD (not DDP)"}
 
 
 def algorithm(choice: str, world_size: int, parallel: str = "ddp", own: str = "") -> str:
@@ -169,15 +170,21 @@ def algorithm(choice: str, world_size: int, parallel: str = "ddp", own: str = ""
     if parallel == "fsdp":
         return "FSDP (fully sharded)"
     if own and parallel == "zero1":
-        return f"{ALGORITHMS.get(choice, choice)} + ZeRO-1 by {own}"
+        return f"{_algorithm(choice)} + ZeRO-1 by {own}"
     if own:
         return own
-    return ALGORITHMS.get(choice, choice) + (" + ZeRO-1" if parallel == "zero1" else "")
+    return _algorithm(choice) + (" + ZeRO-1" if parallel == "zero1" else "")
+
+
+def _algorithm(choice: str) -> str:
+    return COMMS[choice].algorithm if choice in COMMS else choice
 
 
 def hook_for(choice: str, settings, backend: str | None = None, total_steps: int = 0):
     """``(hook, state)`` to register on a DDP model for ``choice`` (``total_steps``: the run's optimizer steps)."""
-    hook, state = _hook_for(choice, settings, total_steps)
+    if choice not in COMMS:
+        raise ValueError(f"comm={choice!r} is not one of {', '.join(COMMS)}")
+    hook, state = COMMS[choice].hook(settings, total_steps)
     if choice == "powersgd" and backend == "gloo":
         hook = one_bucket_at_a_time(hook)
     return hook, state
@@ -217,18 +224,68 @@ def powersgd_warmup(settings, total_steps: int) -> int:
     return max(2, WARMUP_MIN, min(WARMUP_MAX, round(WARMUP_SHARE * total_steps)))
 
 
-def _hook_for(choice: str, settings, total_steps: int = 0):
-    if choice in ("none", "localsgd"):   # localsgd: its warm-up steps are plain DDP (localsgd.py does the rest)
-        return default_hooks.allreduce_hook, None
-    if choice == "fp16":
-        return default_hooks.fp16_compress_hook, None
-    if choice == "bf16":
-        return default_hooks.bf16_compress_hook, None
-    if choice == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=settings.powersgd_rank,
-            start_powerSGD_iter=powersgd_warmup(settings, total_steps),
-            min_compression_rate=settings.powersgd_min_compression,
-            use_error_feedback=True, warm_start=True, random_seed=settings.seed)
-        return powersgd.hook, powersgd.Memory(state, settings.seed, settings.powersgd_warmup_precision)
-    raise ValueError(f"comm={choice!r} is not one of {', '.join(CHOICES)}")
+def _powersgd(settings, total_steps: int = 0):
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=settings.powersgd_rank,
+        start_powerSGD_iter=powersgd_warmup(settings, total_steps),
+        min_compression_rate=settings.powersgd_min_compression,
+        use_error_feedback=True, warm_start=True, random_seed=settings.seed)
+    return powersgd.hook, powersgd.Memory(state, settings.seed, settings.powersgd_warmup_precision)
+
+
+register_comm(Comm("none", "fp32 all-reduce, DDP's default", "DDP",
+                   lambda settings, steps: (default_hooks.allreduce_hook, None)))
+register_comm(Comm("fp16", "half-precision gradients: half the bytes", "DDP, fp16 gradients",
+                   lambda settings, steps: (default_hooks.fp16_compress_hook, None)))
+register_comm(Comm("bf16", "half-precision gradients with fp32's range: half the bytes", "DDP, bf16 gradients",
+                   lambda settings, steps: (default_hooks.bf16_compress_hook, None)))
+register_comm(Comm("powersgd", "low-rank compression with error feedback: far fewer bytes, some compute",
+                   "DDP, PowerSGD gradients", _powersgd))
+
+
+@register(after=(TimeSplit,))   # inside the time split: the wait for your DDP's all-reduces is part of a step
+class Gradients(Observer):
+    """How the gradients travel, decided when training starts (``gradient_communication``: the link probe, then
+    the hook, registered and timed) and told to the loop (``Ask.comm``, read by the time split); the hook's timer
+    told of each step, PowerSGD's memory kept in the checkpoint and restored on a resume, your DDP (--build-ddp)
+    waited for, a skipped fp16 step forgotten."""
+    comm = memory = None
+
+    def start(self, loop) -> Ask:
+        s = loop.settings
+        kept = ((loop.state or {}).get("comm") or {}).get("choice")   # a resume: comm=auto's choice at the start
+        self.comm = comm = gradient_communication(loop.model, s, loop.ctx, loop.data, loop.log, kept)
+        state = comm.timer.state if comm.timer is not None else None
+        self.memory = state if isinstance(state, powersgd.Memory) else None
+        saved = ((loop.state or {}).get("comm") or {}).get("powersgd")
+        if self.memory is not None and saved:   # its error feedback and warm start: the resume is exact
+            loop.logger.info(self.memory.load_state_dict(saved, loop.ctx))
+        parallel = loop.meta.get("parallel", "ddp")
+        return Ask(comm=comm, meta={"comm": comm.choice, "comm_reason": comm.reason,
+                                    "algorithm": algorithm(comm.choice, loop.ctx.world_size, parallel,
+                                                           own_ddp.label(s))})
+
+    def after_backward(self, loop) -> None:
+        if own_ddp.is_own(loop.model):   # --build-ddp: your DDP waits for its all-reduces here
+            timer = self.comm.timer if self.comm is not None else None
+            started = timer.span() if timer is not None else None
+            loop.model.finish_gradient_sync()
+            if timer is not None:
+                timer.end_span(started)
+
+    def after_step(self, loop) -> None:
+        timer = self.comm.timer if self.comm is not None else None
+        if not loop.updated or timer is None:
+            return
+        if loop.skipped:   # PowerSGD's memory of this step is inf now: it would poison every later one
+            forget_overflow(timer.state)
+        timer.step_done()
+
+    def epoch_end(self, loop, record: dict) -> Ask:
+        return Ask(keep={"comm": {"choice": loop.meta.get("comm", "none"),   # gathered: a collective
+                                  "powersgd": self.memory.state_dict(loop.ctx) if self.memory is not None else None}})
+
+    def results(self, loop, results: dict) -> None:
+        probe = self.comm.probe if self.comm is not None else None
+        results.update(link_gbit_s=probe["link_gbit_s"] if probe else None, probe=probe,
+                       predicted_speedup=probe["predicted_speedup"] if probe else None)

@@ -25,14 +25,15 @@ What stays the kit's, by construction:
 from __future__ import annotations
 
 import math
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from torch import Tensor
 
-from ..datasets import (Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, TrainLoader,
-                        augmentation_seed, check_batch_fits, load_rgb, train_sampler)
+from ..datasets import DataError, ImageFolderDataset, Preset, load_rgb
+from ..loaders import (Data, EvalShardSampler, Loader, Source, TrainLoader, augmentation_seed, check_batch_fits,
+                       register_loader, train_sampler)
 from ..presets import loader_refusal
 
 __all__ = ["require_dali", "check_dali_dataset", "DaliTrainLoader", "DaliEvalLoader",
@@ -81,15 +82,26 @@ class _FileBatches:
         return [path for step in range(delivered, min(self.steps, delivered + ahead)) for path, _ in self.batch(step)]
 
 
-def _pipeline(source: _FileBatches, train: bool, preset: Preset, size: int, threads: int, device_id: int | None,
-              seed: int, channels_last: bool):
+@dataclass(frozen=True)
+class Decoding:
+    """How this rank's DALI pipelines make batches: ``preset``'s crops and statistics at ``image_size`` px, with
+    ``threads`` CPU threads, on GPU ``device_id`` (None: DALI's CPU pipeline), channels_last there when asked."""
+    preset: Preset
+    image_size: int
+    threads: int = 1
+    device_id: int | None = None
+    channels_last: bool = False
+
+
+def _pipeline(source: _FileBatches, train: bool, how: Decoding, seed: int):
     """The DALI pipeline of one pass: file bytes -> normalised float32 crops (on the GPU with a device_id)."""
     from nvidia.dali import fn, types
     from nvidia.dali.pipeline import Pipeline
 
-    pipe = Pipeline(batch_size=source.batch_size, num_threads=threads, device_id=device_id, seed=seed,
+    preset, size, channels_last = how.preset, how.image_size, how.channels_last
+    pipe = Pipeline(batch_size=source.batch_size, num_threads=how.threads, device_id=how.device_id, seed=seed,
                     prefetch_queue_depth=2)
-    decoder = "cpu" if device_id is None else "mixed"   # mixed: nvJPEG on the GPU, bytes in from the CPU
+    decoder = "cpu" if how.device_id is None else "mixed"   # mixed: nvJPEG on the GPU, bytes in from the CPU
     paths, targets = source.files()
     with pipe:
         # DALI's own reader: files are read on its threads, ahead of the training loop, in the kit's order
@@ -153,7 +165,7 @@ def _device_id(device) -> int | None:
 
 
 class DaliTrainLoader(TrainLoader):
-    """One rank's training batches from DALI; a ``datasets.TrainLoader``.
+    """One rank's training batches from DALI; a ``loaders.TrainLoader``.
 
     ``for images, labels in loader.epoch(epoch)``: images float32 (B, 3, S, S), normalised, on the GPU
     (channels_last when asked) or the CPU; labels int64 (B,). Every batch is full (drop_last). The order
@@ -166,20 +178,15 @@ class DaliTrainLoader(TrainLoader):
     epoch. Validation has no randomness, so DaliEvalLoader builds its pipeline once.
     """
 
-    def __init__(self, dataset: ImageFolderDataset, preset: Preset, image_size: int, batch_size: int, rank: int,
-                 world_size: int, seed: int = 0, max_steps: int = 0, threads: int = 1, device=None,
-                 channels_last: bool = False):
-        super().__init__(train_sampler(len(dataset), rank, world_size, seed), batch_size, seed, rank, max_steps)
-        self.dataset, self.preset, self.image_size = dataset, preset, image_size
-        self.threads = max(1, threads)
-        self.device_id = _device_id(device)
-        self.channels_last = channels_last and self.device_id is not None
+    def __init__(self, dataset: ImageFolderDataset, how: Decoding, sampler, batch_size: int, seed: int = 0,
+                 max_steps: int = 0):
+        super().__init__(sampler, batch_size, seed, sampler.rank, max_steps)   # DDP: this rank's DistributedSampler
+        self.dataset, self.how = dataset, how
 
     def _batches(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
         source = _FileBatches(self.dataset.samples, list(self.sampler), self.batch_size, len(self))
-        pipe = _pipeline(source, True, self.preset, self.image_size, self.threads, self.device_id,
-                         augmentation_seed(self.seed, self.rank, epoch), self.channels_last)
-        return _run(lambda: _iterate(pipe), source, self.channels_last, self.dataset.root)
+        pipe = _pipeline(source, True, self.how, augmentation_seed(self.seed, self.rank, epoch))
+        return _run(lambda: _iterate(pipe), source, self.how.channels_last, self.dataset.root)
 
 
 class DaliEvalLoader:
@@ -188,12 +195,8 @@ class DaliEvalLoader:
     ``for images, labels in loader``: float32 (B, 3, S, S) normalised, int64 (B,); the last batch may be short.
     """
 
-    def __init__(self, dataset: ImageFolderDataset, preset: Preset, image_size: int, batch_size: int, rank: int,
-                 world_size: int, threads: int = 1, device=None, channels_last: bool = False):
-        self.dataset, self.preset, self.image_size, self.batch_size = dataset, preset, image_size, batch_size
-        self.sampler = EvalShardSampler(len(dataset), rank, world_size)
-        self.threads, self.device_id = max(1, threads), _device_id(device)
-        self.channels_last = channels_last and self.device_id is not None
+    def __init__(self, dataset: ImageFolderDataset, how: Decoding, sampler: EvalShardSampler, batch_size: int):
+        self.dataset, self.how, self.sampler, self.batch_size = dataset, how, sampler, batch_size
         self._source = self._pipe = self._iterator = None   # built at the first pass, reused by the later ones
         self._finished = True   # the last pass ran to its end (else its reader stands midway: build anew)
 
@@ -205,14 +208,13 @@ class DaliEvalLoader:
             return iter(())   # more ranks than images: nothing for this one
         if self._pipe is None or not self._finished:   # validation has no randomness: one pipeline serves
             self._source = _FileBatches(self.dataset.samples, list(self.sampler), self.batch_size, len(self))
-            self._pipe = _pipeline(self._source, False, self.preset, self.image_size, self.threads,
-                                   self.device_id, 0, self.channels_last)   # every evaluation
+            self._pipe = _pipeline(self._source, False, self.how, 0)   # every evaluation
             self._iterator = None
         return self._pass()
 
     def _pass(self) -> Iterator[tuple[Tensor, Tensor]]:
         self._finished = False
-        yield from _run(self._batches, self._source, self.channels_last, self.dataset.root)
+        yield from _run(self._batches, self._source, self.how.channels_last, self.dataset.root)
         self._finished = True
 
     def _batches(self):
@@ -223,24 +225,35 @@ class DaliEvalLoader:
         return self._iterator
 
 
-def build_dali_data(root: Path, preset: Preset, image_size: int, val_split: str, classes: list[str],
-                    batch_size: int, seed: int, max_steps: int, threads: int, rank: int, world_size: int,
-                    device=None, channels_last: bool = False) -> Data:
-    """build_loaders's ``loader="dali"`` branch: list the splits' files, DALI pipelines built per pass.
-
-    ``threads``: DALI's CPU threads (the ``workers`` setting, at least 1). ``device``: a CUDA device runs
-    the mixed (GPU) pipeline, anything else the CPU pipeline. Returns the same Data as the workers path.
-    """
+def build_dali_data(preset: Preset, settings, source: Source) -> Data:
+    """``--loader dali``: list the splits' files, DALI pipelines built per pass, with ``settings.workers`` CPU
+    threads (at least 1). A CUDA ``source.device`` runs the mixed (GPU) pipeline, anything else the CPU pipeline.
+    Returns the same Data as the workers path."""
     require_dali()
-    train_set = ImageFolderDataset(root / preset.train_split)   # only its file list and labels are used
-    val_set = ImageFolderDataset(root / val_split)
+    train_set = ImageFolderDataset(source.root / preset.train_split)   # only its file list and labels are used
+    val_set = ImageFolderDataset(source.root / source.val_split)
     for split in (train_set, val_set):
-        if split.classes != list(classes):
-            raise DataError(f"{split.root} has the class folders {split.classes}, expected {list(classes)}.")
-    check_batch_fits(len(train_set), batch_size, world_size, f"in {root}")
-    return Data(train=DaliTrainLoader(train_set, preset, image_size, batch_size, rank, world_size, seed, max_steps,
-                                      threads, device, channels_last),
-                val=DaliEvalLoader(val_set, preset, image_size, batch_size, rank, world_size, threads, device,
-                                   channels_last),
-                num_classes=len(classes), classes=classes, train_size=len(train_set), val_size=len(val_set),
-                image_size=image_size, preset=preset, val_split=val_split)
+        if split.classes != list(source.classes):
+            raise DataError(f"{split.root} has the class folders {split.classes}, expected {list(source.classes)}.")
+    check_batch_fits(len(train_set), settings.batch_size, source.world_size, f"in {source.root}")
+    device_id = _device_id(source.device)
+    how = Decoding(preset, source.image_size, max(1, settings.workers), device_id,
+                   settings.channels_last and device_id is not None)
+    sampler = train_sampler(len(train_set), source.rank, source.world_size, settings.seed)   # DDP: this rank's share
+    return source.data(DaliTrainLoader(train_set, how, sampler, settings.batch_size, settings.seed,
+                                       settings.max_steps_per_epoch),
+                       DaliEvalLoader(val_set, how, EvalShardSampler(len(val_set), source.rank, source.world_size),
+                                      settings.batch_size),
+                       (len(train_set), len(val_set)), preset)
+
+
+def _why_missing() -> str | None:
+    try:
+        require_dali()
+    except DataError as e:
+        return str(e)
+    return None
+
+
+register_loader(Loader("dali", "NVIDIA DALI decodes JPEGs on the GPU (nvJPEG) and augments there", build_dali_data,
+                       missing=_why_missing))

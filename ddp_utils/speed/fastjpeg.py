@@ -4,7 +4,8 @@
 
 Why: the course's ImageNet path (Pillow decodes the JPEG, RandomResizedCrop, ToTensor and Normalize in
 every worker, float32 through the worker queues) fed a T4 about 300 img/s against the ~900 it sustains.
-``build_loaders`` uses this path for ImageNet's ``loader="workers"``. In each worker, per image:
+ImageNet's ``loader="workers"`` takes this path (``regionjpeg.build_imagenet_workers``, in data.py's
+``WORKERS_BY_CROP``). In each worker, per image:
 
 - train: decode only the crop's box where nvImageCodec imports (``regionjpeg``: about a fifth less CPU an
   image, the same pixels; ``regionjpeg.RegionCropFlip``), else the whole image; val: the whole image. Whole images with
@@ -22,7 +23,7 @@ as ``memdata.normalize`` does it, on the GPU when there is one.
 What stays the course's: the data set (``ImageFolderDataset``'s samples), the DistributedSampler shards and
 ``set_epoch`` (``EpochLoader``), exact evaluation (``EvalShardSampler``), and the random draws: the v2
 transforms draw the same torch random numbers as the classic ones, seeded per (seed, rank, epoch) by
-``datasets.augmentation_seed``, so for the same seed this path cuts the same crops as the classic one.
+``loaders.augmentation_seed``, so for the same seed this path cuts the same crops as the classic one.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from torchvision import transforms as T
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
-from ..datasets import EpochLoader, Preset, load_rgb
+from ..datasets import Preset, load_rgb
+from ..loaders import EpochLoader
 from .memdata import normalize
 
 try:

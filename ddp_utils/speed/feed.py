@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..observers import Observer, batches_made_ahead
+from ..observers import Observer, batches_made_ahead, register
 
 STEPS = 20        # steps timed: a T4 fed 300 img/s at batch 500 decides in about 40 s
 FED = 0.85        # delivered / the step alone, under which the loader is named
@@ -26,6 +26,7 @@ def says(ctx) -> bool:
     return ctx.device.type == "cuda" and ctx.is_main
 
 
+@register()
 class FeedCheck(Observer):
     """Times the first ``steps`` steady steps of the run once, then decides (see the module's docstring)."""
 
@@ -33,6 +34,10 @@ class FeedCheck(Observer):
         self.workers, self.steps = workers, steps
         self.after = batches_made_ahead(workers)
         self.rows, self.result, self.seen, self.t_end = [], None, 0, None
+
+    @classmethod
+    def for_loop(cls, loop, around):
+        return cls(loop.settings.workers)
 
     def epoch_start(self, loop) -> None:
         if self.result is None:   # a new epoch: the workers start again and make their batches ahead again

@@ -24,6 +24,11 @@ import threading
 
 import torch
 
+from .. import collectives
+from ..model import devices_used
+from ..observers import Observer, register
+from ..robust.devices import gpu_id
+
 NO_GPU = "no GPU"
 MB = 2 ** 20
 # A DataParallel run's figures per GPU, index i for cuda:i: mean training utilisation (%), NVML's peak of used
@@ -242,3 +247,60 @@ def _mean(values: list) -> float | None:
 
 def _max(values) -> float | None:
     return max((v for v in values if v is not None), default=None)
+
+
+@register()
+class GpuUse(Observer):
+    """The run's GPU monitor: started with the run, training and evaluating apart, every rank's summary reduced into
+    results.json (and a line of the log); a DataParallel process keeps each of its GPUs' figures."""
+
+    def __init__(self, parallel: str = "none"):
+        self.parallel, self.gpu = parallel, None
+
+    @classmethod
+    def for_loop(cls, loop, around):
+        return cls(loop.meta.get("parallel", "none"))
+
+    def start(self, loop) -> None:
+        # dp: every GPU it drives, each GPU's figures kept (is GPU 0 busier and fuller than the others?)
+        self.gpu = GpuMonitor(devices_used(self.parallel, loop.ctx), per_device=self.parallel == "dp").start()
+
+    def close(self, loop) -> None:
+        if self.gpu is not None:
+            self.gpu.stop()   # also after an error: the sampling thread must not outlive the run
+
+    def epoch_start(self, loop) -> None:
+        if self.gpu is not None:
+            self.gpu.phase("train")
+
+    def epoch_trained(self, loop, stats: dict) -> None:
+        if self.gpu is not None:
+            self.gpu.phase("val")
+
+    def results(self, loop, results: dict) -> None:
+        ctx = loop.ctx
+        use = self._summary(loop) if self.gpu is not None else {}
+        ranks = use.pop("per_rank", [])
+        results.update(use, gpus=len(devices_used(self.parallel, ctx)) if ctx.device.type == "cuda" else 0,
+                       job_gpus=job_gpus(self.parallel, ctx))   # this process's GPUs, the job's
+        for row, mine in zip(results["per_rank"], ranks):   # one row per rank: its time split and its GPU use
+            row.update({key: mine.get(key) for key in ("gpu_util", "gpu_util_peak", "gpu_mem_peak_mb")})
+
+    def _summary(self, loop) -> dict:
+        self.gpu.stop()
+        summary = reduce_summaries(collectives.gather_objects(self.gpu.summary(), loop.ctx))   # DDP: every sampler
+        loop.logger.info(describe(summary))
+        if isinstance(summary.get("gpu_util"), (int, float)):
+            loop.logger.scalars({"gpu/util_mean": summary["gpu_util"], "gpu/mem_peak_mb": summary["gpu_mem_peak_mb"]
+                                 or 0}, loop.step)
+        return summary
+
+
+def job_gpus(parallel: str, ctx) -> int:
+    """GPUs the whole job trained on, all ranks together (``gpus`` counts one process's): DataParallel's
+    every GPU, one per DDP rank, and a GPU that several ranks share (a rehearsal on gloo, lab 4 on a
+    one-GPU node) once. 0 on CPUs."""
+    if parallel == "dp":
+        return len(devices_used(parallel, ctx)) if ctx.device.type == "cuda" else 0
+    mine = gpu_id(ctx.device) if ctx.device.type == "cuda" else None
+    return len({g for g in collectives.gather_objects(mine, ctx) if g is not None})   # DDP: every rank's GPU

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import distributed
+from .. import collectives
 from ..model import ddp_of, unwrap, wrap_ddp
 from ..optim import amp_dtype, autocast, channels_last_on
 
@@ -67,36 +67,38 @@ class Measured:
     model: torch.nn.Module
     settings: object
     ctx: object
-    num_classes: int
-    image_size: int
+    data: object        # the run's Data: its classes and image size (a step's batch)
 
 
-def probe(model, settings, ctx, num_classes: int, image_size: int, log=print, loader=None) -> dict | None:
+def probe(model, settings, ctx, data, log=print) -> dict | None:
     """Time the link, the loader and one step's compute on every rank, and predict the step with DDP's default
     fp32 all-reduce; the same dict on every rank, or None with one rank (nothing to communicate) or when
-    ``settings.link_probe`` is off. ``gradient_communication`` (comm.py) calls ``measure``, chooses, then
-    ``predict`` for its choice."""
-    measured = measure(model, settings, ctx, num_classes, image_size, loader)
+    ``settings.link_probe`` is off. ``data``: the run's (``num_classes``, ``image_size`` and its ``train`` loader,
+    of which a few batches are timed; None there: not timed). ``gradient_communication`` (comm.py) calls
+    ``measure``, chooses, then ``predict`` for its choice."""
+    measured = measure(model, settings, ctx, data)
     return predict(measured, "none", log=log) if measured is not None else None
 
 
-def measure(model, settings, ctx, num_classes: int, image_size: int, loader=None) -> Measured | None:
-    """The all-reduce of the gradients, ``loader``'s time a batch (the run's train loader; None: not timed) and
-    one step's compute, together and alone; what comm.choose decides from (``figures``). None as ``probe``."""
+def measure(model, settings, ctx, data) -> Measured | None:
+    """The all-reduce of the gradients, the time a batch of ``data.train`` (the run's train loader; None: not
+    timed) and one step's compute, together and alone; what comm.choose decides from (``figures``). None as
+    ``probe``."""
     if not ctx.distributed or not settings.link_probe:
         return None
     params = [p for p in unwrap(model).parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     grads = torch.zeros(numel, dtype=torch.float32, device=ctx.device)
     allreduce_s = _time_allreduce(grads, ctx)
+    loader = data.train
     loader_batch_s, workers = _time_loader(loader, ctx)
-    stepper = Stepper(model, settings, ctx, num_classes, image_size)   # its own copy, warmed up
+    stepper = Stepper(model, settings, ctx, data)   # its own copy, warmed up
     together, alone = [], []
     for _ in range(PAIRS):   # interleaved: a machine slower for a while (a neighbour, the clock) slows both alike
         together.append(_slowest(stepper.step(), ctx))
         # One rank alone, the others blocked in the collective below: what the 1-rank baseline computes per step.
         # Where ranks share a machine (a rehearsal, or several GPUs of a node sharing its CPU) it is slower together.
-        distributed.barrier(ctx)
+        collectives.barrier(ctx)
         alone.append(_slowest(stepper.step() if ctx.is_main else 0.0, ctx))
     n = ctx.world_size
     moved = 2 * (n - 1) / n * grads.numel() * grads.element_size()
@@ -106,7 +108,7 @@ def measure(model, settings, ctx, num_classes: int, image_size: int, loader=None
                "loader_workers": workers, "loader_timed": loader is not None,
                "powersgd_mb": powersgd_bytes(params, settings.powersgd_rank,
                                              settings.powersgd_min_compression) / 1e6}
-    return Measured(figures, model, settings, ctx, num_classes, image_size)
+    return Measured(figures, model, settings, ctx, data)
 
 
 def predict(measured: Measured, comm: str = "none", register: Callable | None = None, log=print) -> dict:
@@ -123,8 +125,7 @@ def predict(measured: Measured, comm: str = "none", register: Callable | None = 
     # backward pass (and on a CPU take cores from it), which the sum compute + communication cannot know. Not for a
     # DDP of your own, nor local SGD (its steps send nothing; an average every average_every steps)
     if ddp_of(measured.model) is not None and comm != "localsgd":
-        ddp = Stepper(measured.model, measured.settings, ctx, measured.num_classes, measured.image_size, ddp=True,
-                      register=register)
+        ddp = Stepper(measured.model, measured.settings, ctx, measured.data, ddp=True, register=register)
         for _ in range(EXTRA_WARMUP.get(comm, 0)):
             ddp.step()
         with_ddp = [_slowest(ddp.step(), ctx) for _ in range(PAIRS)]
@@ -254,10 +255,10 @@ class Stepper:
     """Steps (forward, backward, SGD update) of a copy of the model on a random batch of the run's size: no DDP,
     nothing communicated (``ddp``: wrapped in DDP as the run's model is, ``register(ddp_copy)`` giving it a
     communication hook); the real model, its optimizer and the run's random numbers are not touched. Built with
-    one warm-up step (allocations, cuDNN's choices); ``step()`` times one more."""
+    one warm-up step (allocations, cuDNN's choices); ``step()`` times one more. ``data``: the run's (its
+    ``num_classes`` and ``image_size``)."""
 
-    def __init__(self, model, settings, ctx, num_classes: int, image_size: int, ddp: bool = False,
-                 register: Callable | None = None):
+    def __init__(self, model, settings, ctx, data, ddp: bool = False, register: Callable | None = None):
         self.ctx, self.dtype = ctx, amp_dtype(settings, ctx.device)
         self.net = local_batchnorm(copy.deepcopy(unwrap(model))).train()
         if ddp:   # a collective: every rank makes its copy together (rank 0's weights are copied to the others)
@@ -267,8 +268,8 @@ class Stepper:
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=1e-3, momentum=settings.momentum)
         devices = [ctx.device] if ctx.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):   # the run's random numbers stay as they were
-            self.images = torch.randn(settings.batch_size, 3, image_size, image_size, device=ctx.device)
-            self.labels = torch.randint(0, num_classes, (settings.batch_size,), device=ctx.device)
+            self.images = torch.randn(settings.batch_size, 3, data.image_size, data.image_size, device=ctx.device)
+            self.labels = torch.randint(0, data.num_classes, (settings.batch_size,), device=ctx.device)
         if channels_last_on(settings, ctx.device):
             self.images = self.images.contiguous(memory_format=torch.channels_last)
         self.step()
@@ -286,10 +287,10 @@ class Stepper:
         return time.perf_counter() - start
 
 
-def _time_compute(model, settings, ctx, num_classes: int, image_size: int, rounds: int = 3) -> float:
+def _time_compute(model, settings, ctx, data, rounds: int = 3) -> float:
     """Seconds per step of a ``Stepper``: the median of ``rounds`` steps after its warm-up, so that one step slowed
     by something else on the machine does not move the prediction."""
-    stepper = Stepper(model, settings, ctx, num_classes, image_size)
+    stepper = Stepper(model, settings, ctx, data)
     return statistics.median(stepper.step() for _ in range(rounds))
 
 

@@ -21,6 +21,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from ..communication import Comm, register_comm
+from ..concerns import TimeSplit
+from ..observers import Ask, Observer, register
+from .comm import Gradients
+
 
 class LocalSGD:
     """When a step keeps its gradients local, and the averaging after it. Call ``step_done(last)`` after every
@@ -124,3 +131,51 @@ class Average:
         for t, a, d in zip(self.tensors, self.anchors, self.pieces):
             a.add_(d, alpha=1 / self.world)   # the mean of the differences, in fp32
             t.copy_(a)
+
+
+@register(after=(Gradients,))   # its start reads what Gradients chose (loop.comm)
+class LocalSgd(Observer):
+    """``--comm localsgd``: steps keep their gradients on the rank (``Ask.no_sync``), and the weights are
+    averaged every few steps and at the end of each epoch (that last average counts as compute). ``sgd``: a
+    ``LocalSGD`` of your own (a lab's, a test's), used whatever the run chose."""
+
+    def __init__(self, sgd=None):
+        self.sgd = sgd
+
+    def start(self, loop) -> None:
+        comm = loop.comm
+        if self.sgd is None and getattr(comm, "choice", None) == "localsgd" and loop.ctx.distributed:
+            s = loop.settings   # counts optimizer steps from the schedule's
+            self.sgd = LocalSGD(loop.model, loop.optimizer, s.average_every, s.localsgd_warmup_steps,
+                                loop.scheduler.last_epoch, comm.timer)
+
+    def before_step(self, loop) -> Ask | None:
+        if self.sgd is not None and self.sgd.local:
+            return Ask(no_sync=True)   # local SGD: no all-reduce at all
+        return None
+
+    def after_step(self, loop) -> None:
+        if self.sgd is not None and loop.updated:
+            self.sgd.step_done(loop.last)   # every average_every steps: the ranks average their weights
+
+    def epoch_trained(self, loop, stats: dict) -> None:
+        if self.sgd is not None:
+            started = time.perf_counter()
+            self.sgd.end_of_epoch()   # one model on every rank again: for the evaluation and the checkpoint
+            split = loop.observers.find(TimeSplit)
+            if split is not None:
+                split.compute(time.perf_counter() - started)
+
+    def epoch_end(self, loop, record: dict) -> None:
+        if self.sgd is not None:
+            self.sgd.finish()   # the optimizer state averaged while evaluating: every rank's is in the checkpoint
+
+    def results(self, loop, results: dict) -> None:
+        # waited after the evaluation for the momentum's average (not in the time split)
+        results["localsgd_wait_s"] = self.sgd.waited_s if self.sgd is not None else None
+
+
+# its warm-up steps are plain DDP: the exact all-reduce; the rest this module does
+register_comm(Comm("localsgd", "no gradient all-reduce: each rank steps on its own gradients and the weights are "
+                               "averaged every average_every steps", "local SGD (not DDP)",
+                   lambda settings, steps: (default_hooks.allreduce_hook, None)))

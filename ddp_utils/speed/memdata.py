@@ -16,7 +16,7 @@ What stays the same as the workers path, by construction:
   the same arithmetic as ToTensor + Normalize, so the validation tensors are bit-identical;
 - the augmentation recipe: random crop with S/8 pixels of zero padding (4 at 32 px), a horizontal
   flip when the preset flips (never the demo's digits), then normalisation. Only the random draws
-  differ: both paths seed from ``datasets.augmentation_seed(seed, rank, epoch)``, but here one
+  differ: both paths seed from ``loaders.augmentation_seed(seed, rank, epoch)``, but here one
   generator draws for a whole batch, there each worker process draws per image.
 
 No disk cache: decoding CINIC-10 takes seconds per split, data folders may be read-only, and a
@@ -35,8 +35,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
-from ..datasets import (Data, DataError, EvalShardSampler, ImageFolderDataset, Preset, TrainLoader, augmentation_seed,
-                        check_batch_fits, train_sampler, worker_context)
+from ..datasets import DataError, ImageFolderDataset, Preset
+from ..loaders import (Data, EvalShardSampler, Loader, Source, TrainLoader, augmentation_seed, check_batch_fits,
+                       register_loader, train_sampler, worker_context)
 from ..presets import loader_refusal
 
 __all__ = ["MemorySplit", "MemoryLoader", "MemoryEvalLoader", "decode_split",
@@ -148,16 +149,16 @@ def _stats(preset: Preset, device) -> tuple[Tensor, Tensor]:
 # Loaders with the interfaces train.py consumes
 # --------------------------------------------------------------------------------------------
 class MemoryLoader(TrainLoader):
-    """One rank's training batches from a split held in memory (a ``datasets.TrainLoader``).
+    """One rank's training batches from a split held in memory (a ``loaders.TrainLoader``).
 
     ``for images, labels in loader.epoch(epoch)``: images float32 (B, 3, S, S), normalised, and
     labels int64 (B,), on the split's device. B = batch_size; every batch is full (drop_last).
     The crops and flips are drawn batched, from ``augmentation_generator(seed, rank, epoch)``.
     """
 
-    def __init__(self, split: MemorySplit, preset: Preset, batch_size: int, rank: int, world_size: int,
-                 seed: int = 0, max_steps: int = 0):
-        super().__init__(train_sampler(len(split), rank, world_size, seed), batch_size, seed, rank, max_steps)
+    def __init__(self, split: MemorySplit, preset: Preset, sampler, batch_size: int, seed: int = 0,
+                 max_steps: int = 0):
+        super().__init__(sampler, batch_size, seed, sampler.rank, max_steps)   # DDP: this rank's DistributedSampler
         self.dataset = split
         self.pad = split.images.shape[-1] // 8              # 4 px at 32, as train_transform
         self.flip = preset.hflip
@@ -209,25 +210,26 @@ def check_memory_dataset(dataset: str) -> None:
         raise DataError(refusal)
 
 
-def build_memory_data(root: Path, preset: Preset, image_size: int, val_split: str, classes: list[str],
-                      batch_size: int, seed: int, max_steps: int, workers: int, rank: int, world_size: int,
-                      device=None) -> Data:
-    """build_loaders's ``loader="memory"`` branch: decode both splits once, keep them on ``device``.
-
-    ``preset`` is the loaded preset (demo statistics read), ``classes`` the class folders that
-    check_data found, ``workers`` the processes that share decoding a big split. Returns the same
-    Data as the workers path. Raises DataError.
-    """
-    resize = image_size if image_size != preset.image_size else 0   # as eval_transform
-    device = torch.device(device) if device is not None else torch.device("cpu")
+def build_memory_data(preset: Preset, settings, source: Source) -> Data:
+    """``--loader memory``: decode both splits once, keep them on the rank's device. ``preset`` is the loaded preset
+    (demo statistics read); ``settings.workers`` processes share decoding a big split. Returns the same Data as the
+    workers path. Raises DataError."""
+    resize = source.image_size if source.image_size != preset.image_size else 0   # as eval_transform
+    device = source.device if source.device is not None else torch.device("cpu")
 
     def load(split: str) -> MemorySplit:   # decoded on the CPU, copied to the device once
-        return MemorySplit(*decode_split(root, split, classes, resize, workers), classes).to(device)
+        return MemorySplit(*decode_split(source.root, split, source.classes, resize, settings.workers),
+                           source.classes).to(device)
 
     train = load(preset.train_split)
-    check_batch_fits(len(train), batch_size, world_size, f"in {root}")
-    val = load(val_split)
-    return Data(train=MemoryLoader(train, preset, batch_size, rank, world_size, seed, max_steps),
-                val=MemoryEvalLoader(val, preset, batch_size, rank, world_size),
-                num_classes=len(classes), classes=classes, train_size=len(train), val_size=len(val),
-                image_size=image_size, preset=preset, val_split=val_split)
+    check_batch_fits(len(train), settings.batch_size, source.world_size, f"in {source.root}")
+    val = load(source.val_split)
+    sampler = train_sampler(len(train), source.rank, source.world_size, settings.seed)   # DDP: this rank's share
+    return source.data(MemoryLoader(train, preset, sampler, settings.batch_size, settings.seed,
+                                    settings.max_steps_per_epoch),
+                       MemoryEvalLoader(val, preset, settings.batch_size, source.rank, source.world_size),
+                       (len(train), len(val)), preset)
+
+
+register_loader(Loader("memory", "the splits decoded once into a uint8 tensor, augmented a whole batch at a time",
+                       build_memory_data, auto=True))

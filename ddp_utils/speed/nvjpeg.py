@@ -46,8 +46,9 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms as T
 from torchvision.transforms import v2
 
-from ..datasets import (Data, DataError, EpochLoader, EvalShardSampler, ImageFolderDataset, Preset, check_batch_fits,
-                        close_inherited_listeners, train_sampler, worker_context)
+from ..datasets import DataError, ImageFolderDataset, Preset
+from ..loaders import (Data, EpochLoader, EvalShardSampler, Loader, Source, check_batch_fits, close_inherited_listeners,
+                       register_loader, train_sampler, worker_context)
 from ..presets import loader_refusal
 from . import fastjpeg
 from .memdata import _stats, normalize
@@ -69,12 +70,9 @@ AHEAD = 2                         # batches the decode thread may make ahead of 
 
 def check_nvjpeg_dataset(dataset: str) -> None:
     """DataError unless ``dataset``'s preset takes this loader (presets.py) and torchvision can decode JPEGs."""
-    refusal = loader_refusal(dataset, "nvjpeg")
-    if refusal:
-        raise DataError(refusal)
-    if decode_jpeg is None:
-        raise DataError("loader='nvjpeg' needs torchvision.io.decode_jpeg, which this torchvision lacks: train "
-                        "with --loader workers, or install the torchvision built for your torch.")
+    why_not = loader_refusal(dataset, "nvjpeg") or _why_missing()
+    if why_not:
+        raise DataError(why_not)
 
 
 # GPUs with nvJPEG's hardware decoder (the NVJPG engine), by compute capability; 8.9 is both the L4 (which has one)
@@ -324,27 +322,36 @@ class NvjpegEvalLoader:
         return self.crops(self.loader)
 
 
-def build_nvjpeg_data(root: Path, preset: Preset, image_size: int, val_split: str, classes: list[str],
-                      batch_size: int, seed: int, max_steps: int, workers: int, rank: int, world_size: int,
-                      device=None, channels_last: bool = False) -> Data:
-    """build_loaders's ``loader="nvjpeg"`` branch: ``workers`` processes read the files, ``device`` decodes."""
+def build_nvjpeg_data(preset: Preset, settings, source: Source) -> Data:
+    """``--loader nvjpeg``: ``settings.workers`` processes read the files, ``source.device`` decodes them."""
     check_nvjpeg_dataset(preset.name)
-    folders = {split: ImageFolderDataset(root / split) for split in (preset.train_split, val_split)}
+    root, classes, device, workers = source.root, source.classes, source.device, settings.workers
+    folders = {split: ImageFolderDataset(root / split) for split in (preset.train_split, source.val_split)}
     for split in folders.values():
         if split.classes != list(classes):
             raise DataError(f"{split.root} has the class folders {split.classes}, expected {list(classes)}.")
-    train_set = JpegBytes(folders[preset.train_split].samples, T.RandomResizedCrop(image_size), preset.hflip)
-    val_set = JpegBytes(folders[val_split].samples)
-    check_batch_fits(len(train_set), batch_size, world_size, f"in {root}")
-    cuda = device is not None and torch.device(device).type == "cuda"
-    args = dict(batch_size=batch_size, num_workers=workers, collate_fn=collate, pin_memory=cuda,
+    train_set = JpegBytes(folders[preset.train_split].samples, T.RandomResizedCrop(source.image_size), preset.hflip)
+    val_set = JpegBytes(folders[source.val_split].samples)
+    check_batch_fits(len(train_set), settings.batch_size, source.world_size, f"in {root}")
+    cuda = device is not None and device.type == "cuda"
+    args = dict(batch_size=settings.batch_size, num_workers=workers, collate_fn=collate, pin_memory=cuda,
                 worker_init_fn=close_inherited_listeners, multiprocessing_context=worker_context(workers))
-    train = DataLoader(train_set, sampler=train_sampler(len(train_set), rank, world_size, seed), drop_last=True,
-                       generator=torch.Generator(), **args)
-    val = DataLoader(val_set, sampler=EvalShardSampler(val_set, rank, world_size), drop_last=False,
+    train = DataLoader(train_set, sampler=train_sampler(len(train_set), source.rank, source.world_size, settings.seed),
+                       drop_last=True, generator=torch.Generator(), **args)
+    val = DataLoader(val_set, sampler=EvalShardSampler(val_set, source.rank, source.world_size), drop_last=False,
                      persistent_workers=workers > 0, **args)
-    return Data(train=NvjpegTrainLoader(train, DeviceCrops(train_set.samples, preset, image_size, device,
-                                                           channels_last, train=True), max_steps, seed, rank),
-                val=NvjpegEvalLoader(val, DeviceCrops(val_set.samples, preset, image_size, device, channels_last)),
-                num_classes=len(classes), classes=classes, train_size=len(train_set), val_size=len(val_set),
-                image_size=image_size, preset=preset, val_split=val_split)
+    crops = (DeviceCrops(train_set.samples, preset, source.image_size, device, settings.channels_last, train=True),
+             DeviceCrops(val_set.samples, preset, source.image_size, device, settings.channels_last))
+    return source.data(NvjpegTrainLoader(train, crops[0], settings.max_steps_per_epoch, settings.seed, source.rank),
+                       NvjpegEvalLoader(val, crops[1]), (len(train_set), len(val_set)), preset)
+
+
+def _why_missing() -> str | None:
+    if decode_jpeg is None:
+        return ("loader='nvjpeg' needs torchvision.io.decode_jpeg, which this torchvision lacks: train with --loader "
+                "workers, or install the torchvision built for your torch.")
+    return None
+
+
+register_loader(Loader("nvjpeg", "torchvision's decode_jpeg on the GPU, fed the files' bytes by the workers",
+                       build_nvjpeg_data, missing=_why_missing, warning=decoder_warning))

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
+from .. import collectives
+from ..observers import Observer, register
+from ..robust import peers
 from ..robust.files import atomic_write
 from ..robust.stderr import HeldStderr, profiler_noise
 
@@ -85,11 +87,11 @@ class StepProfiler:
             prof.export_chrome_trace(path)
             with open(path, "rb") as f:
                 mine = gzip.compress(f.read(), compresslevel=1)   # a few MB of JSON, sent once
-        traces = distributed.gather_to_main(mine, self.ctx)   # every rank's, in rank order, on rank 0 alone
+        traces = collectives.gather_to_main(mine, self.ctx)   # every rank's, in rank order, on rank 0 alone
         if self.ctx.is_main and self.folder is not None:
             self._write(traces)
         # the others wait here, not in the next collective, whose short timeout a slow disk would trip
-        distributed.wait_for_all("let rank 0 write the profiler's traces", self.ctx, self.wait_s, self.log)
+        peers.wait_for_all("let rank 0 write the profiler's traces", self.ctx, self.wait_s, self.log)
 
     def _write(self, traces: list[bytes]) -> None:
         for rank, data in enumerate(traces):
@@ -100,3 +102,28 @@ class StepProfiler:
         self.log(f"profile: training steps {self._first} to {self._first + self.steps - 1} traced on "
                  f"{len(traces)} rank(s): {self.folder}/rank<N>.pt.trace.json (open them in https://ui.perfetto.dev "
                  f"or chrome://tracing; find the all-reduce and what it overlaps)")
+
+
+@register()
+class Profiling(Observer):
+    """``--profile-steps A:B``: steps A to B-1 traced, every rank's trace gathered to rank 0."""
+    profiler = None
+
+    @classmethod
+    def for_loop(cls, loop, around):
+        return cls() if parse_window(loop.settings.profile_steps) else None
+
+    def start(self, loop) -> None:
+        self.profiler = StepProfiler.from_settings(loop.settings, loop.ctx, loop.logger.run_dir, loop.logger.info)
+
+    def before_step(self, loop) -> None:
+        if self.profiler is not None:
+            self.profiler.before(loop.step)
+
+    def step_end(self, loop) -> None:
+        if self.profiler is not None:
+            self.profiler.after(loop.step)   # at the window's end: every rank's trace to rank 0 (a collective)
+
+    def epoch_trained(self, loop, stats: dict) -> None:
+        if self.profiler is not None:
+            self.profiler.finish()   # a window the epoch's end cut short

@@ -18,7 +18,8 @@ rank::
   keeps the gradient of its own shard, and the optimizer updates shards only. Every rank must therefore run every
   forward, evaluation included (``forwards_to_add``).
 
-The kit's checkpoints stay plain whatever the mode (``full_state``, ``load_model_state``, ``load_optimizer_state``):
+Both register in the core's table of parallel modes (parallel.py) as ``ZeRO1`` and ``FSDP``. The kit's checkpoints
+stay plain whatever the mode (each mode's ``full_state``, ``load_model``, ``load_optimizer``):
 rank 0 writes one process's ``model.state_dict()`` and SGD's ``state_dict()`` (ZeRO consolidates its shards on rank
 0 first; FSDP gathers with ``torch.distributed.checkpoint.state_dict``, full and on the CPU), so a checkpoint resumes
 in any mode and on any number of ranks. Loading converts without side effects: the state given is never
@@ -36,10 +37,12 @@ import weakref
 import torch
 from torch import nn
 
-from .. import distributed
+from .. import collectives, parallel
+from ..model import unwrap
+from ..observers import Observer, register
+from ..parallel import Mode, local_part
 from ..robust import compat
 
-MODES = ("zero1", "fsdp")
 STATE_BYTES = {"sgd": 4, "adam": 8}   # K: optimizer state per parameter, fp32 (SGD: momentum; Adam: two moments)
 NOT_ON_CPU = "not measured on CPU"    # results.json's peak on a CPU run (torch keeps no allocator peak there)
 
@@ -111,19 +114,13 @@ def blueprint(net: nn.Module) -> nn.Module:
     return _BLUEPRINTS.get(net, net)
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of ``tensor``: a DTensor's local shard (FSDP), else the tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
-
-
 def forwards_to_add(net: nn.Module, loader, ctx) -> int:
     """FSDP: how many empty forwards this rank adds after its evaluation batches so that every rank runs as many
     (a forward all-gathers each block: a collective). Exact evaluation gives the ranks shares that differ by up
     to a batch. 0 for any other model (no collective). A collective for FSDP models: call before the loop."""
     if not is_fsdp(net) or not ctx.distributed:
         return 0
-    counts = distributed.gather_objects(len(loader), ctx)
+    counts = collectives.gather_objects(len(loader), ctx)
     if min(counts) == 0:   # nothing to take an empty batch's shape from: said on every rank alike
         raise ValueError(f"parallel=fsdp evaluation: rank {counts.index(0)} has no validation batch (the split has "
                          f"fewer images than the {ctx.world_size} ranks); evaluate on fewer ranks")
@@ -146,80 +143,11 @@ def _gathered_state(optimizer, ctx) -> dict | None:
     mine = optimizer.state_dict()
     on_cpu = {index: {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
               for index, entry in mine["state"].items()}
-    rows = distributed.gather_objects(on_cpu, ctx)
+    rows = collectives.gather_objects(on_cpu, ctx)
     if not ctx.is_main:
         return None
     state = {index: entry for row in rows for index, entry in row.items()}
     return {"state": state, "param_groups": mine["param_groups"]}
-
-
-def full_state(net: nn.Module, optimizer, ctx) -> tuple[dict | None, dict | None]:
-    """Rank 0: ``(model state, optimizer state)`` as one process's ``net.state_dict()`` and ``SGD.state_dict()``
-    hold them, whatever the mode; ``(None, None)`` on the other ranks. Every rank must call it (ZeRO and FSDP
-    gather their shards to rank 0: collectives). ``optimizer`` may be None (the weights only)."""
-    if is_fsdp(net):
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)   # whole tensors, on rank 0's CPU
-        model_state = get_model_state_dict(net, options=options)
-        optim_state = get_optimizer_state_dict(net, optimizer, options=options) if optimizer is not None else None
-        if not ctx.is_main:
-            return None, None
-        return model_state, _by_index(optim_state) if optim_state is not None else None
-    if _is_yours(optimizer):
-        state = _gathered_state(optimizer, ctx)   # every rank's share of the state to rank 0 (a collective)
-        return (net.state_dict(), state) if ctx.is_main else (None, None)
-    if _is_zero(optimizer):
-        optimizer.consolidate_state_dict(to=0)   # ZeRO: every rank's shard of the state to rank 0 (a collective)
-    if not ctx.is_main:
-        return None, None
-    optim_state = optimizer.state_dict() if optimizer is not None else None
-    if _is_zero(optimizer):
-        # rank 0 keeps every rank's state after consolidating (torch's ZeRO): dropped once copied here, or rank 0
-        # would hold the whole optimizer state again between checkpoints
-        getattr(optimizer, "_all_state_dicts", []).clear()
-    return net.state_dict(), optim_state
-
-
-def load_model_state(net: nn.Module, state: dict) -> None:
-    """Load a plain (full) model state into ``net``: every rank holds it (``checkpoint.load_state`` sent it); an
-    FSDP model keeps its own shard of each tensor."""
-    if is_fsdp(net):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        # a copy of the mapping: torch writes this rank's shards into the dict it is given, which the caller
-        # keeps (a resume's state: mend_best would save the shards as best.pt)
-        set_model_state_dict(net, dict(state), options=StateDictOptions(full_state_dict=True))
-    else:
-        net.load_state_dict(state)
-
-
-def load_optimizer_state(net: nn.Module, optimizer, state: dict) -> None:
-    """Load a plain optimizer state (SGD's ``state_dict()``, parameters by index) into ``optimizer``: ZeRO keeps
-    the state of the parameters it owns, FSDP its shard of each."""
-    if _is_yours(optimizer):   # every rank raises this: the same settings, the same checkpoint
-        raise ValueError("build_ddp=f does not resume: your ShardedOptimizer (lab/build_ddp, part f) keeps its state "
-                         "where the kit cannot put it back. Start a new run, or resume with parallel=zero1 (torch's "
-                         "ZeRO-1 reads the same checkpoint)")
-    # FSDP with a state to shard (SGD without momentum keeps none: torch's loader cannot tell on which device an
-    # empty state goes, and stops; the plain load below takes the groups' values)
-    if is_fsdp(net) and state["state"]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        # strict=False: a parameter that no forward used has no momentum yet, and keeps none
-        set_optimizer_state_dict(net, optimizer, _by_name(state, net, optimizer),
-                                 options=StateDictOptions(full_state_dict=True, strict=False))
-        # torch's loader first lays out a zero momentum for every parameter: one that had none when saved
-        # (never used yet) goes on without, as in the run saved
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for index in set(range(len(params))) - {int(i) for i in state["state"]}:
-            optimizer.state.pop(params[index], None)
-    elif _is_zero(optimizer):
-        optimizer.load_state_dict(copy.deepcopy(state))   # ZeRO blanks the other ranks' entries of what it is given
-        # it also keeps a copy of its own entries in .state, which its step never reads: freed
-        optimizer.state.clear()
-    else:
-        # a copy: on a CPU torch keeps the tensors it is given as the momentum, and each step would change the
-        # caller's state (a resume's, which mend_best may still write)
-        optimizer.load_state_dict(copy.deepcopy(state))
 
 
 def _by_index(state: dict) -> dict:
@@ -243,9 +171,109 @@ def _by_name(state: dict, net: nn.Module, optimizer) -> dict:
             "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in state["param_groups"]]}
 
 
+# -- the two modes, in the core's table ----------------------------------------------------------------------------
+class ZeRO1(Mode):
+    """``--parallel zero1``: DDP's wrap (model.py), and ZeroRedundancyOptimizer (optim.build_optimizer) or your
+    ShardedOptimizer (lab/build_ddp, part f) keeping each rank's share of the optimizer state."""
+    name, sharded = "zero1", True
+    about = "DDP, and each rank keeps 1/N of the optimizer state (ZeroRedundancyOptimizer)"
+
+    def holds(self, net: nn.Module, optimizer=None) -> bool:
+        return _is_zero(optimizer) or _is_yours(optimizer)
+
+    def describe(self, settings, ctx, model: nn.Module | None) -> str:
+        return (f"parallel: ZeRO-1, {ctx.world_size} processes: DDP all-reduces the gradients; each rank keeps the "
+                f"optimizer\n  state of about 1/{ctx.world_size} of the parameters (ZeroRedundancyOptimizer), steps "
+                f"them, broadcasts them")
+
+    def full_state(self, net: nn.Module, optimizer, ctx) -> tuple[dict | None, dict | None]:
+        if _is_yours(optimizer):
+            state = _gathered_state(optimizer, ctx)   # every rank's share of the state to rank 0 (a collective)
+            return (net.state_dict(), state) if ctx.is_main else (None, None)
+        optimizer.consolidate_state_dict(to=0)   # ZeRO: every rank's shard of the state to rank 0 (a collective)
+        if not ctx.is_main:
+            return None, None
+        optim_state = optimizer.state_dict()
+        # rank 0 keeps every rank's state after consolidating (torch's ZeRO): dropped once copied here, or rank 0
+        # would hold the whole optimizer state again between checkpoints
+        getattr(optimizer, "_all_state_dicts", []).clear()
+        return net.state_dict(), optim_state
+
+    def load_optimizer(self, net: nn.Module, optimizer, state: dict) -> None:
+        if _is_yours(optimizer):   # every rank raises this: the same settings, the same checkpoint
+            raise ValueError("build_ddp=f does not resume: your ShardedOptimizer (lab/build_ddp, part f) keeps its "
+                             "state where the kit cannot put it back. Start a new run, or resume with parallel=zero1 "
+                             "(torch's ZeRO-1 reads the same checkpoint)")
+        optimizer.load_state_dict(copy.deepcopy(state))   # ZeRO blanks the other ranks' entries of what it is given
+        # it also keeps a copy of its own entries in .state, which its step never reads: freed
+        optimizer.state.clear()
+
+
+class FSDP(Mode):
+    """``--parallel fsdp``: no DDP wrapper; the model's blocks and root sharded in place (``shard_model``)."""
+    name, sharded, places_model = "fsdp", True, True
+    about = "FSDP2, each rank keeps 1/N of the parameters, gradients and optimizer state"
+
+    def holds(self, net: nn.Module, optimizer=None) -> bool:
+        return is_fsdp(net)
+
+    def place(self, model: nn.Module, settings, ctx) -> nn.Module:
+        from ..architectures import architecture
+        return shard_model(model, ctx, architecture(settings.arch).units)
+
+    def describe(self, settings, ctx, model: nn.Module | None) -> str:
+        count = len(blocks(blueprint(unwrap(model)))) if model is not None else "its"
+        return (f"parallel: FSDP (fully_shard), {ctx.world_size} processes: each rank keeps 1/{ctx.world_size} of "
+                f"every parameter,\n  its gradient and its optimizer state; a block's weights are all-gathered for "
+                f"its\n  forward and backward, its gradients reduce-scattered ({count} blocks and the root)")
+
+    def no_sync(self, net: nn.Module):
+        return no_sync(net)
+
+    def forwards_to_add(self, net: nn.Module, loader, ctx) -> int:
+        return forwards_to_add(net, loader, ctx)
+
+    def blueprint(self, net: nn.Module) -> nn.Module:
+        return blueprint(net)
+
+    def full_state(self, net: nn.Module, optimizer, ctx) -> tuple[dict | None, dict | None]:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)   # whole tensors, on rank 0's CPU
+        model_state = get_model_state_dict(net, options=options)
+        optim_state = get_optimizer_state_dict(net, optimizer, options=options) if optimizer is not None else None
+        if not ctx.is_main:
+            return None, None
+        return model_state, _by_index(optim_state) if optim_state is not None else None
+
+    def load_model(self, net: nn.Module, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        # a copy of the mapping: torch writes this rank's shards into the dict it is given, which the caller
+        # keeps (a resume's state: mend_best would save the shards as best.pt)
+        set_model_state_dict(net, dict(state), options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer(self, net: nn.Module, optimizer, state: dict) -> None:
+        if not state["state"]:   # SGD without momentum keeps none: torch's loader cannot tell on which device an
+            super().load_optimizer(net, optimizer, state)   # empty state goes, and stops; the plain load takes the
+            return                                           # groups' values
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        # strict=False: a parameter that no forward used has no momentum yet, and keeps none
+        set_optimizer_state_dict(net, optimizer, _by_name(state, net, optimizer),
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
+        # torch's loader first lays out a zero momentum for every parameter: one that had none when saved
+        # (never used yet) goes on without, as in the run saved
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index in set(range(len(params))) - {int(i) for i in state["state"]}:
+            optimizer.state.pop(params[index], None)
+
+
+parallel.register(ZeRO1())
+parallel.register(FSDP())
+
+
 # -- memory per rank: measured and predicted -------------------------------------------------------------
 def _bytes(tensors) -> int:
-    return sum(local(t).numel() * local(t).element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return sum(local_part(t).numel() * local_part(t).element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def held_bytes(net: nn.Module, optimizer) -> dict:
@@ -284,7 +312,7 @@ def memory_results(mine: dict, net: nn.Module, mode: str, momentum: float, ctx) 
     this mode, and the peak the allocator saw (GPU; on a CPU the string ``NOT_ON_CPU``)."""
     gpu = ctx.device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(ctx.device) if gpu else None
-    rows = distributed.gather_objects({**mine, "peak": peak}, ctx)   # DDP: every rank's
+    rows = collectives.gather_objects({**mine, "peak": peak}, ctx)   # DDP: every rank's
     params = sum(p.numel() for p in blueprint(net).parameters())
     k = STATE_BYTES["sgd"] if momentum else 0   # SGD without momentum keeps no state
     largest = max(units(net)) if mode == "fsdp" else 0
@@ -294,3 +322,23 @@ def memory_results(mine: dict, net: nn.Module, mode: str, momentum: float, ctx) 
             "predicted": {f"{key}_bytes": value for key, value in
                           predicted_bytes(mode, params, ctx.world_size, largest, k).items()},
             "peak_bytes": max(row["peak"] for row in rows) if gpu else NOT_ON_CPU}
+
+
+@register()
+class MemoryPerRank(Observer):
+    """What each rank holds (parameters, gradients, optimizer state) beside ZeRO's formula, in results.json."""
+
+    def __init__(self, parallel: str):
+        self.parallel, self.held = parallel, None
+
+    @classmethod
+    def for_loop(cls, loop, around):
+        return cls(loop.meta.get("parallel", "none"))
+
+    def epoch_trained(self, loop, stats: dict) -> None:
+        self.held = held_bytes(unwrap(loop.model), loop.optimizer)   # after training: the gradients are there
+
+    def results(self, loop, results: dict) -> None:
+        held = self.held or held_bytes(unwrap(loop.model), loop.optimizer)
+        results["memory"] = memory_results(held, unwrap(loop.model), self.parallel, loop.settings.momentum,
+                                           loop.ctx)   # gathered: a collective

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .. import datasets, distributed
+from .. import collectives, datasets, distributed
+from ..robust import peers
 from ..datasets import DataError, check_data
 from ..progress import interactive
 from ..distributed import DistSetupError
@@ -118,7 +119,7 @@ def _prove_collective(settings, summary: dict | None, log, data_error: str | Non
     try:
         # First the data, with a collective whose size depends on nothing: a rank sizing the sweep from its own class
         # count would all-reduce another size than the others (gloo aborts the process, NCCL hangs)
-        facts = distributed.gather_objects(_data_facts(ctx.rank, summary, data_error), ctx)
+        facts = collectives.gather_objects(_data_facts(ctx.rank, summary, data_error), ctx)
         differ = _data_differ(facts)
         if differ:
             log(f"NOT READY (data): {differ}")
@@ -149,7 +150,7 @@ def _prove_collective(settings, summary: dict | None, log, data_error: str | Non
 def _data_facts(rank: int, summary: dict | None, data_error: str | None) -> dict:
     """What this rank tells the others of its data: images and classes per split and the class names, or why its
     data check failed; and where it runs (hosts in namespaces share one name, so also its address)."""
-    where = distributed.where(rank) or f" (on {socket.gethostname()})"
+    where = peers.where(rank) or f" (on {socket.gethostname()})"
     if summary is None:
         return {"rank": rank, "where": where, "error": data_error or "its data check did not run"}
     return {"rank": rank, "where": where, "splits": summary["splits"], "classes": summary.get("classes")}

@@ -18,7 +18,7 @@ import os
 import sys
 import traceback
 
-from .. import distributed
+from ..robust import peers
 from .. import settings as settings_module
 from ..robust.guard import RunGuard, Terminated
 
@@ -27,10 +27,18 @@ CLEAR_ERRORS = (ValueError, FileExistsError, FileNotFoundError, RuntimeError)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``python -m ddp_utils``'s commands, each with its flags."""
     parser = argparse.ArgumentParser(prog="python -m ddp_utils", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    _add_launch(sub)
+    _add_check_and_demo(sub)
+    _add_report(sub)
+    return parser
 
+
+def _add_train(sub) -> None:
     train = sub.add_parser("train", help="train (or evaluate) on this rank; start one per rank")
     settings_module.add_arguments(train)
     train.add_argument("--resume", metavar="PATH|auto", help="continue from a checkpoint (last.pt) on rank 0; "
@@ -48,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "folders RUN_DIR-bucket_mb1-commnone, ...; short runs with --max-steps-per-epoch; "
                             "`report` then makes one table and grid.png")
 
+
+def _add_launch(sub) -> None:
     launch = sub.add_parser("launch", help="start one train process per GPU of this node (N CPU processes with "
                                            "--nproc-per-node N), rank 0's output streamed; torchrun's flag names")
     launch.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None, metavar="N",
@@ -66,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--seeds", type=seed_list, metavar="2,4,42", help="as for train")
     launch.add_argument("--grid", action="append", metavar="NAME=V1,V2", default=None, help="as for train")
 
+
+def _add_check_and_demo(sub) -> None:
     check = sub.add_parser("check", help="pre-flight only: network, port, GPUs, data, /dev/shm; exit 0 when ready")
     settings_module.add_arguments(check)
     check.add_argument("--verify-images", action="store_true",
@@ -81,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--price-per-hour", type=float, default=0.0,
                       help="what a node costs per hour: the table then shows what each run cost (default: not set)")
 
+
+def _add_report(sub) -> None:
     report = sub.add_parser("report", help="results table (Markdown) and labelled figures from finished run folders")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding results.json")
     where = report.add_mutually_exclusive_group()
@@ -98,7 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
                                              "mean +- std over the seeds given (a Markdown table)")
     compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                          help="run folders holding results.json, e.g. every seed of each mode")
-    return parser
 
 
 def seed_list(text: str) -> list[int]:
@@ -159,7 +172,7 @@ def _command(args, run: RunGuard) -> int:
     except KeyboardInterrupt as exc:
         return _stopped(exc)
     except CLEAR_ERRORS as exc:
-        if distributed.stop_signal:   # what broke after a signal whose exception Python dropped: the signal
+        if peers.stop_signal:   # what broke after a signal whose exception Python dropped: the signal
             return _stopped(run.stop())
         if not isinstance(exc, (ValueError, FileExistsError, FileNotFoundError)) and not _is_ours(exc):
             traceback.print_exc()

@@ -34,9 +34,11 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
-from .. import distributed
+from ..robust import peers
 from .. import settings as settings_module
 
 TERM_S = 40.0    # after SIGTERM to torchrun: how long before SIGKILL (torchrun gives its processes 30 s)
@@ -214,20 +216,37 @@ def root_cause(exits: list[tuple[int, int, list]]) -> tuple[int, str, bool]:
 _FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What ``launch`` takes besides the settings and where this node is, each a keyword of ``launch``."""
+    master_addr: str | None = None   # node 0's private IP (the same on every node), in place of the settings'
+    master_port: int | None = None
+    resume: str | None = None        # as train's --resume, --evaluate, --seeds and --grid
+    evaluate: bool = False
+    seeds: list | None = None
+    grid: list | None = None
+    log_dir: str | None = None       # where torchrun writes every process's output (default: a new temporary one)
+    on_line: Callable = print        # each line of this node's first rank, as it comes
+    timeout: float | None = None     # seconds, then every process is stopped
+    environ: dict | None = None      # the processes' environment (default: this one's)
+    max_restarts: int = 0            # torchrun restarts every process of the job this many times after a failure
+    share_gpu: bool = False          # several processes on this node's one GPU, over gloo (``plan``)
+
+
 class Launcher:
     """torchrun for this node's processes of one run: start, stream, stop. ``launch()`` drives it."""
 
-    def __init__(self, plans: list, resume=None, evaluate=False, seeds=None, log_dir=None, environ=None,
-                 max_restarts: int = 0, grid=None):
+    def __init__(self, plans: list, options: LaunchOptions = LaunchOptions()):
         self.plans = plans
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"ddp_utils-launch-{stamp}-"))
+        self.log_dir = (Path(options.log_dir) if options.log_dir else
+                        Path(tempfile.mkdtemp(prefix=f"ddp_utils-launch-{stamp}-")))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = child_env(environ)
-        self.train = child_argv(plans[0], resume, evaluate, seeds, grid)
+        self.env = child_env(options.environ)
+        self.train = child_argv(plans[0], options.resume, options.evaluate, options.seeds, options.grid)
         if shares_a_gpu(plans):   # every process on GPU 0, whatever torchrun's LOCAL_RANK says
             self.train += ["--local-rank", str(plans[0].local_rank)]
-        self.argv = [sys.executable, "-c", BOOT, *torchrun_argv(plans, self.train, self.log_dir, max_restarts)]
+        self.argv = [sys.executable, "-c", BOOT, *torchrun_argv(plans, self.train, self.log_dir, options.max_restarts)]
         self.lines: queue.Queue = queue.Queue()
         self.torchrun_lines: list[str] = []   # torchrun's own (its summary names the failed ranks)
         self.run_dirs: list[str] = []
@@ -440,31 +459,29 @@ def _send(pid: int, sig: int, group: bool) -> None:
 
 
 # -- the entry points ---------------------------------------------------------------------------------------
-def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0,
-           master_addr: str | None = None, master_port: int | None = None, *, resume: str | None = None,
-           evaluate: bool = False, seeds=None, log_dir: str | None = None, on_line=print,
-           timeout: float | None = None, environ=None, max_restarts: int = 0, share_gpu: bool = False, grid=None):
+def launch(settings=None, nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0, **options):
     """Run ``nproc_per_node`` training processes on this node and wait for them; rank 0's results.
 
     ``settings``: a Settings, or ``train`` flags as a list (``["--dataset", "demo", "--epochs", "2"]``).
-    ``nproc_per_node``: default the number of GPUs, 1 without a GPU. ``master_addr`` / ``master_port``
-    replace the settings' (needed with ``nnodes > 1``: node 0's private IP, the same on every node).
-    Each line of this node's first rank (rank 0 on node 0) goes to ``on_line`` as it comes (``print``
-    shows it in a notebook cell). Returns rank 0's results.json as a dict (a list with ``seeds``; None
-    on the other nodes); raises LaunchError naming the rank that failed and why. ``max_restarts``: torchrun
+    ``nproc_per_node``: default the number of GPUs, 1 without a GPU. ``options``: ``LaunchOptions``' fields, as
+    keywords: ``master_addr`` / ``master_port`` replace the settings' (needed with ``nnodes > 1``: node 0's private
+    IP, the same on every node). Each line of this node's first rank (rank 0 on node 0) goes to ``on_line`` as it
+    comes (``print`` shows it in a notebook cell). Returns rank 0's results.json as a dict (a list with ``seeds``;
+    None on the other nodes); raises LaunchError naming the rank that failed and why. ``max_restarts``: torchrun
     restarts every process of the job this many times after a failure (with ``resume="auto"`` the run continues
     from its last checkpoint). ``share_gpu``: several processes on a node's one GPU, over gloo (``plan``).
     ``grid``: ``["bucket_mb=1,25"]``, one run per value (``train --grid``; a list of results).
     """
+    opts = LaunchOptions(**options)   # a TypeError names an option launch does not take
     if settings is None or isinstance(settings, (list, tuple)):
         settings, parsed = parse_train_argv(list(settings or []))
-        resume, evaluate, seeds = resume or parsed.resume, evaluate or parsed.evaluate, seeds or parsed.seeds
-        grid = grid or parsed.grid
-    changes = {k: v for k, v in (("master_addr", master_addr), ("master_port", master_port)) if v is not None}
+        opts = replace(opts, resume=opts.resume or parsed.resume, evaluate=opts.evaluate or parsed.evaluate,
+                       seeds=opts.seeds or parsed.seeds, grid=opts.grid or parsed.grid)
+    changes = {k: v for k, v in (("master_addr", opts.master_addr), ("master_port", opts.master_port)) if v is not None}
     if changes:
         settings = settings.replace(**changes)
-    launcher = Launcher(plan(settings, nproc_per_node, nnodes, node_rank, share_gpu), resume=resume, evaluate=evaluate,
-                        seeds=seeds, log_dir=log_dir, environ=environ, max_restarts=max_restarts, grid=grid)
+    launcher = Launcher(plan(settings, nproc_per_node, nnodes, node_rank, opts.share_gpu), opts)
+    on_line, timeout = opts.on_line, opts.timeout
     for line in launcher.describe():
         on_line(line)
     launcher.start()
@@ -521,7 +538,7 @@ def main(args: argparse.Namespace) -> int:
                          resume=args.resume, evaluate=args.evaluate, seeds=args.seeds, log_dir=args.log_dir,
                          grid=args.grid, on_line=lambda line: print(line, flush=True), max_restarts=args.max_restarts)
     except KeyboardInterrupt:   # launch() has said what it did (every process stopped): no rank's paragraph
-        return 143 if distributed.stop_signal else 130   # the CLI's SIGTERM handler sets it
+        return 143 if peers.stop_signal else 130   # the CLI's SIGTERM handler sets it
     done = "" if results is None else " (rank 0's results.json is in the run folder named above)"
     print(f"launch: every process of this node finished{done}", flush=True)
     return 0

@@ -174,8 +174,6 @@ def plot_curves(run_dirs) -> Figure:
     """Loss (left), Acc@1 (middle) and learning rate (right) against images seen: train solid, val
     dashed, one colour per run; runs that differ only in their seed (``group_runs``) as their mean
     with the min-max range shaded. The runs' names in a legend below the axes."""
-    from matplotlib.lines import Line2D
-
     runs = _load_all(run_dirs)
     groups = group_runs(runs)
     fig, panel = _new_figure(runs, f"Training curves against images seen: loss, Acc@1 and learning rate "
@@ -189,28 +187,8 @@ def plot_curves(run_dirs) -> Figure:
                   + [max(xs, default=0) for xs, _ in lrs.values()] + [0])
     scale, xlabel = _images_unit(largest)
     for i, group in enumerate(groups):
-        color, label = f"C{i}", _group_label(group)
-        for tag, _, _ in CURVES:
-            members = [curves[id(run)][tag] for run in group if curves[id(run)].get(tag, ([], []))[0]]
-            if not members:
-                continue
-            ax = loss_ax if tag.startswith("Loss") else acc_ax
-            split = tag.split("/")[1]
-            style = dict(color=color, linestyle="-" if split == "train" else "--", label=f"{label} {split}",
-                         marker="o" if split == "train" else "s", markersize=4)
-            if len(members) == 1:
-                xs, ys = members[0]
-            else:
-                xs, ys, low, high = _group_curve(members)
-                ax.fill_between(xs / scale, low, high, color=color, alpha=0.2, linewidth=0)
-            if len(xs) > 60:   # TensorBoard's many training points: a line, no markers
-                style["marker"] = None
-            ax.plot([x / scale for x in xs], ys, **style)
-        members = [lrs[id(run)] for run in group if lrs[id(run)][0]]
-        if members:
-            xs, ys = members[0] if len(members) == 1 else _group_curve(members)[:2]
-            lr_ax.plot([x / scale for x in xs], ys, color=color, label=f"{label} lr",
-                       marker="o" if len(xs) <= 60 else None, markersize=4)
+        _plot_group(group, f"C{i}", (loss_ax, acc_ax, lr_ax), ([curves[id(run)] for run in group],
+                                                               [lrs[id(run)] for run in group]), scale)
     if not lr_ax.lines:
         lr_ax.text(0.5, 0.5, "no learning rate recorded\nin these runs' files", transform=lr_ax.transAxes,
                    ha="center", va="center", color="0.4")
@@ -222,7 +200,42 @@ def plot_curves(run_dirs) -> Figure:
         ax.set_xlabel(xlabel)
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
-    # One entry per run (its colour), then one per line style, instead of runs x splits entries.
+    _curves_legend(panel, groups)
+    return fig
+
+
+def _plot_group(group, color: str, axes, curves_and_lrs, scale: float) -> None:
+    """One group of runs (one run, or the seeds of one configuration) on the loss, Acc@1 and lr axes: its mean
+    line, with the min-max range shaded where it has several runs."""
+    loss_ax, acc_ax, lr_ax = axes
+    group_curves, group_lrs = curves_and_lrs
+    label = _group_label(group)
+    for tag, _, _ in CURVES:
+        members = [c[tag] for c in group_curves if c.get(tag, ([], []))[0]]
+        if not members:
+            continue
+        ax = loss_ax if tag.startswith("Loss") else acc_ax
+        split = tag.split("/")[1]
+        style = dict(color=color, linestyle="-" if split == "train" else "--", label=f"{label} {split}",
+                     marker="o" if split == "train" else "s", markersize=4)
+        if len(members) == 1:
+            xs, ys = members[0]
+        else:
+            xs, ys, low, high = _group_curve(members)
+            ax.fill_between(xs / scale, low, high, color=color, alpha=0.2, linewidth=0)
+        if len(xs) > 60:   # TensorBoard's many training points: a line, no markers
+            style["marker"] = None
+        ax.plot([x / scale for x in xs], ys, **style)
+    members = [lr for lr in group_lrs if lr[0]]
+    if members:
+        xs, ys = members[0] if len(members) == 1 else _group_curve(members)[:2]
+        lr_ax.plot([x / scale for x in xs], ys, color=color, label=f"{label} lr",
+                   marker="o" if len(xs) <= 60 else None, markersize=4)
+
+
+def _curves_legend(panel, groups) -> None:
+    """One entry per run (its colour), then one per line style, instead of runs x splits entries."""
+    from matplotlib.lines import Line2D
     handles = [Line2D([], [], color=f"C{i}", linewidth=3) for i in range(len(groups))]
     handles += [Line2D([], [], color="0.3", linestyle="-", marker="o", markersize=4),
                 Line2D([], [], color="0.3", linestyle="--", marker="s", markersize=4)]
@@ -232,7 +245,6 @@ def plot_curves(run_dirs) -> Figure:
         handles.append(Patch(color="0.3", alpha=0.2))
         labels.append("seeds: mean line, min-max shaded")
     _legend_below(panel, handles, labels)
-    return fig
 
 
 # -- throughput and speed-up ---------------------------------------------------------------------
@@ -275,36 +287,9 @@ def plot_throughput(run_dirs, baseline=None) -> Figure:
     ips_ax, speed_ax = panel.subplots(1, 2)
     xs = list(range(len(groups)))
     colors = [f"C{i}" for i in xs]
-
-    ips_ax.bar(xs, [m for m, _ in ips], color=colors)
-    _error_bars(ips_ax, xs, [m for m, _ in ips], [s for _, s in ips])
-    ips_labels = [
-        ips_ax.annotate(f"{m:.0f}" + (f" ± {s:.0f}" if s else "") + f"\n{m / n:.0f} per rank",
-                        xy=(x, m + (s or 0)), xytext=(0, 2), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=LEGEND_FONTSIZE)
-        for x, (m, s), n in zip(xs, ips, ranks)]
-    ips_ax.set_title("train images/s, all ranks together")
-    ips_ax.set_ylabel("images / s")
-
-    ideal = [n / base["world_size"] for n in ranks]
-    speed_ax.bar(xs, ideal, fill=False, linestyle="--", edgecolor="0.4", label="ideal (linear) speed-up")
-    speed_ax.bar(xs, [m or 0 for m, _ in speed], color=colors, width=0.6, label="measured speed-up")
-    _error_bars(speed_ax, xs, [m or 0 for m, _ in speed], [s for _, s in speed])
-
-    def speed_text(m, s, x_ideal):
-        if m is None:
-            return f"n/a\nideal {x_ideal:g}x"
-        return f"{m:.2f}x" + (f" ± {s:.2f}" if s else "") + f"\n{100 * m / x_ideal:.0f} % of {x_ideal:g}x"
-    # One label per run above the taller of its two bars (and its error bar): on white, so it reads
-    # whatever the bar's height, and never on top of another label when measured equals ideal.
-    speed_labels = [
-        speed_ax.annotate(speed_text(m, s, x_ideal), xy=(x, max(x_ideal, (m or 0) + (s or 0))), xytext=(0, 2),
-                          textcoords="offset points", ha="center", va="bottom", fontsize=LEGEND_FONTSIZE)
-        for x, (m, s), x_ideal in zip(xs, speed, ideal)]
-    speed_ax.set_title("speed-up vs baseline, in train time per epoch")
-    speed_ax.set_ylabel("speed-up (x)")
-    # Right of the axes, not on the bars.
-    handles, labels = speed_ax.get_legend_handles_labels()
+    ips_labels = _images_per_s_bars(ips_ax, xs, ips, ranks)
+    speed_labels = _speed_up_bars(speed_ax, xs, speed, [n / base["world_size"] for n in ranks])
+    handles, labels = speed_ax.get_legend_handles_labels()   # right of the axes, not on the bars
     if any(s for _, s in speed + ips):
         from matplotlib.lines import Line2D
         handles.append(Line2D([], [], color="black", marker="_", markersize=8, linewidth=1.2))
@@ -324,6 +309,40 @@ def plot_throughput(run_dirs, baseline=None) -> Figure:
     _room_above(ips_ax, [label.xy[1] for label in ips_labels])
     _room_above(speed_ax, [label.xy[1] for label in speed_labels])
     return fig
+
+
+def _images_per_s_bars(ax, xs, ips, ranks) -> list:
+    """Global train images/s per group (mean, ± std over seeds), each labelled with its per-rank figure."""
+    ax.bar(xs, [m for m, _ in ips], color=[f"C{i}" for i in xs])
+    _error_bars(ax, xs, [m for m, _ in ips], [s for _, s in ips])
+    labels = [ax.annotate(f"{m:.0f}" + (f" ± {s:.0f}" if s else "") + f"\n{m / n:.0f} per rank",
+                          xy=(x, m + (s or 0)), xytext=(0, 2), textcoords="offset points",
+                          ha="center", va="bottom", fontsize=LEGEND_FONTSIZE)
+              for x, (m, s), n in zip(xs, ips, ranks)]
+    ax.set_title("train images/s, all ranks together")
+    ax.set_ylabel("images / s")
+    return labels
+
+
+def _speed_up_bars(speed_ax, xs, speed, ideal) -> list:
+    """The measured speed-up per group in front of its ideal (linear) one, dashed; each labelled."""
+    speed_ax.bar(xs, ideal, fill=False, linestyle="--", edgecolor="0.4", label="ideal (linear) speed-up")
+    speed_ax.bar(xs, [m or 0 for m, _ in speed], color=[f"C{i}" for i in xs], width=0.6, label="measured speed-up")
+    _error_bars(speed_ax, xs, [m or 0 for m, _ in speed], [s for _, s in speed])
+
+    def speed_text(m, s, x_ideal):
+        if m is None:
+            return f"n/a\nideal {x_ideal:g}x"
+        return f"{m:.2f}x" + (f" ± {s:.2f}" if s else "") + f"\n{100 * m / x_ideal:.0f} % of {x_ideal:g}x"
+    # One label per run above the taller of its two bars (and its error bar): on white, so it reads
+    # whatever the bar's height, and never on top of another label when measured equals ideal.
+    speed_labels = [
+        speed_ax.annotate(speed_text(m, s, x_ideal), xy=(x, max(x_ideal, (m or 0) + (s or 0))), xytext=(0, 2),
+                          textcoords="offset points", ha="center", va="bottom", fontsize=LEGEND_FONTSIZE)
+        for x, (m, s), x_ideal in zip(xs, speed, ideal)]
+    speed_ax.set_title("speed-up vs baseline, in train time per epoch")
+    speed_ax.set_ylabel("speed-up (x)")
+    return speed_labels
 
 
 # -- where the train time went -------------------------------------------------------------------
@@ -380,29 +399,36 @@ def plot_time_breakdown(run_dirs) -> Figure:
     ax.set_xlabel(f"seconds per epoch\n{note}")
     ax.grid(axis="x", alpha=0.3)
 
-    def tick(g, row, short):
-        who = f"run {g + 1}" if short else ", ".join(run["name"] for run in groups[g])
-        if groups[g][0]["world_size"] == 1:
-            rank = ""
-        elif row["rank"] is None:
-            rank = "mean of ranks"
-        else:
-            rank = f"rank {row['rank']}" + (f" ({row['host']})" if row.get("host") and not short else "")
-        gpu = f", GPU {row['gpu']:.0f} %" if row["gpu"] is not None else ""
-        return f"{who}{', ' + rank if rank else ''}\n{_pm_time([row['total_s']], row['total_std'])} per epoch{gpu}"
-
     # The runs' names (and hosts) beside their bars when they are short, else numbered bars, names in the legend.
-    long_ticks = [tick(g, row, False) for g, row in bars]
+    long_ticks = [_bar_tick(groups[g], g, row, False) for g, row in bars]
     short = max(len(line) for text in long_ticks for line in text.splitlines()) <= 2 * SHORT_NAME
-    ax.set_yticks(ys, long_ticks if short else [tick(g, row, True) for g, row in bars], fontsize=9)
+    ax.set_yticks(ys, long_ticks if short else [_bar_tick(groups[g], g, row, True) for g, row in bars], fontsize=9)
     legend_handles = [Patch(color=color) for _, _, color, _ in TIME_PARTS]
     legend_labels = [label for _, label, _, _ in TIME_PARTS]
     if not short:
         legend_handles += [Patch(color="none")] * len(groups)
         legend_labels += [f"run {g + 1}: {_group_label(group)}" for g, group in enumerate(groups)]
     _legend_below(panel, legend_handles, legend_labels)
-    # Each part's share of the train time on it, where the part is wide enough to hold the label
-    # (a 22nd of the axis, about 30 pixels) and the error bar at the bar's end does not cross it.
+    _share_labels(ax, bars, segments)
+    return fig
+
+
+def _bar_tick(group: list[dict], g: int, row: dict, short: bool) -> str:
+    """The label beside a run's (or rank's) bar: the run, the rank (and its host), its time per epoch, GPU use."""
+    who = f"run {g + 1}" if short else ", ".join(run["name"] for run in group)
+    if group[0]["world_size"] == 1:
+        rank = ""
+    elif row["rank"] is None:
+        rank = "mean of ranks"
+    else:
+        rank = f"rank {row['rank']}" + (f" ({row['host']})" if row.get("host") and not short else "")
+    gpu = f", GPU {row['gpu']:.0f} %" if row["gpu"] is not None else ""
+    return f"{who}{', ' + rank if rank else ''}\n{_pm_time([row['total_s']], row['total_std'])} per epoch{gpu}"
+
+
+def _share_labels(ax, bars, segments) -> None:
+    """Each part's share of the train time on it, where the part is wide enough to hold the label (a 22nd of the
+    axis, about 30 pixels) and the error bar at the bar's end does not cross it."""
     span = ax.get_xlim()[1]
     for container, text_color in segments:
         shares = []
@@ -413,4 +439,3 @@ def plot_time_breakdown(run_dirs) -> Figure:
             fits = row["total_s"] > 0 and width >= span / 22 and not crossed
             shares.append(_percent(width / row["total_s"]) if fits else "")
         ax.bar_label(container, shares, label_type="center", fontsize=LEGEND_FONTSIZE, color=text_color)
-    return fig
