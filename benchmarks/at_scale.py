@@ -11,7 +11,7 @@ host's namespace (hosts 10.214.0.1 to .8; ranks 2h and 2h+1 on host h+1):
 For the three faults it records, for every rank, the seconds from the fault to its exit and its last error line,
 and whether that line names the lost rank with its host's address (ranks 6 and 7 behind the cut link lost rank 0
 and its store: their line names rank 0 and 10.214.0.1). The bound is 30 s. Then the store requests the kit's watch
-makes per beat round (every rank's one beat), at 2 to 64 ranks, counted with tests/counting_store.py.
+makes per beat round (every rank's one beat), at 2 to 64 ranks, counted with tests/helpers/counting_store.py.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from ddp_utils.settings import Settings  # noqa: E402
-from tests import netns, zygote  # noqa: E402
-from tests.procs import base_env, free_port, popen, python, stop  # noqa: E402
+from tests.helpers import netns, zygote  # noqa: E402
+from tests.helpers.procs import base_env, free_port, popen, python, stop  # noqa: E402
 from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
 HOSTS, PER_HOST, LOST, BOUND = 8, 2, 7, 30.0
@@ -132,7 +132,7 @@ def clean_run(hosts, folder: Path) -> dict:
 
 def store_requests() -> dict:
     from ddp_utils.robust import peers
-    from tests.counting_store import CountingStore, requests_per_beat_round
+    from tests.helpers.counting_store import CountingStore, requests_per_beat_round
     kept = peers._store
     try:
         peers._store = CountingStore()

@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from ddp_utils.settings import Settings  # noqa: E402
-from tests import netns  # noqa: E402
-from tests.procs import base_env, describe, free_port, python, run_all  # noqa: E402
+from tests.helpers import netns  # noqa: E402
+from tests.helpers.procs import base_env, describe, free_port, python, run_all  # noqa: E402
 from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
 COMMS = ("none", "localsgd", "auto", "powersgd", "none+acc4")

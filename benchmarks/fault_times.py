@@ -2,7 +2,7 @@
 
     sudo python benchmarks/fault_times.py      # root: the lost-link case needs network namespaces
 
-Each case starts two ranks (gloo) as the fault suite does (tests/fault_scenarios.py, tests/test_faults.py),
+Each case starts two ranks (gloo) as the fault suite does (tests/helpers/fault_scenarios.py, tests/test_faults.py),
 makes one fail, and prints the seconds from the fault to each rank's exit, with each rank's last line.
 The frozen, killed and lost-link cases run at the default --collective-timeout (60 s) and at 600 s, where only
 the kit's own watch (ddp_utils/robust/heartbeat.py) can stop a rank within seconds.
@@ -20,10 +20,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests import netns  # noqa: E402
-from tests.fault_scenarios import (output_of, signal_rank_1_after_epoch_1, start_ranks, stop_all,  # noqa: E402
+from tests.helpers import netns  # noqa: E402
+from tests.helpers.fault_scenarios import (output_of, signal_rank_1_after_epoch_1, start_ranks, stop_all,  # noqa: E402
                                    wait_for_epoch_1)
-from tests.procs import base_env, free_port, python, run_all  # noqa: E402
+from tests.helpers.procs import base_env, free_port, python, run_all  # noqa: E402
 from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        r0, r1 = run_all([python("-m", "tests.fault_scenarios", "interrupt", str(r), str(port), f"{tmp}/a")
+        r0, r1 = run_all([python("-m", "tests.helpers.fault_scenarios", "interrupt", str(r), str(port), f"{tmp}/a")
                           for r in range(2)], timeout=120, env=base_env())
         t = float(re.search(r"^CHECK interrupted_at=([\d.]+)", r0.output, re.M).group(1))
         rows.append(("Stop pressed in rank 0's notebook during epoch 2", "kernel kept", stopped_after(r1, t),

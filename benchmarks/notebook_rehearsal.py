@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests import netns  # noqa: E402  (the test suite's two-host helper)
+from tests.helpers import netns  # noqa: E402  (the test suite's two-host helper)
 from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
 NOTEBOOKS = REPO / "notebooks"

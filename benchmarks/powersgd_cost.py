@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_utils.settings import Settings  # noqa: E402
-from tests.procs import free_port  # noqa: E402
+from tests.helpers.procs import free_port  # noqa: E402
 from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
 WARMUP = 2     # exact steps before PowerSGD compresses (DDP rebuilds its buckets after the first)

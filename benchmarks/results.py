@@ -51,7 +51,7 @@ def busy_cpu_seconds() -> float:
 
 def own_cpu_seconds() -> float:
     """This process's CPU seconds and those of the children it has waited for (the runs it started), and of the
-    fork servers still running: a run started through tests.procs is forked there (tests/zygote.py), not here."""
+    fork servers still running: a run started through tests.helpers.procs is forked there (tests/helpers/zygote.py), not here."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system + fork_server_cpu_seconds()
 
@@ -59,7 +59,7 @@ def own_cpu_seconds() -> float:
 def fork_server_cpu_seconds() -> float:
     """CPU seconds of this process's live fork servers and of the children they have reaped (/proc/PID/stat)."""
     try:
-        from tests import zygote
+        from tests.helpers import zygote
     except ImportError:
         return 0.0
     total = 0

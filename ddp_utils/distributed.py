@@ -24,8 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import settings as settings_module
-from .collectives import SettingsMismatch, agree
+from . import collectives, settings as settings_module
+from .collectives import SettingsMismatch
 from .optim import precision_name
 from .robust import compat, mesh, peers, rendezvous, setup_watch, sockets
 from .robust.devices import agree_on_backend, agree_on_precision, device_facts, torch_releases_differ
@@ -164,7 +164,7 @@ def _join_process_group(settings, ctx: DistContext, report: dict, facts: dict, m
                 mesh.probe(keys, settings.rank, settings.world_size, report.get("local_ip"), settings.master_port,
                            settings.init_timeout)
                 _init_process_group(settings, keys, backend, report, log)
-                agree({**must_agree, "backend": backend}, dataclasses.replace(ctx, backend=backend))
+                collectives.agree({**must_agree, "backend": backend}, dataclasses.replace(ctx, backend=backend))
             except SettingsMismatch:   # every rank found the same difference
                 raise
             except mesh.Blocked as e:   # every rank read the same results; tell one whose results came late

@@ -135,7 +135,7 @@ def use_fast_gpu_kernels(device: torch.device) -> None:
 
 
 # Where --channels-last takes effect: cuDNN's NHWC convolutions are the fast ones; on a CPU the kit leaves the
-# layout alone. Tests add "cpu" to run a GPU run's path on a CPU (tests/mode_matrix.py).
+# layout alone. Tests add "cpu" to run a GPU run's path on a CPU (tests/helpers/mode_matrix.py).
 NHWC_DEVICES = {"cuda"}
 
 

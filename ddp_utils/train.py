@@ -55,9 +55,11 @@ def new_loop(job, around: Around | None = None, **chosen) -> Loop:
 
 def train_epochs(loop: Loop) -> dict:
     """Each epoch: train, evaluate, save; then the run's results (results.json), the same on every rank."""
-    if loop.state is not None:
-        resume(loop, loop.meta.get("resumed_from"))
     try:
+        asked = loop.observers.start(loop)   # how the gradients travel is decided here (speed/comm.py)
+        loop.comm, loop.meta = asked.comm, {**loop.meta, **asked.meta}
+        if loop.state is not None:
+            resume(loop, loop.meta.get("resumed_from"))
         return _train_epochs(loop)
     finally:
         loop.observers.close(loop)   # what the observers started (the GPU monitor's thread), also after an error
@@ -65,8 +67,6 @@ def train_epochs(loop: Loop) -> dict:
 
 def _train_epochs(loop: Loop) -> dict:
     settings, logger = loop.settings, loop.logger
-    asked = loop.observers.start(loop)   # how the gradients travel is decided here (speed/comm.py)
-    loop.comm, loop.meta = asked.comm, {**loop.meta, **asked.meta}
     if loop.state is not None and checkpoint.mend_best(loop.state, logger.run_dir, loop.ctx, settings.init_timeout):
         logger.info(f"best.pt was older than the best epoch ({loop.state['epoch'] + 1}) that last.pt records (a stop "
                     f"between the two writes): written again from it")

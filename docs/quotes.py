@@ -96,7 +96,7 @@ RUNS: dict[str, Run] = {
                                      "{port}", "--world-size", "2", "--rank", str(r)] for r in (0, 1)},
                  shown={"{port}": "29611"}, timeout=120),
     # step 6: main.ipynb and worker.ipynb cell by cell on the demo data, as a student runs them
-    "notebooks": Run({f"notebook-{nb}": [PY, "-m", "tests.run_cells", f"notebooks/{nb}.ipynb",
+    "notebooks": Run({f"notebook-{nb}": [PY, "-m", "tests.helpers.run_cells", f"notebooks/{nb}.ipynb",
                                          '{"EPOCHS": 1, "MAX_STEPS": 3, "WORKERS": 0, "BACKEND": "gloo", '
                                          '"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": {port}, "INIT_TIMEOUT": 120, '
                                          '"WANDB_MODE": "disabled", "TENSORBOARD": false, "RUN_DIR": "{tmp}/runs/ddp"}',
@@ -164,7 +164,7 @@ def _expand(text: str, tmp: str, port: int) -> str:
 
 def execute(name: str, tmp: str, wrap=None, extra_env: dict | None = None) -> dict[str, str]:
     """Run RUNS[name] for real in ``tmp``; every process's output, temporary paths shown as the pages do.
-    ``wrap(argv, env)``: how each process is started (the tests fork them from their fork server, tests/zygote.py);
+    ``wrap(argv, env)``: how each process is started (the tests fork them from their fork server, tests/helpers/zygote.py);
     ``extra_env``: variables the tests add (torchrun's PYTHON_EXEC)."""
     wrap = wrap or (lambda argv, env: argv)
     import glob

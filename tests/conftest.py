@@ -39,7 +39,7 @@ _workers: list[dict] = []   # with pytest -n (xdist): each worker's fork-server 
 
 
 def _counts() -> dict:
-    from tests import zygote
+    from tests.helpers import zygote
     return {**zygote.stats, "servers": sum(1 for s in zygote._servers.values() if s)}   # "keys": a list
 
 
@@ -54,13 +54,13 @@ def pytest_testnodedown(node, error):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """How many commands the fork server ran (tests/zygote.py), and how many started as real processes."""
-    from tests import zygote
+    """How many commands the fork server ran (tests/helpers/zygote.py), and how many started as real processes."""
+    from tests.helpers import zygote
     counts = [_counts(), *_workers]
     total = {key: sum(c.get(key, 0) for c in counts) for key in ("forked", "real", "servers")}
     if total["forked"] + total["real"]:
         keys = sorted({k for c in counts for k in c.get("keys", [])})
-        terminalreporter.write_line(f"fork server (tests/zygote.py): {total['forked']} command(s) forked, "
+        terminalreporter.write_line(f"fork server (tests/helpers/zygote.py): {total['forked']} command(s) forked, "
                                     f"{total['real']} run as real processes, {total['servers']} server(s)"
                                     + (f" (split by {', '.join(keys)})" if keys else ""))
     zygote.stop_servers()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ddp_utils import checkpoint
 from ddp_utils.data import build_loaders
@@ -16,9 +15,10 @@ from ddp_utils.runlog import NullLogger
 from ddp_utils.settings import MUST_AGREE, Settings, describe_batch
 from ddp_utils.observers import Loop
 from ddp_utils.train import train_one_epoch
-from tests.procs import base_env, describe, free_port, run_all
-from tests.test_gpu_paths import one_rank_group
-from tests.test_launch import tiny, train_cmd
+from tests.helpers.procs import base_env, describe, free_port, run_all
+from tests.helpers.groups import one_rank_group
+from tests.helpers.runs import tiny, train_command
+from tests.helpers.groups import count_all_reduces
 
 
 def test_the_global_batch_and_the_lr_count_the_accumulated_steps():
@@ -38,19 +38,6 @@ def test_accumulation_with_static_graph_is_refused_with_the_reason():
 
 def test_an_epoch_has_one_optimizer_step_per_group_and_a_short_last_group():
     assert [optimizer_steps(n, 3) for n in (6, 7, 1)] == [2, 3, 1]
-
-
-def count_all_reduces(model) -> list:
-    """Register DDP's own all-reduce on ``model``, counted: the bucket index of each, in order (bucket 0 once per
-    backward pass that syncs)."""
-    rounds = []
-
-    def counted(state, bucket):
-        rounds.append(bucket.index())
-        fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
-    model.register_comm_hook(None, counted)
-    return rounds
 
 
 @pytest.mark.slow
@@ -105,10 +92,10 @@ def test_two_ranks_accumulating_two_batches_train_like_one_process_with_four_tim
     steps an epoch (GroupNorm and fake images without random crops: nothing differs between the ranks)."""
     steps = ["--epochs", "2", "--lr", "0.5"]
     port = free_port()
-    ranks = run_all([train_cmd(*tiny(), *steps, "--batch-size", 8, "--accumulate", 2, "--max-steps-per-epoch", 4,
+    ranks = run_all([train_command(*tiny(), *steps, "--batch-size", 8, "--accumulate", 2, "--max-steps-per-epoch", 4,
                                "--rank", r, "--world-size", 2, "--master-port", port, "--run-dir", tmp_path / "acc")
                      for r in range(2)], timeout=180, env=base_env())
-    single = run_all([train_cmd(*tiny(), *steps, "--batch-size", 32, "--max-steps-per-epoch", 2,
+    single = run_all([train_command(*tiny(), *steps, "--batch-size", 32, "--max-steps-per-epoch", 2,
                                 "--run-dir", tmp_path / "single")], timeout=180, env=base_env())
     assert all(r.returncode == 0 for r in ranks + single), describe(ranks + single)
     assert "global batch 32 = 8 per rank x 2 rank(s) x 2 accumulated steps" in ranks[0].output

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO, base_env, free_port
+from tests.helpers.procs import REPO, base_env, free_port
 
 LAB = Path(REPO) / "lab" / "build_ddp"
 SOLUTION = LAB / "solution" / "reference.py"

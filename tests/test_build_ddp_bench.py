@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO, base_env
+from tests.helpers.procs import REPO, base_env
 
 BENCH = Path(REPO) / "lab" / "build_ddp" / "bench.py"
 LIMIT_S = 240   # each command; a few seconds to a minute on the 2-core CI machine, four times that beside other tests

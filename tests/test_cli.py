@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.pages import kit_pages
-from tests.procs import REPO, base_env, describe, free_port, python, run_all, stop
+from tests.helpers.pages import kit_pages
+from tests.helpers.folders import RANK1_SEES, data_copies
+from tests.helpers.procs import REPO, base_env, describe, free_port, python, run_all, stop
 
 
 def check_cmd(rank, world_size, port, *extra):
@@ -42,28 +43,6 @@ def test_check_on_two_ranks_proves_the_collective_and_saves_the_all_reduce_sweep
     assert saved["rows"][-1]["bytes"] == max(r["bytes"] for r in saved["rows"])   # the gradient's size, last
     assert all(r["busbw_gbit_s"] == pytest.approx(r["algbw_gbit_s"]) for r in saved["rows"])   # 2 (n-1)/n = 1
     assert not list((tmp_path / "runs" / "check").glob("*.tmp"))
-
-
-def data_copies(tmp_path, rank1: str) -> tuple[Path, Path]:
-    """Rank 0's imagenet folder (3 classes: train 9 images, val 6) and rank 1's, which ``rank1`` says how it
-    differs: "a class short" (the subset on one node), "an image short" (a partial copy), "missing"."""
-    import shutil
-    from tests.test_data import WNIDS, make_imagenet
-    full, other = make_imagenet(tmp_path / "node-a"), tmp_path / "node-b"
-    if rank1 != "missing":
-        make_imagenet(other)
-    if rank1 == "a class short":
-        for split in ("train", "val"):
-            shutil.rmtree(other / split / WNIDS[-1])
-    if rank1 == "an image short":
-        sorted((other / "train" / WNIDS[0]).iterdir())[0].unlink()
-    return full, other
-
-
-# what each rank says of rank 1's copy, and the counts rank 1 reads of rank 0's
-RANK1_SEES = {"a class short": "train 6 images / 2 classes, val 4 images / 2 classes",
-              "an image short": "train 8 images / 3 classes, val 6 images / 3 classes",
-              "missing": "does not exist"}
 
 
 @pytest.mark.slow
@@ -115,9 +94,9 @@ def test_the_data_paragraph_groups_the_ranks_by_node_and_names_other_class_folde
 @pytest.mark.slow
 def test_wrong_sums_on_one_rank_end_the_sweep_on_every_rank_with_the_same_verdict():
     """Issue 43, finding 4: the sweep's wrong-sum check raised on the rank that saw them, and the others went on to
-    the next size's all-reduce, waiting for it until their timeout. Now the verdict is agreed (tests/sweep_ranks.py)."""
+    the next size's all-reduce, waiting for it until their timeout. Now the verdict is agreed (tests/helpers/sweep_ranks.py)."""
     port = free_port()
-    results = run_all([python("-m", "tests.sweep_ranks", str(r), str(port)) for r in (0, 1)], timeout=60)
+    results = run_all([python("-m", "tests.helpers.sweep_ranks", str(r), str(port)) for r in (0, 1)], timeout=60)
     assert [r.returncode for r in results] == [0, 0], describe(results)
     for r in results:
         said = dict(re.findall(r"^CHECK (\w+)=(.*)$", r.output, re.M))
@@ -184,9 +163,9 @@ def test_check_with_a_small_dev_shm_and_loader_workers_is_not_ready(monkeypatch)
 
 
 def test_check_with_loader_nvjpeg_says_where_it_decodes_and_refuses_a_png_preset(monkeypatch, tmp_path):
-    from tests.test_data import make_cinic, make_imagenet
+    from tests.helpers.folders import make_cinic, make_imagenet
     imagenet = str(make_imagenet(tmp_path / "imagenet"))
-    from tests.gpu_emulation import A100, pretend_gpu
+    from tests.helpers.gpu_emulation import A100, pretend_gpu
     for cuda, said in ((False, "no GPU here, so the CPU decodes"),
                        (True, "torchvision decodes the JPEGs on the GPU's hardware JPEG decoder (nvJPEG)")):
         if cuda:
@@ -234,11 +213,11 @@ def test_ctrl_c_during_training_leaves_the_last_checkpoint_intact_and_says_how_t
 
 
 def test_ci_types_the_quick_start_as_printed_then_runs_the_tests_sections_commands_in_its_venv():
-    from tests import readme_blocks
+    from tests.helpers import readme_blocks
     ci = Path(REPO, ".ci", "run").read_text()
     ci_lines = [line.strip() for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     # the student's block, extracted from the README at CI time (never a copy that could drift), on the system Python
-    run_quick = next(i for i, line in enumerate(ci_lines) if "tests/readme_blocks.py quick-start" in line)
+    run_quick = next(i for i, line in enumerate(ci_lines) if "tests/helpers/readme_blocks.py quick-start" in line)
     assert any('bash -euo pipefail -c "$quick"' in line and "PATH=/usr/local/sbin:/usr/sbin:/usr/bin" in line
                for line in ci_lines[run_quick:]), ci
     quick = readme_blocks.commands("quick-start")
@@ -255,14 +234,14 @@ def test_ci_types_the_quick_start_as_printed_then_runs_the_tests_sections_comman
 
 def test_the_newest_leg_runs_the_reviewed_torch_the_readme_names():
     """Issue 37: the newest torch CI tested was whatever pip resolved, printed and asserted nowhere."""
-    from tests import newest_torch, readme_blocks
+    from tests.helpers import newest_torch, readme_blocks
     wanted = newest_torch.pinned()
     assert set(wanted) == {"torch", "torchvision"}
     assert f"to the newest, {wanted['torch']} today" in Path(REPO, "README.md").read_text()
     install = next(c for c in readme_blocks.commands("tests") if "requirements-dev.txt" in c)
     assert "-c tests/newest-constraints.txt" in install
     ci = Path(REPO, ".ci", "run").read_text()
-    assert ci.index(install) < ci.index("python tests/newest_torch.py") < ci.index("python -m pytest")
+    assert ci.index(install) < ci.index("python tests/helpers/newest_torch.py") < ci.index("python -m pytest")
     assert newest_torch.mismatch({"torch": f"{wanted['torch']}+cu130", "torchvision": wanted["torchvision"]},
                                  wanted) is None
     said = newest_torch.mismatch({"torch": "2.15.0", "torchvision": wanted["torchvision"]}, wanted)

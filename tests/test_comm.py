@@ -10,7 +10,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from ddp_utils.speed import comm
 from ddp_utils.settings import Settings
-from tests.procs import base_env, describe, free_port, python, run_all
+from tests.helpers.procs import base_env, describe, free_port, python, run_all
+from tests.helpers.runs import run_two
 
 
 def probe(compute_s: float, allreduce_s: float) -> dict:
@@ -117,18 +118,6 @@ def test_powersgd_sends_the_gradients_it_would_shrink_little_exact():
     assert compressed(1000, 512, 4.0) and compressed(64, 3 * 7 * 7, 4.0) and compressed(128, 64, 4.0)
 
 
-# -- two ranks on loopback -------------------------------------------------------------------------
-def run_two(tmp_path, choice: str, **extra) -> list[dict]:
-    port = free_port()
-    folder = tmp_path / choice
-    results = run_all([python("-m", "tests.comm_scenarios", choice, str(r), str(port), str(folder), json.dumps(extra))
-                       for r in range(2)], timeout=180, env=base_env())
-    assert all(r.returncode == 0 for r in results), describe(results)
-    checks = [dict(re.findall(r"^CHECK (\w+)=(.*)$", r.output, re.M)) for r in results]
-    return [{**c, "output": r.output, "results": json.loads((folder / "results.json").read_text())}
-            for c, r in zip(checks, results)]
-
-
 @pytest.fixture(scope="module")
 def exact(tmp_path_factory):
     return run_two(tmp_path_factory.mktemp("exact"), "none", static_graph=True)
@@ -183,10 +172,12 @@ def test_a_hook_that_waits_for_each_bucket_has_all_its_time_counted_as_waited_fo
 # -- fp16 overflow with PowerSGD ---------------------------------------------------------------------
 def run_overflow(tmp_path, overflow: dict, choice="powersgd") -> list:
     """Two ranks, fp16 autocast with the CPU gradient scaler (the T4's AMP), PowerSGD after 3 exact steps,
-    12 steps (fp16 is slow on a CPU); the gradients of the steps in ``overflow`` become inf (the loss stays finite)."""
+    12 steps; the gradients of the steps in ``overflow`` become inf (the loss stays finite). The model is the MLP:
+    a CPU's fp16 convolutions take seconds a step (the convnet's 12 steps: over a minute a rank), its fp16 matrix
+    products milliseconds, and the scaler, PowerSGD's memory and the skipped steps are the same either way."""
     port = free_port()
-    extra = {"amp": "fp16", "link_probe": False, "max_steps_per_epoch": 12, "epochs": 1}
-    results = run_all([python("-m", "tests.comm_scenarios", choice, str(r), str(port), str(tmp_path / choice),
+    extra = {"amp": "fp16", "link_probe": False, "max_steps_per_epoch": 12, "epochs": 1, "arch": "mlp"}
+    results = run_all([python("-m", "tests.helpers.comm_scenarios", choice, str(r), str(port), str(tmp_path / choice),
                               json.dumps(extra), json.dumps(overflow)) for r in range(2)],
                       timeout=180, env=base_env())
     return results

@@ -19,8 +19,8 @@ from packaging.requirements import Requirement
 from ddp_utils.robust import compat, rendezvous
 from ddp_utils.robust.preflight import DistSetupError
 from ddp_utils.settings import Settings
-from tests.procs import REPO, base_env, describe, free_port, python, run_all
-from tests.test_gpu_paths import gpu_only, one_rank_group
+from tests.helpers.procs import REPO, base_env, describe, free_port, python, run_all
+from tests.helpers.groups import gpu_only, one_rank_group
 
 NGC_25_01 = "2.6.0a0+ecf3bae40a.nv25.01"   # torch.__version__ in the NGC 25.01 container (the floor)
 NGC_24_10 = "2.5.0a0+e000cf0ad9.nv24.10"   # an older NGC release: below the floor
@@ -75,7 +75,7 @@ def _fake_torch_module(tmp_path, version: str) -> Path:
 @pytest.mark.parametrize("version,passes", [(NGC_25_01, True), ("2.14.1+cu130", True), (NGC_24_10, False)])
 def test_the_docker_build_stops_on_an_ngc_release_below_the_floor(tmp_path, version, passes):
     """The Dockerfile's step 0 (its python -c, run as the build would, against a torch reporting ``version``)."""
-    from tests.test_docker import runs
+    from tests.helpers.docker import runs
     check = next(r for r in runs() if "torch.__version__" in r)
     code = re.search(r'python -c "(.*)"$', check).group(1)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
@@ -273,7 +273,7 @@ def test_gloo_gets_its_collective_timeout_at_init_where_it_cannot_take_a_new_one
 
 
 def scenario(name, rank, port):
-    return python("-m", "tests.compat_scenarios", name, str(rank), str(port))
+    return python("-m", "tests.helpers.compat_scenarios", name, str(rank), str(port))
 
 
 def checks(result) -> dict:

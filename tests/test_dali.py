@@ -22,9 +22,9 @@ from ddp_utils.speed.dali import DaliEvalLoader, DaliTrainLoader
 from ddp_utils.data import build_loaders
 from ddp_utils.datasets import DataError
 from ddp_utils.settings import Settings
-from tests.test_data import make_cinic, make_imagenet
-from tests.test_fastjpeg import levels, make_photo_imagenet
-from tests.test_training import run_ranks
+from tests.helpers.folders import make_cinic, make_imagenet
+from tests.helpers.folders import levels, make_photo_imagenet
+from tests.helpers.runs import run_ranks
 
 
 def settings(path, **kw) -> Settings:

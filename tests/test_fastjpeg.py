@@ -10,10 +10,8 @@ scikit-learn ships, so every crop and every pixel of rounding shows.
 """
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -25,25 +23,10 @@ from ddp_utils.datasets import DataError, ImageFolderDataset, eval_transform, lo
 from ddp_utils.loaders import EpochLoader, EvalShardSampler, augmentation_seed
 from ddp_utils.speed.memdata import normalize
 from ddp_utils.settings import Settings
-from tests.test_data import WNIDS, make_imagenet
+from tests.helpers.folders import WNIDS, make_imagenet
+from tests.helpers.folders import levels, make_photo_imagenet, pillow
 
 LEVELS = 2   # of 255: the most the two resizes may differ per pixel
-
-
-def make_photo_imagenet(root: Path, train_per_class: int = 4, val_per_class: int = 3, seed: int = 0) -> Path:
-    """ImageNet's layout (train/<wnid>/, val/<wnid>/) of small JPEG photos cut from scikit-learn's two."""
-    from sklearn.datasets import load_sample_images
-    photos = [Image.fromarray(a) for a in load_sample_images().images]   # china.jpg, flower.jpg: 640 x 427
-    rng = random.Random(seed)
-    for split, count in (("train", train_per_class), ("val", val_per_class)):
-        for wnid in WNIDS:
-            (root / split / wnid).mkdir(parents=True)
-            for i in range(count):
-                x, y = rng.randrange(300), rng.randrange(150)
-                image = photos[rng.randrange(2)].crop((x, y, x + 320, y + 260))
-                image = image.resize((rng.randint(70, 150), rng.randint(60, 130)), Image.BICUBIC)
-                image.save(root / split / wnid / f"{wnid}_{i}.JPEG", quality=90)
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +55,6 @@ def classic(s: Settings, rank: int, world_size: int):
                        num_workers=s.workers, generator=torch.Generator())
     val = DataLoader(val_set, batch_size=s.batch_size, sampler=EvalShardSampler(val_set, rank, world_size))
     return EpochLoader(train, s.max_steps_per_epoch, seed=s.seed, rank=rank), val
-
-
-def levels(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| of two normalised ImageNet batches, in levels of 255 per pixel."""
-    std = torch.tensor(load_preset("imagenet").std).view(1, 3, 1, 1)
-    return (a - b).abs() * std * 255
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,13 +149,6 @@ def test_device_normalize_keeps_cpu_batches_contiguous_and_moves_labels():
     assert x.is_contiguous() and x.dtype == torch.float32 and y.tolist() == [1, 2]
     expected = (images.float() / 255 - torch.tensor(preset.mean).view(3, 1, 1)) / torch.tensor(preset.std).view(3, 1, 1)
     assert torch.allclose(x, expected, atol=1e-6)
-
-
-# ---------------------------------------------------------------------------------------------
-# Decoding: libjpeg-turbo, Pillow for the rest, the kit's paragraph for a broken file
-# ---------------------------------------------------------------------------------------------
-def pillow(path) -> torch.Tensor:
-    return torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
 
 
 def test_decode_rgb_gives_pillows_pixels_for_jpeg_png_cmyk_and_grey(photos, tmp_path):

@@ -2,7 +2,7 @@
 
 Each test starts two ranks on loopback (gloo), makes one of them fail the way users meet it, and checks
 on every rank: how fast it stopped, what it said, and what is on disk. Every run is time-bounded and its
-processes are killed on failure (tests/procs.py).
+processes are killed on failure (tests/helpers/procs.py).
 """
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import re
 import pytest
 
 from ddp_utils import checkpoint
-from tests import netns
-from tests.fault_scenarios import output_of, signal_rank_1_after_epoch_1, start_ranks, stop_all, wait_for_epoch_1
-from tests.procs import base_env, describe, free_port, python, run_all, stop
+from tests.helpers import netns
+from tests.helpers.fault_scenarios import output_of, signal_rank_1_after_epoch_1, start_ranks, stop_all, wait_for_epoch_1
+from tests.helpers.procs import base_env, describe, free_port, python, run_all, stop
 
 
 def scenario(name, rank, port, folder):
-    return python("-m", "tests.fault_scenarios", name, str(rank), str(port), str(folder))
+    return python("-m", "tests.helpers.fault_scenarios", name, str(rank), str(port), str(folder))
 
 
 def checks(result) -> dict[str, str]:

@@ -30,7 +30,7 @@ def test_the_paragraph_gives_the_figures_and_three_ways_to_feed_the_gpu_in_short
 
 
 def test_the_pages_illustration_is_the_kits_paragraph():
-    from tests.procs import REPO
+    from tests.helpers.procs import REPO
     from pathlib import Path
     page = (Path(REPO) / "docs" / "time-split.md").read_text(encoding="utf-8")
     shown = page.split("<!-- illustrative: GPU node (a T4 fed by two workers) -->\n```text\n", 1)[1].split("\n```", 1)[0]
@@ -85,8 +85,8 @@ def test_the_batches_made_ahead_are_not_timed():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_step_alone_is_timed_by_cuda_events(tmp_path):
-    from tests.test_gpu import train
-    output, results = train(tmp_path, "--max-steps-per-epoch", "40", "--workers", "0")
+    from tests.helpers.runs import train_on_gpu
+    output, results = train_on_gpu(tmp_path, "--max-steps-per-epoch", "40", "--workers", "0")
     f = results["feed"]
     assert f["device"].startswith("cuda") and f["steps"] == feed.STEPS and f["step_alone_img_s"] > 0, f
     assert ("feed check: the data loader bounds this run" in output) == (f["bound"] == "loader")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from docs import figures
-from tests.procs import REPO as _REPO
+from tests.helpers.procs import REPO as _REPO
 
 REPO = Path(_REPO)
 

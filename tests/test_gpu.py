@@ -5,35 +5,25 @@ measures throughput against the hardware's peak. On a machine without a GPU ever
 skipped, with the reason."""
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
-from tests.procs import base_env, describe, free_port, python, run_all
+from tests.helpers.procs import base_env, free_port
+from tests.helpers.runs import train_on_gpu
 
 def gpu_only(test):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
-
-FAST = ["--dataset", "fake", "--image-size", "64", "--arch", "resnet18", "--workers", "2", "--wandb", "disabled",
-        "--epochs", "1", "--max-steps-per-epoch", "5", "--batch-size", "32", "--progress", "off"]
-
-
-def train(tmp_path, *extra) -> tuple[str, dict]:
-    result = run_all([python("-m", "ddp_utils", "train", *FAST, "--run-dir", str(tmp_path / "run"), *extra)],
-                     timeout=300, env=base_env())[0]
-    assert result.returncode == 0, describe([result])
-    return result.output, json.loads((tmp_path / "run" / "results.json").read_text())
 
 
 @gpu_only
 def test_the_mode_matrix_on_a_gpu_where_its_defaults_are_real(tmp_path):
     """tests/test_mode_matrix.py's round trips on one GPU over NCCL: channels_last, bf16 autocast and fp16's scaler
     as a GPU run takes them (not forced), cudnn.benchmark and TF32 on, pinned memory and non-blocking copies."""
-    from tests.test_mode_matrix import _phase
+    from tests.helpers.mode_matrix import phase
     env = base_env(MATRIX_BACKEND="nccl")
-    _phase("save", 1, tmp_path, env)
-    lines = _phase("resume", 1, tmp_path, env)
+    phase("save", 1, tmp_path, env)
+    lines = phase("resume", 1, tmp_path, env)
     checks = [line for line in lines if line.startswith("CHECK")]
     assert checks and not [line for line in lines if line.startswith("FAIL")], "\n".join(lines)
     assert all(line.endswith("input=True mended=True stepped=True equal=True") for line in checks), "\n".join(checks)
@@ -63,7 +53,7 @@ def test_nccl_process_group_with_one_rank_all_reduces_and_trains_a_ddp_step():
 def test_mixed_precision_trains_with_finite_numbers(tmp_path, amp, dtype):
     if amp == "bf16" and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("this GPU has no bf16 (a T4): fp16 + scaler is its AMP")
-    output, results = train(tmp_path, "--amp", amp)
+    output, results = train_on_gpu(tmp_path, "--amp", amp)
     assert f"precision {dtype}" in output
     assert results["loss"] == results["loss"]   # not NaN
 
@@ -112,7 +102,7 @@ def test_the_memory_loader_keeps_the_images_on_the_gpu(tmp_path):
 
 @gpu_only
 def test_gpu_use_is_sampled_during_a_real_run(tmp_path):
-    _, results = train(tmp_path, "--max-steps-per-epoch", "40")
+    _, results = train_on_gpu(tmp_path, "--max-steps-per-epoch", "40")
     assert isinstance(results["gpu_util"], (int, float)) and results["gpu_mem_peak_mb"] > 0
 
 

@@ -278,7 +278,7 @@ def test_a_dataparallel_process_reports_every_gpu_it_drives(monkeypatch):
     (it read cuda:0 alone before)."""
     from ddp_utils.model import devices_used
     from ddp_utils.distributed import DistContext
-    from tests.gpu_emulation import T4, pretend_gpu
+    from tests.helpers.gpu_emulation import T4, pretend_gpu
     pretend_gpu(monkeypatch.setattr, T4, count=2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # no real memory statistics to read here
     pci_ids(monkeypatch)
@@ -297,7 +297,7 @@ def test_a_dataparallel_process_reports_every_gpu_it_drives(monkeypatch):
 def test_a_dataparallel_process_keeps_each_gpus_figures_beside_the_averaged_ones(monkeypatch):
     """Lab 4's "is GPU 0 busier and fuller than GPU 1?": per_device=True keeps each GPU's training mean and
     memory peaks (index i for cuda:i); the averaged keys keep their meaning (mean utilisation, fullest GPU)."""
-    from tests.gpu_emulation import T4, pretend_gpu
+    from tests.helpers.gpu_emulation import T4, pretend_gpu
     pretend_gpu(monkeypatch.setattr, T4, count=2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # torch's own peaks, emulated as well
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)

@@ -3,8 +3,6 @@ gloo in place of nccl), and each emulated test has a ``gpu``-marked twin in test
 that checks the same on a real GPU (skipped, with the reason, where there is none)."""
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import math
 
@@ -16,29 +14,9 @@ from ddp_utils.speed import linkprobe
 from ddp_utils.distributed import DistContext
 from ddp_utils.model import build_model
 from ddp_utils.settings import Settings
-from tests.procs import free_port
-
-
-def gpu_only(test):
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
-
-
-@contextlib.contextmanager
-def one_rank_group(backend="gloo", device=None):
-    """A process group of this test process alone (SyncBatchNorm and the probe's collectives need one).
-
-    Garbage is collected here, on the main thread, before and after: an earlier test's group left in a reference
-    cycle was otherwise freed whenever the collector next ran, once inside a PowerSGD callback on a gloo thread,
-    where freeing a group joins threads and aborted the process ("Resource deadlock avoided", seen under xdist)."""
-    gc.collect()
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
-    dist.init_process_group(backend, store=store, rank=0, world_size=1, **({"device_id": device} if device else {}))
-    try:
-        yield
-    finally:
-        with contextlib.suppress(Exception):   # an aborted group may refuse to be destroyed cleanly
-            dist.destroy_process_group()
-        gc.collect()
+from tests.helpers.procs import free_port
+from tests.helpers.groups import gpu_only, one_rank_group
+from tests.helpers.runs import run_data
 
 
 # -- the link probe with --sync-bn ------------------------------------------------------------------
@@ -50,7 +28,7 @@ def test_the_link_probes_copy_of_a_sync_bn_model_starts_no_collective():
     settings = Settings(dataset="fake", arch="resnet18_cifar", batch_size=4)
     ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
     with one_rank_group():
-        seconds = linkprobe._time_compute(model, settings, ctx, 10, 32, rounds=1)
+        seconds = linkprobe._time_compute(model, settings, ctx, run_data(10, 32), rounds=1)
     assert seconds > 0
     assert isinstance(model.bn1, torch.nn.SyncBatchNorm), "the run's own model must keep its SyncBatchNorm"
 
@@ -73,16 +51,16 @@ def test_the_link_probe_runs_with_sync_bn_on_a_gpu():
     model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(build_model("resnet18_cifar", 10)).to(device)
     settings = Settings(dataset="fake", arch="resnet18_cifar", batch_size=8)
     with one_rank_group("nccl", device):
-        assert linkprobe._time_compute(model, settings, DistContext(0, 1, 0, device, "nccl"), 10, 32) > 0
+        assert linkprobe._time_compute(model, settings, DistContext(0, 1, 0, device, "nccl"), run_data(10, 32)) > 0
 
 
 # -- the ranks agree on a backend before init (devices.py) ------------------------------------------
 def two_ranks_with(devices: list, backend: str, amp: str = "auto") -> list:
-    from tests.procs import base_env, python, run_all
+    from tests.helpers.procs import base_env, python, run_all
     import json
     port = free_port()
     env = base_env(DEVICES=json.dumps(devices), BACKEND=backend, AMP=amp)
-    return run_all([python("-m", "tests.dist_scenarios", "devices", str(r), "2", str(port), "127.0.0.1", "30")
+    return run_all([python("-m", "tests.helpers.dist_scenarios", "devices", str(r), "2", str(port), "127.0.0.1", "30")
                     for r in range(2)], timeout=90, env=env)
 
 
@@ -90,7 +68,7 @@ def two_ranks_with(devices: list, backend: str, amp: str = "auto") -> list:
 def test_a_node_without_a_gpu_is_named_on_every_rank_before_init():
     """A container started without --gpus on node 2: auto meant nccl on rank 0 and gloo on rank 1, and init
     waited out its timeout blaming the network. Now every rank names the node, in seconds, before any backend."""
-    from tests.procs import describe
+    from tests.helpers.procs import describe
     results = two_ranks_with(["T4", None], "auto")
     for r in results:
         assert r.returncode == 3 and "CHECK backend" not in r.output, describe(results)
@@ -101,7 +79,7 @@ def test_a_node_without_a_gpu_is_named_on_every_rank_before_init():
 
 @pytest.mark.slow
 def test_two_ranks_on_one_gpu_with_nccl_are_told_before_init():
-    from tests.procs import describe
+    from tests.helpers.procs import describe
     results = two_ranks_with(["T4", "T4"], "nccl")
     for r in results:
         assert r.returncode == 3 and "CHECK backend" not in r.output, describe(results)
@@ -112,7 +90,7 @@ def test_two_ranks_on_one_gpu_with_nccl_are_told_before_init():
 @pytest.mark.slow
 def test_two_ranks_on_one_gpu_with_auto_rehearse_on_gloo_and_say_why():
     """Both notebooks on one single-GPU VM: gloo can share the GPU, nccl cannot."""
-    from tests.procs import describe
+    from tests.helpers.procs import describe
     results = two_ranks_with(["T4", "T4"], "auto")
     for r in results:
         assert r.returncode == 0 and 'CHECK backend="gloo"' in r.output, describe(results)
@@ -121,7 +99,7 @@ def test_two_ranks_on_one_gpu_with_auto_rehearse_on_gloo_and_say_why():
 
 @pytest.mark.slow
 def test_gloo_asked_for_with_a_cpu_node_trains_and_says_the_cpu_ranks_set_the_pace():
-    from tests.procs import describe
+    from tests.helpers.procs import describe
     results = two_ranks_with(["T4", None], "gloo", amp="off")   # gloo asked for: allowed, with a word on the pace
     assert all(r.returncode == 0 and 'CHECK backend="gloo"' in r.output for r in results), describe(results)
     assert "will train on the CPU" in results[0].output
@@ -147,7 +125,7 @@ def test_both_notebooks_on_one_gpu_train_on_gloo(tmp_path):
     """The real rehearsal: two ranks on this machine's one GPU (auto) -> gloo, and the run finishes."""
     if torch.cuda.device_count() != 1:
         pytest.skip("needs a machine with exactly one GPU")
-    from tests.procs import base_env, describe, python, run_all
+    from tests.helpers.procs import base_env, describe, python, run_all
     port = free_port()
     common = ["--dataset", "fake", "--image-size", "32", "--workers", "0", "--wandb", "disabled", "--epochs", "1",
               "--max-steps-per-epoch", "5", "--batch-size", "16", "--progress", "off", "--world-size", "2",
@@ -162,7 +140,7 @@ def test_both_notebooks_on_one_gpu_train_on_gloo(tmp_path):
 def test_amp_auto_gives_fp16_with_the_scaler_on_a_t4(monkeypatch):
     """torch.cuda.is_bf16_supported() says True on a T4 (emulated bf16): the kit must not believe it."""
     from ddp_utils.optim import amp_dtype, make_scaler, precision_name
-    from tests.gpu_emulation import T4, pretend_gpu
+    from tests.helpers.gpu_emulation import T4, pretend_gpu
     pretend_gpu(monkeypatch.setattr, T4)
     assert torch.cuda.is_bf16_supported()   # the trap, as PyTorch answers on a T4
     device = torch.device("cuda", 0)
@@ -173,7 +151,7 @@ def test_amp_auto_gives_fp16_with_the_scaler_on_a_t4(monkeypatch):
 
 def test_amp_auto_gives_bf16_from_compute_capability_8(monkeypatch):
     from ddp_utils.optim import amp_dtype
-    from tests.gpu_emulation import A100, pretend_gpu
+    from tests.helpers.gpu_emulation import A100, pretend_gpu
     pretend_gpu(monkeypatch.setattr, A100)
     assert amp_dtype(Settings(amp="auto"), torch.device("cuda", 0)) is torch.bfloat16
 
@@ -187,7 +165,7 @@ def test_amp_auto_is_off_on_a_cpu_and_explicit_modes_are_kept():
 
 def test_amp_bf16_asked_for_on_a_t4_is_refused_with_what_to_do(monkeypatch):
     from ddp_utils.optim import amp_dtype
-    from tests.gpu_emulation import T4, pretend_gpu
+    from tests.helpers.gpu_emulation import T4, pretend_gpu
     pretend_gpu(monkeypatch.setattr, T4)
     with pytest.raises(ValueError, match=r"amp=bf16 on Tesla T4 \(compute capability 7\.5\).*amp=fp16"):
         amp_dtype(Settings(amp="bf16"), torch.device("cuda", 0))
@@ -219,12 +197,13 @@ def test_ranks_whose_gpus_would_pick_different_precisions_are_stopped_before_ini
 @pytest.mark.slow
 def test_a_checkpoint_without_fp16_resumes_with_fp16(tmp_path):
     """A bf16 (or CPU) run's checkpoint holds a disabled scaler's empty state; resuming it with fp16 (A100 nodes
-    -> T4 nodes) crashed in GradScaler.load_state_dict. Here the real path on a CPU: amp off, then fp16."""
+    -> T4 nodes) crashed in GradScaler.load_state_dict. Here the real path on a CPU: amp off, then fp16 (the MLP: a
+    CPU's fp16 convolutions take seconds a step)."""
     import json
-    from tests.procs import base_env, describe, python, run_all
+    from tests.helpers.procs import base_env, describe, python, run_all
     run = tmp_path / "run"
-    common = ["--dataset", "fake", "--image-size", "32", "--workers", "0", "--wandb", "disabled", "--progress", "off",
-              "--max-steps-per-epoch", "5", "--batch-size", "16", "--run-dir", str(run)]
+    common = ["--dataset", "fake", "--image-size", "32", "--arch", "mlp", "--workers", "0", "--wandb", "disabled",
+              "--progress", "off", "--max-steps-per-epoch", "5", "--batch-size", "16", "--run-dir", str(run)]
     first = run_all([python("-m", "ddp_utils", "train", *common, "--epochs", "1", "--amp", "off")], timeout=120,
                     env=base_env())
     assert first[0].returncode == 0, describe(first)
@@ -238,7 +217,7 @@ def test_a_checkpoint_without_fp16_resumes_with_fp16(tmp_path):
 
 @gpu_only
 def test_a_bf16_checkpoint_resumes_with_fp16_on_a_gpu(tmp_path):
-    from tests.procs import base_env, describe, python, run_all
+    from tests.helpers.procs import base_env, describe, python, run_all
     first_amp = "bf16" if torch.cuda.get_device_capability() >= (8, 0) else "off"
     run = tmp_path / "run"
     common = ["--dataset", "fake", "--image-size", "64", "--arch", "resnet18", "--workers", "2", "--wandb", "disabled",
@@ -370,8 +349,8 @@ def test_each_dataparallel_replica_computes_in_the_runs_dtype():
 def test_dataparallel_runs_with_the_devices_the_node_has_and_says_what_it_splits(monkeypatch, gpus):
     """Lab 4 on the homework's one-GPU nodes and on a laptop: parallel=dp is DataParallel there too (a rehearsal:
     torch calls the model itself, nothing is split), recorded as dp; with 2+ GPUs it drives all of them.
-    Emulated (tests/gpu_emulation.py); the one-GPU twin is test_time_split.py's gpu-marked DP test."""
-    from tests.gpu_emulation import T4, pretend_gpu
+    Emulated (tests/helpers/gpu_emulation.py); the one-GPU twin is test_time_split.py's gpu-marked DP test."""
+    from tests.helpers.gpu_emulation import T4, pretend_gpu
     from ddp_utils.model import describe_parallel, devices_used, parallel_mode
     if gpus:
         pretend_gpu(monkeypatch.setattr, T4, count=gpus)

@@ -10,8 +10,8 @@ from ddp_utils.job import grid_axes, grid_settings
 from ddp_utils.settings import Settings
 from ddp_utils.tools import cli, report
 from ddp_utils.tools.report import grid
-from tests.procs import base_env, describe, free_port, python, run_all
-from tests.test_report import fake_run
+from tests.helpers.procs import base_env, describe, free_port, python, run_all
+from tests.helpers.report_runs import fake_run
 
 
 def test_grid_values_take_their_settings_types_and_every_combination_gets_its_own_folder():

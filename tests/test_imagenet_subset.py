@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image
 
-from tests.test_lab_scripts import SCRIPTS, load
+from tests.helpers.lab_scripts import SCRIPTS, load
 
 subset = load("make_imagenet_subset")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO, base_env, free_port, stop
+from tests.helpers.procs import REPO, base_env, free_port, stop
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [pytest.mark.slow,

@@ -17,9 +17,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from tests.notebook_cells import code, markdown, parameter_cells, parameters, read
-from tests.pages import kit_pages
-from tests.procs import REPO, base_env, describe, free_port, run_all
+from tests.helpers.notebook_cells import code, markdown, parameter_cells, parameters, read
+from tests.helpers.pages import kit_pages
+from tests.helpers.procs import REPO, base_env, describe, free_port, run_all
 
 LAB = Path(REPO) / "lab"
 README = LAB / "README.md"
@@ -438,7 +438,7 @@ QUICK = {"EPOCHS": 1, "MAX_STEPS": 2, "WORKERS": 0}
 
 def papermill(name: str, out: Path, params: dict) -> list[str]:
     """What "Run All" in Jupyter amounts to, from the lab/ folder."""
-    return [sys.executable, "-m", "tests.run_notebook", str(LAB / name), str(out), json.dumps(params), str(LAB)]
+    return [sys.executable, "-m", "tests.helpers.run_notebook", str(LAB / name), str(out), json.dumps(params), str(LAB)]
 
 
 def printed(executed: Path) -> str:
@@ -559,7 +559,7 @@ class _Job:
 
 @pytest.mark.parametrize("gpus", [0, 1, 4])
 def test_lab4_asks_for_the_runs_this_nodes_gpus_allow(monkeypatch, tmp_path, capsys, gpus):
-    """The notebook's cells, run here with the GPUs emulated (tests/gpu_emulation.py) and the training left out:
+    """The notebook's cells, run here with the GPUs emulated (tests/helpers/gpu_emulation.py) and the training left out:
     on the homework's one-GPU node DP runs over that GPU with BATCH_SIZE and DDP as 2 processes sharing it; on a
     4-GPU node DP splits 4 x BATCH_SIZE and DDP runs 4 processes; on a laptop 2 CPU processes. (The real runs:
     the executed notebook above, on this machine's devices, and test_gpu_paths.py's gpu-marked twins.)"""
@@ -567,7 +567,7 @@ def test_lab4_asks_for_the_runs_this_nodes_gpus_allow(monkeypatch, tmp_path, cap
     import ddp_utils.train
     import ddp_utils.tools.launch
     import ddp_utils.tools.report as report
-    from tests.gpu_emulation import T4, pretend_gpu
+    from tests.helpers.gpu_emulation import T4, pretend_gpu
     if gpus:
         pretend_gpu(monkeypatch.setattr, T4, count=gpus)
     else:

@@ -7,7 +7,6 @@ Counts are small and passed with --expect-classes / --expect-per-class.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import random
 import subprocess
@@ -17,21 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.lab_scripts import SCRIPTS, load
+
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "lab" / "scripts"
 # tarfile's "data" filter where this Python has it (3.12, and 3.11.4+; Debian 12's own 3.11.2 has not)
 DATA_FILTER = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-
-
-def load(name: str):
-    """Import lab/scripts/<name>.py as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module   # importable by name, as pool workers started by a server process need
-    if str(SCRIPTS) not in sys.path:
-        sys.path.append(str(SCRIPTS))
-    spec.loader.exec_module(module)
-    return module
 
 
 sort_val = load("sort_imagenet_val")

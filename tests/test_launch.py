@@ -1,7 +1,7 @@
 """`launch`: every GPU of a node from one command or one notebook cell; SLURM's variables; failures named.
 
 On CPU with gloo: `--nproc-per-node 2` stands for a node's GPUs. Every run is time-bounded and its processes
-(and namespaces) are removed also when a test fails (tests/procs.py, tests/netns.py).
+(and namespaces) are removed also when a test fails (tests/helpers/procs.py, tests/helpers/netns.py).
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ import torch
 from ddp_utils import checkpoint, slurm
 from ddp_utils.tools import launch as launch_module
 from ddp_utils.settings import Settings
-from tests import netns, zygote
-from tests.procs import REPO, base_env, describe, free_port, python, run_all
+from tests.helpers import netns, zygote
+from tests.helpers.procs import REPO, base_env, describe, free_port, python, run_all
+from tests.helpers.runs import cmdline, ours_still_running, tiny, train_command
 
 STEPS = ["--epochs", "2", "--max-steps-per-epoch", "3"]
 
@@ -31,20 +32,8 @@ def demo_dir(tmp_path_factory):
     return str(prepare_demo(tmp_path_factory.mktemp("data") / "demo"))
 
 
-def tiny(dataset="fake"):
-    """Fake images (no random crops, which differ per rank) and GroupNorm (no per-rank batch statistics):
-    1 x 2B and 2 x B must end with the same weights."""
-    data = ["--dataset", "fake", "--image-size", "32"] if dataset == "fake" else ["--dataset", "demo"]
-    return [*data, "--arch", "convnet_gn", "--workers", "0", "--threads", "1", "--wandb", "disabled",
-            "--backend", "gloo", "--init-timeout", "60", "--log-every", "2", "--progress", "off", "--no-link-probe"]
-
-
 def launch_cmd(*args):
     return python("-m", "ddp_utils", "launch", *map(str, args))
-
-
-def train_cmd(*args):
-    return python("-m", "ddp_utils", "train", *map(str, args))
 
 
 def results(run_dir):
@@ -64,26 +53,6 @@ def assert_same_training(run, single, world_size):
     assert ours["acc1"] == pytest.approx(theirs["acc1"]) and ours["acc5"] == pytest.approx(theirs["acc5"])
 
 
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-    except OSError:
-        return ""
-
-
-def ours_still_running(marker: str) -> list[int]:
-    """Processes whose command line holds ``marker`` (a test's own folder), zombies aside."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid() and marker in cmdline(int(entry.name)):
-            try:
-                if " Z " not in (entry / "stat").read_text().split(")", 1)[1][:4]:
-                    found.append(int(entry.name))
-            except (OSError, IndexError):
-                pass
-    return found
-
-
 def rank_process(marker: str, rank: int) -> list[int]:
     """The training process of ``rank`` (torchrun gives it RANK in its environment), not torchrun itself."""
     found = []
@@ -101,7 +70,7 @@ def kill_rank(pid: int) -> None:
     """SIGKILL a training process as the out-of-memory killer does: the rank's own process dies, and only then does
     what torchrun watches end. A rank the suite's fork server runs is a client (the pid torchrun watches) and its
     command; killing the client first would end the command only when the server sees it gone, a moment after
-    torchrun has SIGTERMed the rank's siblings, which then find the killed rank still running (tests/zygote.py)."""
+    torchrun has SIGTERMed the rank's siblings, which then find the killed rank still running (tests/helpers/zygote.py)."""
     os.kill(zygote.command_of(pid) or pid, signal.SIGKILL)
 
 
@@ -139,7 +108,7 @@ def test_launch_two_processes_trains_like_one_process_with_the_doubled_batch(tmp
                                     "--run-dir", tmp_path / "launch", "--log-dir", tmp_path / "logs")],
                         timeout=180, env=base_env())
     assert launched.returncode == 0, describe([launched])
-    single, = run_all([train_cmd(*tiny(), *STEPS, "--batch-size", 16, "--run-dir", tmp_path / "single")],
+    single, = run_all([train_command(*tiny(), *STEPS, "--batch-size", 16, "--run-dir", tmp_path / "single")],
                       timeout=180, env=base_env())
     assert single.returncode == 0, describe([single])
     assert_same_training(tmp_path / "launch", tmp_path / "single", world_size=2)
@@ -376,7 +345,7 @@ def test_two_hosts_with_two_processes_each_train_like_one_process_with_four_time
     launched = run_all(cmds, timeout=300, env=base_env())
     assert all(r.returncode == 0 for r in launched), describe(launched)
     assert "world size 4; this node runs ranks 2..3" in launched[1].output, describe(launched)
-    single, = run_all([train_cmd(*tiny(), *STEPS, "--batch-size", 32, "--run-dir", tmp_path / "single")],
+    single, = run_all([train_command(*tiny(), *STEPS, "--batch-size", 32, "--run-dir", tmp_path / "single")],
                       timeout=180, env=base_env())
     assert single.returncode == 0, describe([single])
     assert_same_training(tmp_path / "ddp", tmp_path / "single", world_size=4)
@@ -506,7 +475,7 @@ def test_two_processes_started_with_slurms_variables_train_together(tmp_path):
     port = free_port()
     tasks = [["env", f"SLURM_PROCID={r}", "SLURM_NTASKS=2", f"SLURM_LOCALID={r}", "SLURM_JOB_NODELIST=localhost",
               f"MASTER_PORT={port}"] for r in range(2)]
-    cmd = train_cmd(*tiny(), "--epochs", 1, "--max-steps-per-epoch", 2, "--batch-size", 8,
+    cmd = train_command(*tiny(), "--epochs", 1, "--max-steps-per-epoch", 2, "--batch-size", 8,
                     "--run-dir", tmp_path / "run")
     res = run_all([cmd, cmd], timeout=180, env=base_env(), prefix=tasks)
     assert all(r.returncode == 0 for r in res), describe(res)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO
+from tests.helpers.procs import REPO
 
 PACKAGE = Path(REPO) / "ddp_utils"
 LAYERS = ("robust", "speed", "tools")   # subpackages; the modules directly in ddp_utils/ are the lesson core

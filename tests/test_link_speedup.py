@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.procs import REPO
+from tests.helpers.procs import REPO
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from ddp_utils.speed import localsgd
 from ddp_utils.speed.localsgd import LocalSGD, LocalSgd
 from ddp_utils.observers import Around, Loop
 from ddp_utils.train import train_one_epoch
-from tests.test_accumulate import count_all_reduces
-from tests.test_comm import run_two
-from tests.test_gpu_paths import one_rank_group
+from tests.helpers.groups import count_all_reduces
+from tests.helpers.runs import run_two
+from tests.helpers.groups import one_rank_group
 
 
 def record_averages(monkeypatch) -> list:

@@ -19,8 +19,8 @@ from ddp_utils.data import build_loaders, loader_for
 from ddp_utils.datasets import DataError, check_data
 from ddp_utils.speed.memdata import MemoryLoader, augmentation_generator, crop_flip, decode_split, normalize
 from ddp_utils.settings import MUST_AGREE, Settings
-from tests.test_data import CINIC
-from tests.test_training import run_ranks
+from tests.helpers.folders import CINIC
+from tests.helpers.runs import run_ranks
 
 
 def make_noisy_cinic(root, per_class: int = 3, seed: int = 0):

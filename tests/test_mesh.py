@@ -13,8 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from ddp_utils.robust import mesh
-from tests import netns
-from tests.procs import base_env, describe, free_port, python, run_all
+from tests.helpers import netns
+from tests.helpers.procs import base_env, describe, free_port, python, run_all
 
 
 def _probe_on_threads(world_size: int, addrs: dict[int, str]) -> dict[int, object]:
@@ -198,7 +198,7 @@ def test_check_on_two_hosts_whose_data_differ_is_not_ready_on_both_naming_the_no
     """Issue 43, finding 4, on two hosts: host 2 holds a subset (a class short). Before, each rank sized the
     all-reduce from its own classes: one died of SIGABRT, the other said NOT READY (network). Now both say which
     host sees which data, within the check's timeout, and never blame the network."""
-    from tests.test_cli import RANK1_SEES, data_copies
+    from tests.helpers.folders import RANK1_SEES, data_copies
     port, dirs = free_port(), data_copies(tmp_path, "a class short")
     with netns.two_hosts_or_skip("10.213.43") as net:
         results, took = _both(net, lambda r: python(

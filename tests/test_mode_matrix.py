@@ -1,4 +1,4 @@
-"""Every parallel mode on the settings a GPU run takes: the mode matrix (tests/mode_matrix.py runs each rank).
+"""Every parallel mode on the settings a GPU run takes: the mode matrix (tests/helpers/mode_matrix.py runs each rank).
 
 {ddp, zero1, fsdp} saved x {ddp, zero1, fsdp} resumed x {1, 2, 3} ranks each way x momentum {0, 0.9} x
 channels_last {on, off} (forced on this CPU), on a net with a parameter that no forward uses, trained in bf16
@@ -15,29 +15,19 @@ import torch
 from ddp_utils import checkpoint
 from ddp_utils.distributed import DistContext
 from ddp_utils.robust import compat
-from tests import mode_matrix
-from tests.procs import describe, free_port, python, run_all
-from tests.sharding_ranks import same
+from tests.helpers import mode_matrix
+from tests.helpers.sharding_ranks import same
+from tests.helpers.mode_matrix import phase
 
 WORLDS = (1, 2, 3)
-LIMIT_S = 300   # a phase on 3 ranks: about 60 s alone on two cores
-
-
-def _phase(phase: str, world: int, folder, env=None) -> list[str]:
-    port = free_port()
-    results = run_all([python("-m", "tests.mode_matrix", phase, str(rank), str(world), str(port), str(folder))
-                       for rank in range(world)], timeout=LIMIT_S, env=env)
-    for res in results:
-        assert res.returncode == 0, describe(results)
-    return results[0].output.splitlines()
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory) -> tuple:
     folder = tmp_path_factory.mktemp("matrix")
     for world in WORLDS:
-        _phase("save", world, folder)
-    lines = [line for world in WORLDS for line in _phase("resume", world, folder)]
+        phase("save", world, folder)
+    lines = [line for world in WORLDS for line in phase("resume", world, folder)]
     return folder, lines
 
 

@@ -16,21 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from tests import netns
-from tests.notebook_cells import code_cells, parameter_cells, parameters, read
-from tests.procs import REPO, Result, base_env, describe, free_port, run_all
+from tests.helpers import netns
+from tests.helpers.notebook_cells import code_cells, parameter_cells, parameters, read
+from tests.helpers.procs import REPO, Result, base_env, describe, free_port, run_all
+from tests.helpers.notebook_cells import DDP, MAIN, NOTEBOOKS, QUICK, SINGLE, WORKER
 
-NOTEBOOKS = Path(REPO) / "notebooks"
-MAIN, WORKER, SINGLE = (NOTEBOOKS / f"{n}.ipynb" for n in ("main", "worker", "single"))
 TAG = "# DDP:"
 REQUIRED = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "DATASET", "DATA_DIR", "EPOCHS",
             "BATCH_SIZE", "RUN_DIR", "WANDB_MODE")
 SINGLE_ONLY_CHANGES = 2   # code lines single.ipynb adds to main without its `# DDP:` lines: WORLD_SIZE, PARALLEL
 
-# Small, fast settings for every execution (what students would type for a quick try).
-QUICK = {"EPOCHS": 1, "MAX_STEPS": 3, "BATCH_SIZE": 32, "WORKERS": 0, "WANDB_MODE": "disabled",
-         "TENSORBOARD": False}
-DDP = {**QUICK, "BACKEND": "gloo", "INIT_TIMEOUT": 60}  # a stuck join fails well within TIME_BOUND
 TIME_BOUND = 240  # seconds for a group of notebooks started together (kernels + torch imports + training)
 METRICS = ("acc1", "acc5", "loss", "val_images", "world_size", "global_batch_size")
 
@@ -38,7 +33,7 @@ METRICS = ("acc1", "acc5", "loss", "val_images", "world_size", "global_batch_siz
 # -- helpers ----------------------------------------------------------------------------------
 def papermill(notebook: Path, out: Path, params: dict) -> list[str]:
     """The command a student's Jupyter would amount to: run every cell, in the notebooks folder."""
-    return [sys.executable, "-m", "tests.run_notebook", str(notebook), str(out), json.dumps(params), str(NOTEBOOKS)]
+    return [sys.executable, "-m", "tests.helpers.run_notebook", str(notebook), str(out), json.dumps(params), str(NOTEBOOKS)]
 
 
 def printed(executed: Path) -> str:
@@ -272,7 +267,7 @@ def on_loopback(tmp_path_factory):
     for name, ours in (("main", ddp), ("worker", ddp), ("single", single)):
         notebook, cwd, params = documented[name]
         params = {**params, **ours}   # the page's, with this machine's address and the small settings
-        commands.append([sys.executable, "-m", "tests.run_notebook", str(notebook), str(outs[name]),
+        commands.append([sys.executable, "-m", "tests.helpers.run_notebook", str(notebook), str(outs[name]),
                          json.dumps(params), str(cwd)])
     results = run_all(commands, timeout=TIME_BOUND, env=base_env())
     return tmp, outs, results
@@ -419,7 +414,7 @@ def test_main_and_worker_run_cell_by_cell_with_pauses_and_both_finish(tmp_path):
               "RUN_DIR": str(tmp_path / "runs" / "ddp"), "EPOCHS": 2, "INIT_TIMEOUT": 300}   # the notebooks' default
     pauses = {MAIN: {"prepare_model(": 20},   # then main runs on to its teardown cell while the worker still reads:
               WORKER: {"open_run(": 10, "fit(job)": 60, "results_table(": 5, "teardown()": 15}}
-    results = run_all([[sys.executable, "-m", "tests.run_cells", str(nb), json.dumps(params), json.dumps(pauses[nb]),
+    results = run_all([[sys.executable, "-m", "tests.helpers.run_cells", str(nb), json.dumps(params), json.dumps(pauses[nb]),
                         str(NOTEBOOKS)] for nb in (MAIN, WORKER)], timeout=TIME_BOUND + 90, env=base_env())
     assert_finished(results)
     out = [r.output for r in results]

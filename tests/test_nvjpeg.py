@@ -16,8 +16,9 @@ from ddp_utils.datasets import DataError
 from ddp_utils.settings import Settings
 from ddp_utils.speed import nvjpeg
 from ddp_utils.speed.nvjpeg import DECODED, BYTES, JpegBytes, NvjpegEvalLoader, NvjpegTrainLoader, jpeg_header
-from tests.test_data import WNIDS, failed_after_one_batch, make_cinic, make_imagenet, released
-from tests.test_fastjpeg import levels, make_photo_imagenet, pillow
+from tests.helpers.folders import WNIDS, make_cinic, make_imagenet
+from tests.helpers.loading import failed_after_one_batch, released
+from tests.helpers.folders import levels, make_photo_imagenet, pillow
 
 
 def settings(path, **kw) -> Settings:
@@ -180,7 +181,7 @@ def test_on_a_gpu_nvjpeg_gives_cuda_batches_with_the_cpus_crops(photos):
 def test_two_ranks_train_with_nvjpeg_as_with_the_workers_path(tmp_path, photos):
     """`train --loader nvjpeg` over two ranks: the workers path's run within the rounding its uint8 crops add."""
     import json
-    from tests.test_training import run_ranks
+    from tests.helpers.runs import run_ranks
     common = ("--dataset", "imagenet", "--data-dir", str(photos), "--epochs", "2", "--batch-size", "3",
               "--image-size", "32", "--workers", "1", "--arch", "convnet", "--seed", "4")
     run_ranks(tmp_path, "nvjpeg", 2, *common, "--loader", "nvjpeg")
@@ -268,7 +269,7 @@ def start_paragraphs(photos, monkeypatch, gpu) -> list[str]:
     nothing may run on an emulated GPU)."""
     from ddp_utils import data as data_module
     from ddp_utils.distributed import DistContext
-    from tests.gpu_emulation import pretend_gpu
+    from tests.helpers.gpu_emulation import pretend_gpu
     cpu_data = build_loaders(settings(photos), 0, 1)
     pretend_gpu(monkeypatch.setattr, gpu)
     monkeypatch.setattr(data_module, "build_loaders", lambda *args: cpu_data)
@@ -278,7 +279,7 @@ def start_paragraphs(photos, monkeypatch, gpu) -> list[str]:
 
 
 def test_on_a_t4_rank_0_says_at_start_that_this_loader_is_likely_slower_and_what_to_use(photos, monkeypatch):
-    from tests.gpu_emulation import T4
+    from tests.helpers.gpu_emulation import T4
     said = [line for line in start_paragraphs(photos, monkeypatch, T4) if "nvjpeg" in line]
     assert len(said) == 1, said
     assert "Tesla T4 (compute capability 7.5) has no hardware JPEG decoder" in said[0]
@@ -294,7 +295,7 @@ def test_on_an_h100_nothing_is_said(photos, monkeypatch):
 def test_check_says_before_the_run_that_a_t4_has_no_hardware_decoder(monkeypatch):
     """``python -m ddp_utils check --loader nvjpeg`` on the node: the run's own paragraph, before any run starts."""
     from ddp_utils.tools.check import nvjpeg_line
-    from tests.gpu_emulation import A100, T4, pretend_gpu
+    from tests.helpers.gpu_emulation import A100, T4, pretend_gpu
     nvjpeg_run = Settings(dataset="imagenet", loader="nvjpeg")
     assert "no GPU here" in nvjpeg_line(nvjpeg_run, cuda=False)
     pretend_gpu(monkeypatch.setattr, T4)

@@ -11,8 +11,8 @@ from torch import nn
 from ddp_utils import own_ddp
 from ddp_utils.model import unwrap
 from ddp_utils.settings import Settings
-from tests.procs import base_env, describe, free_port, run_all
-from tests.test_notebooks import DDP, MAIN, NOTEBOOKS, WORKER
+from tests.helpers.procs import base_env, describe, free_port, run_all
+from tests.helpers.notebook_cells import DDP, MAIN, NOTEBOOKS, WORKER
 
 
 @pytest.mark.parametrize("changes", [{"comm": "fp16"}, {"accumulate": 2}])
@@ -75,7 +75,7 @@ def test_parts_a_and_c_train_the_demo_in_the_notebooks_alike_and_c_waits_less_fo
     for part in ("a", "c"):
         params = {**DDP, "MAX_STEPS": 25, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port(), "YOUR_DDP": part,
                   "RUN_DIR": str(tmp_path / part)}
-        results = run_all([[sys.executable, "-m", "tests.run_cells", str(nb), json.dumps(params), "{}", str(NOTEBOOKS)]
+        results = run_all([[sys.executable, "-m", "tests.helpers.run_cells", str(nb), json.dumps(params), "{}", str(NOTEBOOKS)]
                            for nb in (MAIN, WORKER)], timeout=300, env=base_env(BUILD_DDP="reference"))
         assert all(r.returncode == 0 for r in results), describe(results)
         named = f"{own_ddp.CLASSES[part]} (the kit's solution)"   # what trained, on the parallel line and the epoch's

@@ -21,7 +21,7 @@ from ddp_utils.optim import build_optimizer, build_scheduler
 from ddp_utils.runlog import NullLogger
 from ddp_utils.settings import Settings
 from ddp_utils.train import train_one_epoch
-from tests.procs import REPO
+from tests.helpers.procs import REPO
 
 
 @pytest.fixture

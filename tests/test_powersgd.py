@@ -10,29 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_utils.checkpoint import CheckpointError
 from ddp_utils.distributed import DistContext
 from ddp_utils.settings import Settings
-from ddp_utils.speed import comm
-from tests.procs import base_env, describe, free_port, python, run_all
-from tests.test_gpu_paths import gpu_only, one_rank_group
-
-
-class Net(nn.Module):
-    """The head is registered first and used last: DDP's first grouping of buckets (by registration)
-    differs from the one it regroups to after the first backward pass (by the order gradients are ready)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.head = nn.Linear(32, 10)
-        self.fc = nn.Linear(16 * 4 * 4, 32)
-        self.convs = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3), nn.ReLU(), nn.Flatten())
-
-    def forward(self, x):
-        return self.head(torch.relu(self.fc(self.convs(x))))
+from tests.helpers.procs import base_env, describe, free_port, python, run_all
+from tests.helpers.groups import gpu_only, one_rank_group
+from tests.helpers.powersgd_ranks import Run, SETTINGS, batches
 
 
 @pytest.fixture(autouse=True)
@@ -42,43 +26,6 @@ def cpu_node(monkeypatch, request):
     (the kit trains on the GPU wherever there is one, so only a test meets this)."""
     if not request.node.get_closest_marker("gpu"):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
-SETTINGS = Settings(dataset="fake", comm="powersgd", powersgd_warmup_steps=3, powersgd_rank=2)
-STEPS = 12
-
-
-def batches(device):
-    return [(torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(i)).to(device),
-             torch.randint(10, (8,), generator=torch.Generator().manual_seed(i)).to(device)) for i in range(STEPS)]
-
-
-class Run:
-    """A DDP model with PowerSGD (small buckets: several of them) and SGD with momentum."""
-
-    def __init__(self, device, backend, settings=SETTINGS, weights=None, optimizer=None):
-        model = Net().to(device)
-        if weights is not None:
-            model.load_state_dict(weights)
-        self.ddp = DDP(model, bucket_cap_mb=0.005)
-        hook, self.memory = comm.hook_for("powersgd", settings, backend)
-        self.memory.attach(self.ddp)
-        self.ddp.register_comm_hook(self.memory, hook)
-        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.1, momentum=0.9)
-        if optimizer is not None:
-            self.optimizer.load_state_dict(optimizer)
-        self.groupings = []   # after each PowerSGD step: the parameters of each bucket
-
-    def steps(self, data):
-        for x, y in data:
-            self.optimizer.zero_grad()
-            nn.functional.cross_entropy(self.ddp(x), y).backward()
-            self.optimizer.step()
-            plans = self.memory.plans
-            self.groupings.append([[piece[0] for piece in plans[i]] for i in sorted(plans)])
-
-    def weights(self):
-        return copy.deepcopy(self.ddp.module.state_dict())
 
 
 def one_rank_of_a_group(device, backend):
@@ -256,9 +203,9 @@ def test_a_model_without_a_saved_parameter_is_refused_with_its_name():
 def test_three_ranks_resume_each_with_its_own_error_feedback_sent_to_it_alone(tmp_path):
     """Rank 0 writes every rank's error feedback (fetched one rank at a time); the resume gives each rank its own,
     one buffer at a time, never the whole list to everyone (ResNet-50 at 64 ranks: 6.5 GB to every rank); both ways
-    by broadcasts on the group the ranks share, never send/recv (tests/powersgd_ranks.py forbids them)."""
+    by broadcasts on the group the ranks share, never send/recv (tests/helpers/powersgd_ranks.py forbids them)."""
     port = free_port()
-    results = run_all([python("-m", "tests.powersgd_ranks", str(r), str(port), str(tmp_path)) for r in range(3)],
+    results = run_all([python("-m", "tests.helpers.powersgd_ranks", str(r), str(port), str(tmp_path)) for r in range(3)],
                       timeout=120, env=base_env())
     assert all(r.returncode == 0 for r in results), describe(results)
     checks = [dict(re.findall(r"^CHECK (\w+)=(.*)$", r.output, re.M)) for r in results]

@@ -11,7 +11,7 @@ import torch
 from ddp_utils.robust import preflight
 from ddp_utils.robust.preflight import DistSetupError
 from ddp_utils.settings import Settings
-from tests.procs import free_port
+from tests.helpers.procs import free_port
 
 QUIET = {"log": lambda *_: None}
 

@@ -8,7 +8,7 @@ import pytest
 
 from ddp_utils.settings import Settings
 from ddp_utils.speed.profile import parse_window
-from tests.procs import base_env, describe, free_port, python, run_all
+from tests.helpers.procs import base_env, describe, free_port, python, run_all
 
 
 def test_the_window_is_a_slice_of_training_steps():

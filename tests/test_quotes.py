@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from docs import quotes
-from tests.procs import REPO
+from tests.helpers.procs import REPO
 
 FENCE = re.compile(r"^( *)```text\n(.*?)^\1```$", re.M | re.S)
 REGION = re.compile(r"<!-- \[\[\[cog quote\(\"([\w-]+)\".*?\]\]\] -->\n(.*?)<!-- \[\[\[end\]\]\] -->", re.S)
@@ -164,7 +164,7 @@ def test_reformat_renders_a_new_format_with_the_recorded_figures_and_back(tmp_pa
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
     """Each recorded command run once now, when a test first asks (the demo once: the report reads its runs)."""
-    from tests import zygote
+    from tests.helpers import zygote
     tmp, done = str(tmp_path_factory.mktemp("quotes")), {}
     # from the fork server (no 8-s import each): the commands (not one a test acts on: it finds its processes by
     # their parents) and torchrun's workers

@@ -1,4 +1,4 @@
-"""What users run, as they run it: fresh interpreters (not forked from tests/zygote.py's server), DataLoader workers
+"""What users run, as they run it: fresh interpreters (not forked from tests/helpers/zygote.py's server), DataLoader workers
 on as in the notebooks (WORKERS = 2), and the signal a terminal sends: Ctrl-C reaches the whole process group, the
 rank and its workers at once (issue 37; a forked command gets a group signal on itself only, tests/test_zygote.py).
 """
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ddp_utils import checkpoint
-from tests.procs import REPO, base_env, describe, free_port, python, run_all, stop
+from tests.helpers.procs import REPO, base_env, describe, free_port, python, run_all, stop
 
 
 def gone(pgid: int, within: float) -> bool:
@@ -154,7 +154,7 @@ def test_launch_with_fresh_ranks_stops_whole_when_its_job_is_sent_sigterm(tmp_pa
     """`launch` in a job script ended by scancel or the job's time limit: SIGTERM to its whole process group.
     torchrun's ranks are fresh interpreters (no fork-server shim) with two DataLoader workers each, in sessions of
     their own (torchrun forwards the signal). Every process stops, each rank the kit's way, and last.pt is whole."""
-    from tests.test_launch import ours_still_running
+    from tests.helpers.runs import ours_still_running
     marker = str(tmp_path)
     proc = subprocess.Popen(python("-m", "ddp_utils", "launch", "--nproc-per-node", "2", "--master-port",
                                    str(free_port()), *LOADER_WORKERS, "--epochs", "50", "--max-steps-per-epoch", "10",

@@ -152,7 +152,7 @@ def test_the_kits_imagenet_loader_decodes_regions_and_cuts_the_same_batches_as_t
     the whole decode: the same seed gives the same uint8 batches either way (same draws, same order, same pixels)."""
     from ddp_utils.data import build_loaders
     from ddp_utils.settings import Settings
-    from tests.test_data import make_imagenet
+    from tests.helpers.folders import make_imagenet
     root = make_imagenet(tmp_path / "imagenet")
     settings = Settings(dataset="imagenet", data_dir=str(root), batch_size=3, workers=0, seed=7)
 

@@ -89,7 +89,7 @@ def test_the_docs_recipe_table_and_the_help_texts_are_made_from_the_presets():
     from pathlib import Path
 
     from ddp_utils.settings import Settings as S
-    from tests.procs import REPO
+    from tests.helpers.procs import REPO
     page = (Path(REPO) / "docs" / "commands.md").read_text()
     assert loaders.recipe_table() in page
     helps = {f.name: f.metadata["help"] for f in dataclasses.fields(S)}
@@ -151,7 +151,7 @@ def test_fsdp_makes_each_encoder_block_of_a_vit_a_unit(added, monkeypatch):
         pytest.skip(compat.fsdp_refusal("cpu", "gloo"))   # the floor's torch 2.6 runs no FSDP2 on a CPU
     from ddp_utils.distributed import DistContext
     from ddp_utils.model import build_model
-    from tests.procs import free_port
+    from tests.helpers.procs import free_port
     model = build_model("vit_tiny", 10, seed=0, image_size=32)
     assert [type(b).__name__ for b in sharding.blocks(model)] == ["Encoder", "Sequential"]   # the default rule
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.test_fastjpeg import make_photo_imagenet
-from tests.test_lab_scripts import SCRIPTS, load
+from tests.helpers.folders import make_photo_imagenet
+from tests.helpers.lab_scripts import SCRIPTS, load
 
 resize = load("resize_imagenet")
 sys.modules.setdefault("resize_imagenet", resize)   # its pool workers find resize_one by module name

@@ -405,8 +405,8 @@ def test_wandb_online_with_no_route_to_its_servers_costs_no_training_run(tmp_pat
     """Two namespace hosts, a key set, W&B's server an address nobody has: rank 0's W&B start gives up within
     its bound (a third of init_timeout), the run logs offline and says how to upload, both ranks finish, and
     the key is written nowhere."""
-    from tests import netns
-    from tests.procs import base_env, describe, free_port, python, run_all
+    from tests.helpers import netns
+    from tests.helpers.procs import base_env, describe, free_port, python, run_all
     home = tmp_path / "home"
     env = base_env(WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL="http://10.213.7.99:8080", HOME=home,
                    WANDB_CONFIG_DIR=home / ".config" / "wandb", WANDB_CACHE_DIR=home / ".cache" / "wandb",

@@ -21,9 +21,9 @@ from ddp_utils.robust import compat
 from ddp_utils.settings import Settings
 from ddp_utils.speed import sharding
 from ddp_utils.tools.report import MODE_NAMES
-from tests.procs import base_env, describe, free_port, python, run_all
-from tests.test_gpu_paths import gpu_only, one_rank_group
-from tests.test_training import FAST, run_ranks, train_cmd, weights
+from tests.helpers.procs import base_env, describe, free_port, python, run_all
+from tests.helpers.groups import gpu_only, one_rank_group
+from tests.helpers.runs import FAST, run_ranks, train_cmd, weights
 
 MODES = ("zero1", "fsdp")
 EPOCHS = 4   # the demo recipe's 8 cut in half: DDP reaches 91.6 % here, 95 % at 8 (2 x 20 s more per mode)
@@ -67,12 +67,12 @@ def results(folder) -> dict:
 # Both ranks stop right after epoch 2's checkpoint (Stop in both notebooks, both nodes lost, a spot instance taken).
 STOPPED_AFTER_EPOCH_2 = """
 import sys
-from ddp_utils import checkpoint, parallel
+from ddp_utils import checkpoint
 from ddp_utils.tools import cli
 real = checkpoint.save_state
-def save_state(paths, model, optimizer, scheduler, scaler, epoch, *rest, **kw):
-    real(paths, model, optimizer, scheduler, scaler, epoch, *rest, **kw)
-    if epoch == 1:
+def save_state(paths, loop):
+    real(paths, loop)
+    if loop.epoch == 1:
         raise KeyboardInterrupt
 checkpoint.save_state = save_state
 sys.exit(cli.main(sys.argv[1:]))
@@ -185,7 +185,7 @@ def test_a_two_rank_checkpoint_loads_on_three_ranks_each_taking_its_share(stoppe
     are the file's, bit for bit; each rank holds less than the whole optimizer state (fsdp: 1/3 of it, padded)."""
     runnable(mode)
     port, path = free_port(), stopped(mode) / "last.pt"
-    ranks = run_all([python("-m", "tests.sharding_ranks", mode, str(r), "3", str(port), str(path)) for r in range(3)],
+    ranks = run_all([python("-m", "tests.helpers.sharding_ranks", mode, str(r), "3", str(port), str(path)) for r in range(3)],
                     timeout=180, env=base_env())
     assert all(r.returncode == 0 for r in ranks), describe(ranks)
     checks = [dict(re.findall(r"^CHECK (\w+)=(.*)$", r.output, re.M)) for r in ranks]

@@ -1,4 +1,4 @@
-"""SLURM for real: Debian's slurm-wlm and munge on two namespace hosts (tests/slurm_cluster.py), and the sbatch
+"""SLURM for real: Debian's slurm-wlm and munge on two namespace hosts (tests/helpers/slurm_cluster.py), and the sbatch
 script of docs/commands.md as written there, only smaller (2 nodes x 1 or 2 tasks on CPUs, a tiny model). It
 trains; scancel mid-run stops every task with the kit's message and leaves the checkpoint whole; a second sbatch
 with ``--resume auto`` continues the run. Skipped, with the reason, where slurm-wlm or munge is not installed or
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from ddp_utils import checkpoint
-from tests import netns
-from tests.procs import REPO
-from tests.slurm_cluster import SlurmUnavailable, slurm_cluster
+from tests.helpers import netns
+from tests.helpers.procs import REPO
+from tests.helpers.slurm_cluster import SlurmUnavailable, slurm_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import steady  # noqa: E402  (benchmarks/steady.py)
-from tests.test_training import run_ranks  # noqa: E402
+from tests.helpers.runs import run_ranks  # noqa: E402
 
 ITEM_S = 0.05   # each item takes this long in a worker: 2 workers make 40 items/s, whatever the CPU
 
@@ -90,7 +90,7 @@ def test_a_kit_run_records_its_steady_images_per_second_after_the_batches_made_a
 
 def bench(tmp_path, *argv, timeout=600) -> dict:
     """A benchmark's trial run at toy sizes (any tree: --allow-dirty), its JSON."""
-    from tests.procs import REPO, base_env
+    from tests.helpers.procs import REPO, base_env
     out = tmp_path / "out.json"
     done = subprocess.run([sys.executable, *argv, "--out", str(out), "--allow-dirty"], cwd=REPO, env=base_env(),
                           capture_output=True, text=True, timeout=timeout)

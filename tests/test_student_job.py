@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.procs import REPO, base_env
+from tests.helpers.procs import REPO, base_env
 
 REPO_PATH = Path(REPO)
 

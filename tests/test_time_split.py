@@ -12,8 +12,8 @@ from ddp_utils import checkpoint
 from ddp_utils.speed import commtime, linkprobe
 from ddp_utils.runlog import read_scalars
 from ddp_utils.settings import Settings
-from tests.procs import base_env, describe, free_port, python, run_all
-from tests.test_training import FAST, run_ranks, weights
+from tests.helpers.procs import base_env, describe, free_port, python, run_all
+from tests.helpers.runs import run_data, FAST, run_ranks, weights
 
 
 # -- the split of one step's communication -----------------------------------------------------
@@ -22,12 +22,6 @@ def test_waited_for_communication_starts_when_the_last_bucket_is_ready():
     # from 2 s on the backward pass had nothing left to compute, so 2 s were waited for; the
     # all-reduce was in flight from 1 s to 4 s
     assert commtime.split([(1.0, 3.0), (2.0, 4.0)]) == (2.0, 3.0)
-
-
-def run_data(num_classes: int, image_size: int, train=None):
-    """What the link probe reads of a run's Data: its classes, image size and train loader (None: not timed)."""
-    import types
-    return types.SimpleNamespace(num_classes=num_classes, image_size=image_size, train=train)
 
 
 def test_in_flight_time_counts_overlapping_buckets_once_and_gaps_not_at_all():
@@ -170,7 +164,7 @@ def test_dataparallel_over_every_gpu_of_the_node(tmp_path):
 def test_dataparallel_over_one_gpu_is_a_rehearsal_that_keeps_the_gpus_figures(tmp_path):
     """Lab 4 on a homework node (one GPU): DataParallel over that GPU runs (torch calls the model directly) and
     results.json has the per-GPU lists, of one. The emulated twin: test_gpu_monitor.py's per-device tests."""
-    from tests.test_training import train_cmd
+    from tests.helpers.runs import train_cmd
     [result] = run_all([train_cmd(tmp_path / "dp1", 0, 1, free_port(), "--epochs", "1", "--max-steps-per-epoch", "3",
                                   "--batch-size", "32", "--parallel", "dp")],
                        timeout=180, env=base_env(CUDA_VISIBLE_DEVICES="0"))   # one GPU, as on a homework node
@@ -246,7 +240,7 @@ def tag_lists() -> list[tuple[str, set[str]]]:
     """(where, tags) for every list of TensorBoard tags in the pages and in runlog.py's docstring: a paragraph
     (a notebook cell) that names `Loss/train`, with the tags it names."""
     import ddp_utils.runlog
-    from tests.test_pages import pages, rel
+    from tests.helpers.pages import pages, rel
     found = [("ddp_utils/runlog.py", set(TAG.findall(ddp_utils.runlog.__doc__.split("TensorBoard tags", 1)[1]
                                                       .split("\n\n", 2)[1])))]
     for page, text in pages().items():
@@ -260,8 +254,8 @@ def tag_lists() -> list[tuple[str, set[str]]]:
 def test_every_tag_list_on_the_pages_names_the_tags_a_run_logs(two_ranks):
     """A page that lists the curves must list every curve a run writes (the GPU-only ones may be added)."""
     logged = set(read_scalars(two_ranks))
-    from tests.procs import REPO
-    gpu_only = set(re.findall(r'"(gpu/\w+)"', open(f"{REPO}/ddp_utils/concerns.py").read()))
+    from tests.helpers.procs import REPO
+    gpu_only = set(re.findall(r'"(gpu/\w+)"', open(f"{REPO}/ddp_utils/speed/gpu_monitor.py").read()))
     lists = tag_lists()
     assert len(lists) >= 5, lists
     for where, tags in lists:

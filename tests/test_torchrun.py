@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ddp_utils import checkpoint
-from tests import netns, zygote
-from tests.procs import base_env, describe, free_port, run_all
+from tests.helpers import netns, zygote
+from tests.helpers.procs import base_env, describe, free_port, run_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.floor]   # torchrun's store and restarts differ by release
 

@@ -12,27 +12,8 @@ import torch
 from ddp_utils import checkpoint, optim, train
 from ddp_utils.metrics import Meter, topk_correct
 from ddp_utils.settings import Settings, describe_batch
-from tests.procs import base_env, describe, free_port, python, run_all
-
-FAST = ["--dataset", "fake", "--image-size", "32", "--arch", "convnet", "--workers", "0",
-        "--wandb", "disabled", "--backend", "gloo", "--init-timeout", "60", "--log-every", "2"]
-
-
-def train_cmd(run_dir, rank, world_size, port, *extra):
-    return python("-m", "ddp_utils", "train", *FAST, "--run-dir", str(run_dir), "--rank", str(rank),
-                  "--world-size", str(world_size), "--master-port", str(port), *map(str, extra))
-
-
-def run_ranks(tmp_path, name, world_size, *extra, timeout=180):
-    port = free_port()
-    results = run_all([train_cmd(tmp_path / name, r, world_size, port, *extra) for r in range(world_size)],
-                      timeout=timeout, env=base_env())
-    assert all(r.returncode == 0 for r in results), describe(results)
-    return results
-
-
-def weights(path):
-    return checkpoint.load_checkpoint(path)["model"]
+from tests.helpers.procs import base_env, describe, free_port, python, run_all
+from tests.helpers.runs import FAST, run_ranks, train_cmd, weights
 
 
 # -- metrics and schedule ---------------------------------------------------------------------

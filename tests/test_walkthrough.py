@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO
+from tests.helpers.procs import REPO
 
 ROOT = Path(REPO)
 LAB = ROOT / "lab"
@@ -50,7 +50,7 @@ def path_table() -> list[dict[str, str]]:
 
 def price(kind: str) -> float:
     """The on-demand price per hour the pages give an instance type ("a g4dn.xlarge costs $0.526 per hour")."""
-    from tests.test_pages import pages, quoted_prices
+    from tests.helpers.pages import pages, quoted_prices
     return float(next(p for t in pages().values() for k, p in quoted_prices(t) if k == kind))
 
 

@@ -15,8 +15,8 @@ from ddp_utils.robust import autoresume
 from ddp_utils.tools import report
 from ddp_utils.settings import Settings
 from ddp_utils.concerns import money
-from tests.procs import REPO, base_env, describe, free_port, popen, stop
-from tests.test_training import run_ranks, train_cmd, weights
+from tests.helpers.procs import REPO, base_env, describe, free_port, popen, stop
+from tests.helpers.runs import run_ranks, train_cmd, weights
 
 
 def epoch_lines(output: str) -> list[str]:

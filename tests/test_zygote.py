@@ -1,4 +1,4 @@
-"""The fork server (tests/zygote.py) against real processes: the same probe (tests/zygote_probe.py), started both
+"""The fork server (tests/helpers/zygote.py) against real processes: the same probe (tests/helpers/zygote_probe.py), started both
 ways, must see the same start (argv, sys.path, folder, environment, streams, signal handlers, session) and end the
 same way (exit codes, a signal, an exception's traceback, atexit, unflushed output). The differences it keeps are
 listed here, each asserted as it is, so that a new one fails (issue 37)."""
@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from tests import zygote
-from tests.procs import REPO, base_env, popen, stop
+from tests.helpers import zygote
+from tests.helpers.procs import REPO, base_env, popen, stop
 
 pytestmark = pytest.mark.skipif(not zygote.enabled(), reason="DDP_KIT_ZYGOTE=0: every command is a real process "
                                                               "already, there is no fork server to compare")
-PROBE = ["tests/zygote_probe.py"]
+PROBE = ["tests/helpers/zygote_probe.py"]
 
 
 def run(how: list[str], real: bool, env: dict | None = None, timeout: float = 60, probe=PROBE) -> tuple[int, str, str]:
@@ -38,7 +38,7 @@ def facts(out: str) -> dict:
 
 @pytest.mark.parametrize("how, code", [(["exit", "0"], 0), (["exit", "3"], 3), (["signal"], -signal.SIGTERM),
                                        (["killed"], -signal.SIGKILL), (["raise"], 1), (["unflushed"], 0)])
-@pytest.mark.parametrize("probe", [PROBE, ["-m", "tests.zygote_probe"]], ids=["script", "module"])
+@pytest.mark.parametrize("probe", [PROBE, ["-m", "tests.helpers.zygote_probe"]], ids=["script", "module"])
 def test_a_forked_command_starts_and_ends_as_a_real_one(how, code, probe):
     real, forked = run(how, real=True, probe=probe), run(how, real=False, probe=probe)
     assert real[0] == forked[0] == code, (real, forked)
@@ -76,7 +76,7 @@ def test_with_a_hash_seed_set_forked_commands_hash_as_real_ones():
 def test_a_group_sigint_stops_the_command_as_it_stops_a_real_one_and_the_difference_it_keeps():
     """Ctrl-C in a terminal sends SIGINT to the whole process group. Both ways the command dies of it with
     Python's traceback; a real command's children in the group get it too, a forked command's do not (the client
-    forwards the signal to its command only): documented in tests/zygote.py, and why the signal tests that
+    forwards the signal to its command only): documented in tests/helpers/zygote.py, and why the signal tests that
     need the group's children (DataLoader workers) run real processes."""
     got = {}
     for real in (True, False):

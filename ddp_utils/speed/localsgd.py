@@ -133,19 +133,22 @@ class Average:
             t.copy_(a)
 
 
-@register(after=(Gradients,))   # its start reads what Gradients chose (loop.comm)
+@register(after=(Gradients,))   # it trains the way Gradients chose (loop.comm)
 class LocalSgd(Observer):
     """``--comm localsgd``: steps keep their gradients on the rank (``Ask.no_sync``), and the weights are
     averaged every few steps and at the end of each epoch (that last average counts as compute). ``sgd``: a
     ``LocalSGD`` of your own (a lab's, a test's), used whatever the run chose."""
 
     def __init__(self, sgd=None):
-        self.sgd = sgd
+        self.sgd, self.looked = sgd, sgd is not None
 
-    def start(self, loop) -> None:
+    def epoch_start(self, loop) -> None:
+        if self.looked:
+            return
+        self.looked = True   # the run's first epoch: the loop has applied what Gradients chose at its start
         comm = loop.comm
-        if self.sgd is None and getattr(comm, "choice", None) == "localsgd" and loop.ctx.distributed:
-            s = loop.settings   # counts optimizer steps from the schedule's
+        if getattr(comm, "choice", None) == "localsgd" and loop.ctx.distributed:
+            s = loop.settings   # counts optimizer steps from the schedule's (a resume's)
             self.sgd = LocalSGD(loop.model, loop.optimizer, s.average_every, s.localsgd_warmup_steps,
                                 loop.scheduler.last_epoch, comm.timer)
 

@@ -367,11 +367,11 @@ def run_training(name: str, commands: list[list[str]], logs: Path, time_limit: f
 @contextlib.contextmanager
 def hosts_for(args):
     """(address of rank 0, the command prefix of each rank): this machine, or two fresh namespace "hosts" whose
-    link is shaped (tests/netns.py; deleted on exit with whatever still runs inside, also after Ctrl-C)."""
+    link is shaped (tests/helpers/netns.py; deleted on exit with whatever still runs inside, also after Ctrl-C)."""
     if args.hosts == "local":
         yield "127.0.0.1", [[] for _ in range(args.ranks)]
         return
-    from tests import netns
+    from tests.helpers import netns
     try:
         with netns.two_hosts("10.213.31") as hosts:
             for name, veth in zip(hosts.names, hosts.veths):   # both ends: each direction of the link that fast

@@ -1,7 +1,7 @@
 """Per-rank code for tests/test_mode_matrix.py: every parallel mode on the settings a GPU run takes.
 
-    python -m tests.mode_matrix save   RANK WORLD PORT FOLDER
-    python -m tests.mode_matrix resume RANK WORLD PORT FOLDER
+    python -m tests.helpers.mode_matrix save   RANK WORLD PORT FOLDER
+    python -m tests.helpers.mode_matrix resume RANK WORLD PORT FOLDER
 
 ``save``: for each mode (ddp, zero1, fsdp where this torch runs it), momentum (0, 0.9) and layout (channels_last
 on, off), build the matrix's net (conv blocks, a classifier and a parameter no forward uses), place it as a run
@@ -38,7 +38,8 @@ from ddp_utils.model import prepare_model, unwrap
 from ddp_utils.optim import ScaledStep, autocast, build_optimizer, build_scheduler, make_scaler, to_device
 from ddp_utils.robust import compat
 from ddp_utils.settings import Settings
-from tests.sharding_ranks import same
+from tests.helpers.procs import describe, free_port, python, run_all
+from tests.helpers.sharding_ranks import same
 
 CLASSES, IMAGE = 10, 16
 
@@ -165,6 +166,20 @@ def main() -> None:
                         print(f"FAIL {name}: {last[:300]}", flush=True)
                         peers.wait_for_all(f"go on after {name}", ctx, 60)
     distributed.teardown()
+
+
+# -- the matrix's phases, started by a test on WORLD ranks ----------------------------------------
+LIMIT_S = 300   # a phase on 3 ranks: about 60 s alone on two cores
+
+
+def phase(name: str, world: int, folder, env=None) -> list[str]:
+    """Phase ``name`` of the matrix on ``world`` ranks (this module, run once per rank); rank 0's lines."""
+    port = free_port()
+    results = run_all([python("-m", "tests.helpers.mode_matrix", name, str(rank), str(world), str(port), str(folder))
+                       for rank in range(world)], timeout=LIMIT_S, env=env)
+    for res in results:
+        assert res.returncode == 0, describe(results)
+    return results[0].output.splitlines()
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from tests import zygote
+from tests.helpers import zygote
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:

@@ -122,7 +122,7 @@ def python_exec() -> str:
     if not os.path.exists(shim):
         import shlex
         with open(shim + ".tmp", "w") as f:
-            f.write(f"#!/bin/sh\n# torchrun's workers from the suite's fork server (tests/zygote.py)\n"
+            f.write(f"#!/bin/sh\n# torchrun's workers from the suite's fork server (tests/helpers/zygote.py)\n"
                     f"exec {shlex.quote(sys.executable)} -S {shlex.quote(os.path.abspath(__file__))} exec "
                     f"{shlex.quote(_exec_dir[0])} \"$@\"\n")
         os.chmod(shim + ".tmp", 0o755)
@@ -157,12 +157,12 @@ def _start(env: dict):
     import subprocess
     import tempfile
     import time
-    from tests.procs import REPO
+    from tests.helpers.procs import REPO
     if not _servers:
         atexit.register(stop_servers)
     path = os.path.join(tempfile.mkdtemp(prefix="ddp-kit-zygote-"), "sock")
     with open(path + ".log", "wb") as log:   # not pytest's capture of whichever test starts it
-        proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", "serve", path], env=env, cwd=REPO,
+        proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.zygote", "serve", path], env=env, cwd=REPO,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     deadline = time.monotonic() + 120
     while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """Per-rank code for tests/test_sharding.py: a checkpoint of a 2-rank run resumed on WORLD ranks, then gathered back.
 
-    python -m tests.sharding_ranks MODE RANK WORLD PORT CHECKPOINT
+    python -m tests.helpers.sharding_ranks MODE RANK WORLD PORT CHECKPOINT
 
 Each rank makes what a resume makes with ``--parallel MODE`` (``prepare_model``: DDP for zero1, fully_shard for
 fsdp; ``build_optimizer``, the schedule, the scaler), loads the checkpoint as ``fit`` does (``checkpoint.load_state``:

@@ -1,4 +1,4 @@
-"""The README's shell blocks, as a reader types them: ``python tests/readme_blocks.py quick-start`` prints the bash
+"""The README's shell blocks, as a reader types them: ``python tests/helpers/readme_blocks.py quick-start`` prints the bash
 block under the heading "Quick start" (``tests`` the one under "Tests"). .ci/run runs the quick start's exactly as
 printed, so the block a student types first is the block CI proves; tests/test_cli.py checks the Tests block's
 commands are the ones CI runs."""
@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def block(heading: str, text: str | None = None) -> str:

@@ -1,7 +1,7 @@
 """Per-rank code for tests/test_comm.py: train with one gradient communication hook, then print
 what each rank ended with.
 
-    python -m tests.comm_scenarios COMM RANK PORT RUN_DIR [EXTRA_SETTINGS_JSON [OVERFLOW_JSON]]
+    python -m tests.helpers.comm_scenarios COMM RANK PORT RUN_DIR [EXTRA_SETTINGS_JSON [OVERFLOW_JSON]]
 
 Prints ``CHECK weights=<sha256 of this rank's parameters>`` and ``CHECK comm=<choice>``.
 ``OVERFLOW_JSON`` ``{"at": [6]}`` or ``{"from": 6}``: the gradients of those training steps (counted from 0)

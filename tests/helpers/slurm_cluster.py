@@ -1,5 +1,5 @@
 """A two-node SLURM cluster on one Linux machine, for tests: Debian's slurm-wlm and munge, each node a network
-namespace (tests/netns.py).
+namespace (tests/helpers/netns.py).
 
     with slurm_cluster(tmp_path) as cluster:      # raises SlurmUnavailable without root, slurm-wlm or munge
         cluster.run("sbatch", "--parsable", "job.sh")   # a SLURM command, inside node 1 (where slurmctld runs)
@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests import netns
-from tests.procs import base_env, stop
+from tests.helpers import netns
+from tests.helpers.procs import base_env, stop
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scancel", "squeue")
 
@@ -40,7 +40,7 @@ def enter(hosts: netns.Hosts, host: int) -> list[str]:
 HOSTS = Path("/etc/hosts")
 
 
-MARK = "  # tests/slurm_cluster.py"
+MARK = "  # tests/helpers/slurm_cluster.py"
 
 
 def _add_hosts(lines: str) -> None:

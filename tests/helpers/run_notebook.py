@@ -1,6 +1,6 @@
 """Run one notebook as papermill's CLI does, with its kernel on Unix sockets instead of TCP ports.
 
-``python -m tests.run_notebook NOTEBOOK OUT PARAMS_JSON CWD`` is ``papermill NOTEBOOK OUT -y PARAMS_JSON --cwd CWD
+``python -m tests.helpers.run_notebook NOTEBOOK OUT PARAMS_JSON CWD`` is ``papermill NOTEBOOK OUT -y PARAMS_JSON --cwd CWD
 -k python3 --log-output``. Why not the CLI: jupyter_client picks five free TCP ports, closes them and lets the kernel
 bind them a moment later. With five kernels and their gloo connections starting at once, another process can take
 one in between, and the kernel dies ("Address already in use ... Kernel died before replying to kernel_info"; CI
@@ -16,7 +16,7 @@ from pathlib import Path
 import papermill
 from jupyter_client.manager import AsyncKernelManager
 
-from tests import zygote
+from tests.helpers import zygote
 
 
 def main(notebook: str, out: str, params: str, cwd: str) -> None:

@@ -1,6 +1,6 @@
 """Per-rank code for tests/test_compat.py's two-process tests of the collective timeout.
 
-    python -m tests.compat_scenarios NAME RANK PORT
+    python -m tests.helpers.compat_scenarios NAME RANK PORT
 
 Each scenario prints ``CHECK name=value`` lines (JSON values): how long rank 0's all_reduce waited for a rank 1
 that comes late, and whether it failed.

@@ -1,8 +1,8 @@
 """Per-rank code for tests/test_powersgd.py: PowerSGD's memory saved and resumed by three real ranks.
 
-    python -m tests.powersgd_ranks RANK PORT FOLDER
+    python -m tests.helpers.powersgd_ranks RANK PORT FOLDER
 
-Each rank trains tests.test_powersgd.Run on data of its own (so the ranks' error feedback differs) for 7 steps;
+Each rank trains ``Run`` (below; tests/test_powersgd.py's too) on data of its own (so the ranks' error feedback differs) for 7 steps;
 rank 0 writes its checkpoint, every rank resumes from it through ``checkpoint.load_state``. Prints
 ``CHECK own=<the resumed memory holds the error feedback this rank saved>`` and
 ``CHECK errors_received=<what load_state's broadcast gave this rank of every rank's error feedback>``.
@@ -11,17 +11,74 @@ ring all-reduce adds 3 numbers in an order that depends on a bucket's size: the 
 """
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_utils import checkpoint, distributed
 from ddp_utils.settings import Settings
-from tests.test_powersgd import Run, batches
+from ddp_utils.speed import comm
 
 STOP = 7
+
+
+class Net(nn.Module):
+    """The head is registered first and used last: DDP's first grouping of buckets (by registration)
+    differs from the one it regroups to after the first backward pass (by the order gradients are ready)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(32, 10)
+        self.fc = nn.Linear(16 * 4 * 4, 32)
+        self.convs = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3), nn.ReLU(), nn.Flatten())
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(self.convs(x))))
+
+
+SETTINGS = Settings(dataset="fake", comm="powersgd", powersgd_warmup_steps=3, powersgd_rank=2)
+
+
+STEPS = 12
+
+
+def batches(device):
+    return [(torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(i)).to(device),
+             torch.randint(10, (8,), generator=torch.Generator().manual_seed(i)).to(device)) for i in range(STEPS)]
+
+
+class Run:
+    """A DDP model with PowerSGD (small buckets: several of them) and SGD with momentum."""
+
+    def __init__(self, device, backend, settings=SETTINGS, weights=None, optimizer=None):
+        model = Net().to(device)
+        if weights is not None:
+            model.load_state_dict(weights)
+        self.ddp = DDP(model, bucket_cap_mb=0.005)
+        hook, self.memory = comm.hook_for("powersgd", settings, backend)
+        self.memory.attach(self.ddp)
+        self.ddp.register_comm_hook(self.memory, hook)
+        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.1, momentum=0.9)
+        if optimizer is not None:
+            self.optimizer.load_state_dict(optimizer)
+        self.groupings = []   # after each PowerSGD step: the parameters of each bucket
+
+    def steps(self, data):
+        for x, y in data:
+            self.optimizer.zero_grad()
+            nn.functional.cross_entropy(self.ddp(x), y).backward()
+            self.optimizer.step()
+            plans = self.memory.plans
+            self.groupings.append([[piece[0] for piece in plans[i]] for i in sorted(plans)])
+
+    def weights(self):
+        return copy.deepcopy(self.ddp.module.state_dict())
 
 
 def no_point_to_point(*args, **kwargs):

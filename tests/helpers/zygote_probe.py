@@ -1,5 +1,5 @@
 """What a process sees of how it was started, as one JSON line on stdout; then it ends as the first argument asks.
-tests/test_zygote.py runs it as a real process and forked from the fork server (tests/zygote.py) and compares."""
+tests/test_zygote.py runs it as a real process and forked from the fork server (tests/helpers/zygote.py) and compares."""
 import atexit
 import json
 import os

@@ -1,12 +1,12 @@
 """Run one notebook as a student does: cell by cell, reading between cells.
 
-``python -m tests.run_cells NOTEBOOK PARAMS_JSON PAUSES_JSON CWD``
+``python -m tests.helpers.run_cells NOTEBOOK PARAMS_JSON PAUSES_JSON CWD``
 
 Executes the code cells one at a time in a fresh kernel started in CWD, with PARAMS_JSON's values set right
 after the ``parameters`` cell (as papermill injects them). PAUSES_JSON maps a piece of a cell's code (e.g.
 ``"fit(job)"``) to the seconds to wait before running that cell. Prints each cell's output as it comes,
 ``CELL n: ok`` after each cell, and exits 1 at the first cell that raises (its error printed).
-Kernels talk over Unix sockets, for the reason tests/run_notebook.py gives.
+Kernels talk over Unix sockets, for the reason tests/helpers/run_notebook.py gives.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from jupyter_client.manager import KernelManager
 
-from tests import zygote
-from tests.notebook_cells import read
+from tests.helpers import zygote
+from tests.helpers.notebook_cells import read
 
 
 def _show(msg) -> None:

@@ -1,4 +1,4 @@
-"""Runs one rank of a fault scenario, as a notebook kernel would: ``python -m tests.fault_scenarios NAME RANK PORT DIR [ADDR]``.
+"""Runs one rank of a fault scenario, as a notebook kernel would: ``python -m tests.helpers.fault_scenarios NAME RANK PORT DIR [ADDR]``.
 
 The rank prepares and trains on fake data (2 ranks, gloo, loopback). What the scenario does differently:
 - ``interrupt``: rank 0 gets SIGINT (the notebook's Stop button) during its 2nd epoch, then stays alive
@@ -190,14 +190,14 @@ def start_ranks(name, port, folder, prefixes=((), ()), addr="127.0.0.1", real=Fa
     suite's fork server (a test that sends SIGSTOP must stop the rank itself, not a client of the server)."""
     import subprocess
 
-    from tests.procs import base_env, popen, python
-    return [popen([*prefixes[r], *python("-m", "tests.fault_scenarios", name, str(r), str(port), str(folder), addr)],
+    from tests.helpers.procs import base_env, popen, python
+    return [popen([*prefixes[r], *python("-m", "tests.helpers.fault_scenarios", name, str(r), str(port), str(folder), addr)],
                   base_env(), real=real, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for r in range(2)]
 
 
 def stop_all(procs) -> None:
-    from tests.procs import stop
+    from tests.helpers.procs import stop
     stop(procs)
 
 
@@ -213,13 +213,13 @@ def wait_for_epoch_1(folder, procs, bound: float = 120.0) -> None:
 def signal_rank_1_after_epoch_1(name, sig, folder) -> tuple:
     """Both ranks of scenario ``name``; once epoch 1 is saved rank 1 gets ``sig`` (SIGSTOP: frozen, SIGKILL:
     gone). Rank 0's (return code, seconds from the signal to its exit, output)."""
-    from tests.procs import free_port
+    from tests.helpers.procs import free_port
     procs = start_ranks(name, free_port(), folder, real=sig == signal.SIGSTOP)
     try:
         wait_for_epoch_1(folder, procs)
-        # a SIGKILL goes to the rank's own command, not the fork server's client that stands for it (tests/zygote.py:
+        # a SIGKILL goes to the rank's own command, not the fork server's client that stands for it (tests/helpers/zygote.py:
         # the client's death reaches the command only when the server sees it, after the others may have looked)
-        from tests import zygote
+        from tests.helpers import zygote
         os.kill((zygote.command_of(procs[1].pid) if sig == signal.SIGKILL else None) or procs[1].pid, sig)
         sent = time.monotonic()
         out = output_of(procs[0], 60)

@@ -1,6 +1,6 @@
 """Per-rank code for tests/test_cli.py: check's all-reduce sweep when one rank's sums come out wrong.
 
-    python -m tests.sweep_ranks RANK PORT
+    python -m tests.helpers.sweep_ranks RANK PORT
 
 Two gloo ranks run ``sweep.run`` up to 1 MiB; rank 1's all-reduce of the 64 KiB payload hands back wrong numbers
 (a faulty link or device, played by adding 1 after the real sum). Prints ``CHECK error=<what sweep.run raised on

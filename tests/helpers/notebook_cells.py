@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 
 import nbformat
+
+from tests.helpers.procs import REPO
 
 
 def read(path) -> nbformat.NotebookNode:
@@ -32,3 +35,15 @@ def parameters(path) -> dict:
     injects values after it, and students read it as settings, not code)."""
     [cell] = parameter_cells(read(path))
     return {node.targets[0].id: ast.literal_eval(node.value) for node in ast.parse(cell.source).body}
+
+
+NOTEBOOKS = Path(REPO) / "notebooks"
+MAIN, WORKER, SINGLE = (NOTEBOOKS / f"{n}.ipynb" for n in ("main", "worker", "single"))
+
+
+# Small, fast settings for every execution (what students would type for a quick try).
+QUICK = {"EPOCHS": 1, "MAX_STEPS": 3, "BATCH_SIZE": 32, "WORKERS": 0, "WANDB_MODE": "disabled",
+         "TENSORBOARD": False}
+
+
+DDP = {**QUICK, "BACKEND": "gloo", "INIT_TIMEOUT": 60}  # a stuck join fails well within TIME_BOUND

@@ -1,6 +1,6 @@
 """Per-rank code for the distributed tests.
 
-    python -m tests.dist_scenarios NAME RANK WORLD PORT [MASTER_ADDR [INIT_TIMEOUT]]
+    python -m tests.helpers.dist_scenarios NAME RANK WORLD PORT [MASTER_ADDR [INIT_TIMEOUT]]
 
 Each scenario prints ``CHECK name=value`` lines that tests/test_distributed.py reads, and errors
 as ``ERROR <type>: <message>`` (exit code 3) so the tests can check the message text.
@@ -115,10 +115,10 @@ def stopped_in_setup(s: Settings, where: str) -> None:
 
 
 def devices(s: Settings) -> None:
-    """The ranks' GPUs are emulated (tests/gpu_emulation.py) from DEVICES, a JSON list by rank: "T4" for a GPU,
+    """The ranks' GPUs are emulated (tests/helpers/gpu_emulation.py) from DEVICES, a JSON list by rank: "T4" for a GPU,
     null for none; equal names on one machine are one shared GPU. BACKEND is the requested backend. Prints
     the backend every rank agreed on (gloo runs for real; nccl would need a real GPU, so it stops there)."""
-    from tests.gpu_emulation import T4, pretend_gpu
+    from tests.helpers.gpu_emulation import T4, pretend_gpu
     mine = json.loads(os.environ["DEVICES"])[s.rank]
     if mine:
         pretend_gpu(setattr, T4)
@@ -168,7 +168,7 @@ def left_group(s: Settings, mode: str) -> None:
     """Rank 1 fails after a training step and leaves the group as ``Job.fail`` does, its model and optimizer still
     referenced (a notebook's kernel lives on, holding them); rank 0 then waits in a collective rank 1 never joins.
     It must fail at once, not when rank 1's process ends (12 s later) or at the collective timeout (60 s)."""
-    from tests.mode_matrix import build, settings_for, train
+    from tests.helpers.mode_matrix import build, settings_for, train
     from ddp_utils.job import release_group
     settings = settings_for(mode, 0.9, "nchw", s.rank, s.world_size, s.master_port)
     ctx = distributed.setup(settings)

@@ -1,4 +1,4 @@
-"""The newest leg's torch against its reviewed constraints: ``python tests/newest_torch.py`` (what .ci/run runs after the
+"""The newest leg's torch against its reviewed constraints: ``python tests/helpers/newest_torch.py`` (what .ci/run runs after the
 README's test install) prints the versions and exits 1 with what to do where they differ from
 tests/newest-constraints.txt, so CI never tests a torch nobody reviewed, nor says it tested one it did not."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-CONSTRAINTS = Path(__file__).resolve().parent / "newest-constraints.txt"
+CONSTRAINTS = Path(__file__).resolve().parents[1] / "newest-constraints.txt"
 
 
 def pinned(text: str | None = None) -> dict[str, str]:
