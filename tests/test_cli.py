@@ -179,18 +179,6 @@ def test_check_with_loader_nvjpeg_says_where_it_decodes_and_refuses_a_png_preset
 
 
 @pytest.mark.slow
-@pytest.mark.floor
-def test_demo_trains_ddp_and_single_and_prints_the_comparison_table(tmp_path):
-    [res] = run_all([python("-m", "ddp_utils", "demo", "--epochs", "1", "--run-dir", str(tmp_path))],
-                    timeout=300, env=base_env())
-    assert res.returncode == 0, res.output
-    table = [line for line in res.output.splitlines() if line.startswith("|")]
-    assert len(table) == 4, res.output      # header, rule, DDP row, single row
-    assert re.search(r"ddp2 \| 2 \|", table[2]) and re.search(r"single \| 1 \|", table[3]), table
-    assert len(list(tmp_path.glob("*/results.json"))) == 2
-
-
-@pytest.mark.slow
 def test_ctrl_c_during_training_leaves_the_last_checkpoint_intact_and_says_how_to_resume(tmp_path):
     cmd = python("-m", "ddp_utils", "train", "--dataset", "fake", "--image-size", "32", "--workers", "0",
                  "--wandb", "disabled", "--batch-size", "8", "--epochs", "50", "--max-steps-per-epoch", "2",

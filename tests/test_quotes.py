@@ -176,7 +176,20 @@ def fresh(tmp_path_factory):
         if run not in done:
             done[run] = quotes.execute(run, tmp, **fork)
         return done[run][proc]
+    output.tmp = Path(tmp)   # where the commands ran: the demo's runs are in runs/demo
     return output
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_demo_trains_ddp_and_single_and_prints_the_comparison_table(fresh):
+    """The demo's own command, as the pages quote it (its run made once for this module: quotes.execute fails
+    unless every process exits 0)."""
+    output = fresh("demo", "demo")
+    table = [line for line in output.splitlines() if line.startswith("|")]
+    assert len(table) == 4, output      # header, rule, DDP row, single row
+    assert re.search(r"ddp2 \| 2 \|", table[2]) and re.search(r"single \| 1 \|", table[3]), table
+    assert len(list((fresh.tmp / "runs" / "demo").glob("*/results.json"))) == 2
 
 
 @pytest.mark.slow
