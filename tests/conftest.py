@@ -36,12 +36,15 @@ def pytest_runtest_makereport(item, call):
 
 
 # The files that take longest, collected first. Under -n 2 --dist loadfile each file goes whole to the worker that is
-# free, in the order collected: the longest first leave the short ones to even out the end (per-file times from
-# python -m pytest -n 2 --durations=0; a file not named here keeps its place after these).
-LONGEST_FIRST = ("test_faults.py", "test_training.py", "test_launch.py", "test_sharding.py", "test_notebooks.py",
-                 "test_quotes.py", "test_real_processes.py", "test_build_ddp.py", "test_jupyterlab.py",
-                 "test_distributed.py", "test_report.py", "test_build_ddp_bench.py", "test_worker_node.py",
-                 "test_lab.py", "test_mode_matrix.py", "test_cli.py", "test_slurm.py", "test_student_job.py")
+# free, in the order collected (pytest.ini's --no-loadscope-reorder: xdist would otherwise put the files with the
+# most tests first, which are the quick ones, and leave the longest for the end, one worker idle): the longest first
+# leave the short ones to even out the end. Per-file sums of python -m pytest -n 2 --durations=0 (2026-12-02); a
+# file not named here keeps its place after these.
+LONGEST_FIRST = ("test_faults.py", "test_training.py", "test_launch.py", "test_sharding.py", "test_quotes.py",
+                 "test_notebooks.py", "test_build_ddp.py", "test_jupyterlab.py", "test_real_processes.py",
+                 "test_distributed.py", "test_build_ddp_bench.py", "test_worker_node.py", "test_report.py",
+                 "test_student_job.py", "test_lab.py", "test_mode_matrix.py", "test_torchrun.py", "test_slurm.py",
+                 "test_own_ddp.py", "test_comm.py", "test_steady.py", "test_cli.py", "test_time_split.py")
 
 
 def pytest_collection_modifyitems(items):

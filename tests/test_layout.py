@@ -38,6 +38,42 @@ def test_the_layers_and_the_size_limits_hold(tmp_path):
         assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
 
 
+def _linted_copy(tmp_path: Path, breaks: dict[str, str]) -> dict[str, str]:
+    """A copy of the package with `breaks` appended to the named modules; each linter's complaint, by command."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    for item in ("ddp_utils", "tests", ".importlinter", "pyproject.toml", ".flake8"):
+        source = Path(REPO) / item
+        (shutil.copytree(source, tmp_path / item, ignore=shutil.ignore_patterns("__pycache__"))
+         if source.is_dir() else shutil.copy(source, tmp_path / item))
+    for module, code in breaks.items():
+        with open(tmp_path / "ddp_utils" / module, "a") as handle:
+            handle.write(code)
+    bin_dir, said = Path(sys.executable).parent, {}
+    for command in (["lint-imports", "--no-cache"], ["ruff", "check", "--no-cache", "ddp_utils"],
+                    ["flake8", "ddp_utils"]):
+        done = subprocess.run([str(bin_dir / command[0]), *command[1:]], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+        said[command[0]] = "" if done.returncode == 0 else done.stdout + done.stderr
+    return said
+
+
+def test_the_linters_refuse_a_core_module_importing_speed_and_a_long_or_wide_function(tmp_path):
+    """The contracts bite: the core reaching up into speed/ (even inside a function), a seventh parameter and a
+    sixty-first line are each refused, naming the place; without them the layers would be a wish."""
+    long_body = "".join(f"    x{i} = {i}\n" for i in range(61))
+    said = _linted_copy(tmp_path, {
+        "train.py": "\n\ndef _reach_up():\n    from ddp_utils.speed import localsgd\n    return localsgd\n",
+        "metrics.py": "\n\ndef _wide(a, b, c, d, e, f, g):\n    return a\n",
+        "summary.py": f"\n\ndef _long():\n{long_body}    return 0\n"})
+    assert "ddp_utils.train -> ddp_utils.speed.localsgd" in said["lint-imports"], said["lint-imports"][-2000:]
+    assert "Contracts: 3 kept, 1 broken" in said["lint-imports"]
+    assert "metrics.py" in said["ruff"] and "PLR0913" in said["ruff"], said["ruff"][-2000:]
+    assert "summary.py" in said["flake8"] and "Function too long" in said["flake8"], said["flake8"][-2000:]
+
+
 def test_the_training_loop_reads_top_to_bottom_and_names_no_optional_feature():
     """Issue 44: fit was a hub, calling the watch, the profiler, local SGD and the rest by name. Everything optional
     reaches the loop through the observer interface (observers.py) alone: train.py names none of it."""
