@@ -395,6 +395,42 @@ def test_a_restarted_rank_never_joins_a_generation_that_formed_but_whose_rank_0_
     del server
 
 
+def test_rank_0_goes_on_only_once_every_worker_has_read_the_facts_of_all():
+    """CI, stop 59: rank 0 found two ranks on one GPU, stopped and closed its store while rank 1 slept between two
+    looks at the arrivals; rank 1 then blamed a closed rendezvous instead of naming the shared GPU. Rank 0 now
+    waits until every worker has read every rank's facts (and no longer than READ_WITHIN when one never does)."""
+    import threading
+    import time as _time
+
+    keys = dist.PrefixStore("ddp_utils/1", dist.HashStore())
+    keys.set("arrived/1", json.dumps({"rank": 1, "gpu": "GPU-t4-0000"}))   # rank 1 has arrived, not yet read
+    settings = Settings(world_size=2, rank=0, master_addr="127.0.0.1", master_port=29500, init_timeout=20, workers=0)
+    got = {}
+    mine = {"rank": 0, "gpu": "GPU-t4-0000"}
+    thread = threading.Thread(target=lambda: got.update(everyone=rendezvous.wait_for_all_ranks(keys, settings,
+                                                                                                facts=mine)))
+    thread.start()
+    _time.sleep(0.5)
+    assert "everyone" not in got, "rank 0 went on before rank 1 had read the facts"
+    worker = Settings(world_size=2, rank=1, master_addr="127.0.0.1", master_port=29500, init_timeout=20, workers=0)
+    assert [f["rank"] for f in rendezvous.wait_for_all_ranks(keys, worker, facts={"rank": 1, "gpu": "GPU-t4-0000"})] == [0, 1]   # says it has read them
+    thread.join(5)
+    assert [f["gpu"] for f in got["everyone"]] == ["GPU-t4-0000"] * 2
+
+
+def test_rank_0_waits_at_most_read_within_for_a_worker_that_never_reads(monkeypatch):
+    import time as _time
+
+    monkeypatch.setattr(rendezvous, "READ_WITHIN", 0.3)
+    keys = dist.PrefixStore("ddp_utils/1", dist.HashStore())
+    for r in range(2):
+        keys.set(f"arrived/{r}", json.dumps({"rank": r}))
+    settings = Settings(world_size=2, rank=0, master_addr="127.0.0.1", master_port=29500, init_timeout=20, workers=0)
+    started = _time.monotonic()
+    assert len(rendezvous.wait_for_all_ranks(keys, settings)) == 2
+    assert 0.3 <= _time.monotonic() - started < 3
+
+
 def test_a_worker_that_re_ran_setup_alone_is_told_rank_0_still_runs_the_earlier_group():
     """Issue 43, finding 8: the hint for a worker whose rank 0 still runs the group it formed (closed, and formed)
     was never shown: the text asked `formed` first and said rank 0 had not opened the attempt yet."""

@@ -29,6 +29,7 @@ from .preflight import DistSetupError, port_holder
 
 GENERATION = "ddp_utils/generation"
 NOTE_EVERY = 30.0   # seconds between "still waiting" lines
+READ_WITHIN = 10.0   # seconds rank 0 waits for every worker to have read the facts of all
 
 
 def torchrun_store() -> bool:
@@ -164,7 +165,9 @@ def wait_for_all_ranks(keys: dist.PrefixStore, settings, log=print, facts: dict 
     while True:
         try:
             if keys.check(everyone):
-                return [json.loads(keys.get(key)) for key in everyone]
+                facts_of_all = [json.loads(keys.get(key)) for key in everyone]
+                _everyone_read(keys, settings)
+                return facts_of_all
             gave_up = settings.rank != 0 and failures.first(keys)   # rank 0's paragraph (below)
             if gave_up:
                 raise DistSetupError(f"rank {settings.rank}: {gave_up[1]}")
@@ -196,6 +199,19 @@ def wait_for_all_ranks(keys: dist.PrefixStore, settings, log=print, facts: dict 
                 f"({now - start:.0f} s of init_timeout={settings.init_timeout:g} s)")
             next_note += NOTE_EVERY
         time.sleep(0.2)
+
+
+def _everyone_read(keys: dist.PrefixStore, settings) -> None:
+    """Each worker says it has read every rank's facts; rank 0 waits for that (a few seconds at most) before it
+    goes on. Without it, rank 0 could find the ranks disagree (two ranks on one GPU), stop, and close its store
+    while a worker sleeps between two looks: that worker would then blame a closed rendezvous, not the GPU."""
+    if settings.rank != 0:
+        keys.set(f"read/{settings.rank}", "1")
+        return
+    read = [f"read/{r}" for r in range(1, settings.world_size)]
+    deadline = time.monotonic() + min(READ_WITHIN, settings.init_timeout)
+    while read and not keys.check(read) and time.monotonic() < deadline:
+        time.sleep(0.02)   # a worker that died after arriving is found by the steps that follow
 
 
 def close_generation(keys: dist.PrefixStore) -> None:
