@@ -46,6 +46,35 @@ def test_check_on_two_ranks_proves_the_collective_and_saves_the_all_reduce_sweep
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fault", ["settings", "local"])
+def test_check_names_differing_flags_as_settings_and_an_unwritable_runs_folder_as_local_on_every_rank(tmp_path,
+                                                                                                       fault):
+    """Issue 55, D3 and D4: flags that differ between the nodes were called NOT READY (network); a runs folder rank 0
+    could not write was NOT READY (network) on rank 0 and READY on rank 1. Now each is named, the same on every rank,
+    and nothing is left in the runs folder."""
+    port = free_port()
+    runs = tmp_path / "runs"
+    extra = {0: ["--run-dir", str(runs / "x")], 1: ["--run-dir", str(runs / "x")]}
+    if fault == "settings":
+        extra[1] += ["--batch-size", "32"]
+    else:
+        runs.write_text("a file where rank 0's runs folder should be\n")   # root writes anywhere: a file stops it
+    results = run_all([check_cmd(r, 2, port, *extra[r]) for r in (0, 1)], timeout=120, stagger=1.0)
+    assert [r.returncode for r in results] == [1, 1], describe(results)
+    for r in results:
+        assert f"NOT READY ({fault}): " in r.output and "NOT READY (network)" not in r.output, describe([r])
+        assert r.output.rstrip().splitlines()[-1] == "NOT READY", describe([r])
+    said = results[1].output.split(f"NOT READY ({fault}): ", 1)[1]
+    if fault == "settings":
+        assert "batch_size" in said and "32" in said, said
+        assert not runs.exists()
+    else:
+        assert said.startswith("rank 0 (on ") and f"could not write the check's results to {runs / 'check'}" in said
+        assert "--run-dir" in said and "run the check again on every node" in said, said
+        assert runs.read_text() == "a file where rank 0's runs folder should be\n"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("rank1", list(RANK1_SEES))
 def test_check_on_nodes_whose_data_differ_is_not_ready_on_both_naming_the_data_not_the_network(tmp_path, rank1):
     """Issue 43, finding 4: each rank sized the all-reduce from its own class count, so over gloo one died of

@@ -5,7 +5,8 @@ Run it on every node with the same flags as ``train``. With several ranks the ch
 NCCL will, ``init_process_group`` on the chosen backend), compare every node's data (images and classes per split:
 NOT READY (data) on every rank, naming which node sees what, if they differ) and all-reduce payloads up to the
 model's gradient size, so READY proves the collective training will run, not just a TCP hello to one port; rank 0
-saves the sweep for ``report``.
+saves the sweep for ``report``. Flags that differ between the nodes are NOT READY (settings), a runs folder rank 0
+cannot write NOT READY (local), on every rank.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .. import collectives, datasets, distributed
 from ..robust import peers
 from ..datasets import DataError, check_data
 from ..progress import interactive
+from ..collectives import SettingsMismatch
 from ..distributed import DistSetupError
 from ..robust import compat
 from ..data import loader_for
@@ -113,6 +115,9 @@ def _prove_collective(settings, summary: dict | None, log, data_error: str | Non
         os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
     try:
         ctx = distributed.setup(settings, log=log)
+    except SettingsMismatch as exc:   # the nodes were reached: their flags differ
+        log(f"NOT READY (settings): {exc}")
+        return False
     except DistSetupError as exc:
         log(f"NOT READY (network): {exc}")
         return False
@@ -129,10 +134,13 @@ def _prove_collective(settings, summary: dict | None, log, data_error: str | Non
             f"{gradient_bytes / 1e6:.1f} MB of {settings.arch}'s gradients; busbw as nccl-tests defines it:")
         rows = sweep.run(ctx, gradient_bytes)
         log(sweep.table(rows))
+        # rank 0's write, told to every rank: a runs folder it cannot write is one verdict everywhere, not a network's
+        wrote = collectives.gather_objects(_save_sweep(settings, ctx, rows), ctx)[0]
+        if "error" in wrote:
+            log(f"NOT READY (local): {wrote['error']}")
+            return False
         if ctx.is_main:
-            folder = (Path(settings.run_dir).parent if settings.run_dir else Path("runs")) / "check"
-            log(f"saved {sweep.save(folder, settings, ctx.backend, rows)} (`python -m ddp_utils report` shows it "
-                f"beside the run's link probe)")
+            log(f"saved {wrote['path']} (`python -m ddp_utils report` shows it beside the run's link probe)")
         return True
     except sweep.WrongSum as exc:   # every rank got the same verdict (sweep.run agrees on it)
         log(f"NOT READY (network): the process group formed, but {exc}. Training would average wrong gradients: "
@@ -145,6 +153,21 @@ def _prove_collective(settings, summary: dict | None, log, data_error: str | Non
         return False
     finally:
         distributed.teardown()
+
+
+def _save_sweep(settings, ctx, rows: list[dict]) -> dict | None:
+    """Rank 0 saves the sweep under the runs folder's ``check/``: ``{"path": ...}``, or ``{"error": paragraph}``
+    when it cannot write there; None on the other ranks."""
+    if not ctx.is_main:
+        return None
+    folder = (Path(settings.run_dir).parent if settings.run_dir else Path("runs")) / "check"
+    try:
+        return {"path": str(sweep.save(folder, settings, ctx.backend, rows))}
+    except OSError as exc:
+        return {"error": f"rank 0{peers.where(0)} could not write the check's results to {folder} "
+                         f"({exc.strerror or exc}). The network and the data are fine; the runs folder on rank 0's "
+                         f"node must be writable for training too: fix its permissions or free its disk (or pass "
+                         f"--run-dir to a writable place), then run the check again on every node."}
 
 
 def _data_facts(rank: int, summary: dict | None, data_error: str | None) -> dict:
