@@ -67,6 +67,26 @@ def test_a_window_past_the_epochs_end_is_cut_there_and_traced_once(tmp_path):
     assert results[0].output.count("profile: training steps 4 to 5 traced on 1 rank(s)") == 1, describe(results)
 
 
+def test_a_run_that_leaves_inside_the_window_stops_the_profiler(tmp_path):
+    """Issue 55, D6: a run that failed inside its trace window left the profiler recording in the notebook's process
+    (Profiling had no hook for the way out). ``close`` runs on every way out of the loop (train.py) and stops it."""
+    import types
+    import torch
+    from ddp_utils.speed.profile import Profiling, StepProfiler
+    said = []
+    ctx = types.SimpleNamespace(device=torch.device("cpu"), distributed=False, is_main=True, rank=0, world_size=1)
+    observer = Profiling()
+    observer.profiler = StepProfiler((2, 10), ctx, tmp_path, log=said.append)
+    observer.profiler.before(2)
+    assert torch._C._autograd._profiler_enabled()
+    observer.close(loop=None)   # the step failed: no epoch_trained, no step_end
+    assert not torch._C._autograd._profiler_enabled()
+    assert said == ["profile: the run ended inside the traced window (from step 2); the profiler is stopped and no "
+                    "trace is written"] and not (tmp_path / "profile").exists()
+    observer.close(loop=None)   # once only
+    assert len(said) == 1
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_the_trace_holds_the_gpu_kernels_too(tmp_path):
     import torch

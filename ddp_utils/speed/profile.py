@@ -73,6 +73,17 @@ class StepProfiler:
             if step >= self.window[1]:
                 self.finish()
 
+    def abandon(self) -> None:
+        """Stop a window the run left without finishing (an error, Ctrl-C, a stop): no gather (the other ranks may be
+        gone), no trace; only so that the profiler stops recording in a notebook's process."""
+        if self._prof is None:
+            return
+        prof, self._prof, self.done = self._prof, None, True
+        with HeldStderr(profiler_noise):
+            prof.stop()
+        self.log(f"profile: the run ended inside the traced window (from step {self._first}); the profiler is "
+                 f"stopped and no trace is written")
+
     def finish(self) -> None:
         """Stop, and send every rank's trace to rank 0, which writes them (a collective: every rank calls it)."""
         if self._prof is None:
@@ -127,3 +138,7 @@ class Profiling(Observer):
     def epoch_trained(self, loop, stats: dict) -> None:
         if self.profiler is not None:
             self.profiler.finish()   # a window the epoch's end cut short
+
+    def close(self, loop) -> None:
+        if self.profiler is not None:
+            self.profiler.abandon()   # any other way out of the run: a profiler left on records the notebook's next run
