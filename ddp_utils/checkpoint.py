@@ -20,9 +20,11 @@ Layout of a run folder's checkpoints (rank 0 writes them, on the rank-0 node onl
 """
 from __future__ import annotations
 
+import contextlib
 import pickle
 import random
 import re
+import threading
 from pathlib import Path
 
 import torch
@@ -33,6 +35,8 @@ from .robust import peers
 from .robust.files import atomic_write
 from .model import unwrap
 from .parallel import full_state, load_model_state, load_optimizer_state
+
+READ_EPOCH_S = 2.0   # how long a failing rank 0 reads its last.pt for the epoch before it tells the others
 
 
 class CheckpointError(RuntimeError):
@@ -290,8 +294,22 @@ def kept_checkpoint(run_dir, ctx) -> str:
     last = checkpoint_paths(run_dir)[0] if run_dir else None
     if last is None or not last.exists():
         return "no checkpoint was written yet"
-    try:
-        epoch = load_checkpoint(last)["epoch"] + 1
-    except Exception:   # noqa: BLE001 - only for the message
+    epoch = _epoch_of(last)
+    if epoch is None:
         return f"the checkpoint {last} is kept as it was"
-    return f"the checkpoint {last} holds epoch {epoch}"   # a sentence may start with it: never capitalise a path
+    return f"the checkpoint {last} holds epoch {epoch + 1}"   # a sentence may start with it: never capitalise a path
+
+
+def _epoch_of(path: Path) -> int | None:
+    """The epoch a checkpoint holds, from its pickle alone (mmap: no tensor's bytes are read) and within
+    READ_EPOCH_S: a failing rank 0 says this before it tells the others why, and a slow disk must not make them
+    think it stopped answering. None when it cannot say in time."""
+    got: dict = {}
+
+    def read() -> None:
+        with contextlib.suppress(Exception):   # only for the message
+            got["epoch"] = int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["epoch"])
+    thread = threading.Thread(target=read, daemon=True, name="checkpoint-epoch")
+    thread.start()
+    thread.join(READ_EPOCH_S)
+    return got.get("epoch")

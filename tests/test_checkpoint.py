@@ -356,3 +356,26 @@ def test_every_ranks_fp16_scaler_is_saved_and_each_rank_resumes_with_its_own(tmp
     checkpoint.restore(state, small_model(), optimizer, scheduler, on_three,
                        DistContext(2, 3, 0, torch.device("cpu"), "gloo"))
     assert on_three.get_scale() == 1024.0
+
+
+def test_a_failing_rank_0_says_its_checkpoints_epoch_without_reading_it_whole_and_in_bounded_time(tmp_path,
+                                                                                                 monkeypatch):
+    """Issue 55, D9: rank 0 torch.load-ed its whole last.pt for one sentence before it told the others why it failed;
+    on a slow disk they named "rank 0 stopped answering" instead of its error. The epoch is now read from the
+    pickle alone (mmap), and no longer than READ_EPOCH_S."""
+    import time
+    from types import SimpleNamespace
+    from ddp_utils import checkpoint as ckpt
+    main = SimpleNamespace(is_main=True)
+    ckpt.save_checkpoint(tmp_path / "last.pt", {"epoch": 2, "model": {"w": torch.ones(4)}})
+    loads = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k) or real(*a, **k))
+    assert ckpt.kept_checkpoint(tmp_path, main) == f"the checkpoint {tmp_path / 'last.pt'} holds epoch 3"
+    assert [k.get("mmap") for k in loads] == [True]   # the tensors' bytes stay on the disk
+    monkeypatch.setattr(torch, "load", lambda *a, **k: time.sleep(30))   # a disk that answers in half a minute
+    monkeypatch.setattr(ckpt, "READ_EPOCH_S", 0.5)
+    started = time.monotonic()
+    said = ckpt.kept_checkpoint(tmp_path, main)
+    assert time.monotonic() - started < 2 and said == f"the checkpoint {tmp_path / 'last.pt'} is kept as it was"
+    assert ckpt.kept_checkpoint(tmp_path, SimpleNamespace(is_main=False)) == ""
