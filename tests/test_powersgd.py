@@ -14,6 +14,7 @@ from torch import nn
 from ddp_utils.checkpoint import CheckpointError
 from ddp_utils.distributed import DistContext
 from ddp_utils.settings import Settings
+from ddp_utils.speed import comm
 from tests.helpers.procs import base_env, describe, free_port, python, run_all
 from tests.helpers.groups import gpu_only, one_rank_group
 from tests.helpers.powersgd_ranks import Run, SETTINGS, batches
@@ -137,6 +138,23 @@ def test_a_resume_with_more_steps_keeps_the_warm_up_the_run_started_with():
     assert "warm-up of 3 steps kept" in said
     for name, value in straight.weights().items():
         assert torch.equal(again.weights()[name], value), name
+
+
+def test_a_resumed_run_says_one_warm_up_figure_the_checkpoints():
+    """Issue 55, D10: a resumed run said "exact for the first 9 of 36 steps" (this run's share) and then "its
+    warm-up of 3 steps kept" (the checkpoint's): two figures for one warm-up. The first line now reads the kept one."""
+    device = torch.device("cpu")
+    longer = Settings(**{**SETTINGS.to_dict(), "powersgd_warmup_steps": 9})
+    with one_rank_group():
+        ctx = one_rank_of_a_group(device, "gloo")
+        first = Run(device, "gloo")
+        first.steps(batches(device)[:5])
+        kept = {"choice": "powersgd", "powersgd": first.memory.state_dict(ctx)}
+        again = Run(device, "gloo", longer)
+        said = again.memory.load_state_dict(kept["powersgd"], ctx)
+    assert "warm-up of 3 steps kept" in said
+    assert comm.warmup_said(longer, 36, kept).startswith(";\n  exact for the first 3 of 36 steps")
+    assert comm.warmup_said(longer, 36, {}).startswith(";\n  exact for the first 9 of 36 steps")   # a new run's own
 
 
 def test_without_its_memory_a_resumed_run_is_not_the_same():

@@ -62,13 +62,13 @@ class Communication:
     reason: str = ""                 # why (comm=auto says what the probe predicted)
 
 
-def gradient_communication(model, settings, ctx, data, log=print, kept: str | None = None) -> Communication:
+def gradient_communication(model, settings, ctx, data, log=print, kept: dict | None = None) -> Communication:
     """Probe the link, choose the hook (``settings.comm``, ``auto`` from the probe), predict the step with it and
     register it, timed, on the DDP model. With one rank: nothing to send, nothing registered.
 
     ``data``: the run's Data (its classes and image size; the probe times a few batches of its ``train`` loader,
-    whose steps also set PowerSGD's default warm-up: a share of the run's optimizer steps). ``kept``: the hook a
-    resumed run's checkpoint names. comm=auto keeps it, whatever the probe says now: the resumed run continues the
+    whose steps also set PowerSGD's default warm-up: a share of the run's optimizer steps). ``kept``: a resumed
+    run's checkpoint's ``comm`` (the hook it names, PowerSGD's memory and warm-up). comm=auto keeps the hook, whatever the probe says now: the resumed run continues the
     same run (and stays bit-exact)."""
     total_steps = settings.epochs * optimizer_steps(len(data.train), settings.accumulate) if data.train is not None else 0
     if not ctx.distributed:
@@ -80,16 +80,14 @@ def gradient_communication(model, settings, ctx, data, log=print, kept: str | No
     if ddp_of(model) is None:   # --build-ddp: your own DDP; the loop times its finish_gradient_sync()
         probe = linkprobe.predict(measured, "none", log=log) if measured is not None else None
         return Communication(CommTimer(ctx.device), probe, "none", "your DDP (lab/build_ddp): no comm hook")
-    choice, why = choose(settings, measured.figures if measured is not None else None, kept,
+    kept = kept or {}
+    choice, why = choose(settings, measured.figures if measured is not None else None, kept.get("choice"),
                          precision_name(settings, ctx.device))
     probe = (linkprobe.predict(measured, choice, on_a_copy(choice, settings, ctx.backend), log)
              if measured is not None else None)
     hook, state = hook_for(choice, settings, ctx.backend, total_steps)
     if choice == "powersgd":
-        how = "exact" if settings.powersgd_warmup_precision == "fp32" else "uncompressed in bf16"
-        why += (f";\n  {how} for the first {powersgd_warmup(settings, total_steps)} of {total_steps} steps, and exact "
-                f"for the gradients rank {settings.powersgd_rank} would shrink less than "
-                f"{settings.powersgd_min_compression:g}x")
+        why += warmup_said(settings, total_steps, kept)
     if isinstance(state, powersgd.Memory):
         state.attach(ddp_of(model))   # its memory is kept by parameter name
     timer = CommTimer(ctx.device)
@@ -224,6 +222,15 @@ def powersgd_warmup(settings, total_steps: int) -> int:
     return max(2, WARMUP_MIN, min(WARMUP_MAX, round(WARMUP_SHARE * total_steps)))
 
 
+def warmup_said(settings, total_steps: int, kept: dict) -> str:
+    """PowerSGD's warm-up, in words: a resumed run's is the one its checkpoint keeps (``kept``, the checkpoint's
+    ``comm``; powersgd.Memory.load_state_dict restores it), so the run says one figure, not this run's and then that."""
+    how = "exact" if settings.powersgd_warmup_precision == "fp32" else "uncompressed in bf16"
+    start = (kept.get("powersgd") or {}).get("start") or powersgd_warmup(settings, total_steps)
+    return (f";\n  {how} for the first {start} of {total_steps} steps, and exact for the gradients rank "
+            f"{settings.powersgd_rank} would shrink less than {settings.powersgd_min_compression:g}x")
+
+
 def _powersgd(settings, total_steps: int = 0):
     state = powerSGD_hook.PowerSGDState(
         process_group=None, matrix_approximation_rank=settings.powersgd_rank,
@@ -253,7 +260,7 @@ class Gradients(Observer):
 
     def start(self, loop) -> Ask:
         s = loop.settings
-        kept = ((loop.state or {}).get("comm") or {}).get("choice")   # a resume: comm=auto's choice at the start
+        kept = (loop.state or {}).get("comm") or {}   # a resume: comm=auto's choice at the start, PowerSGD's memory
         self.comm = comm = gradient_communication(loop.model, s, loop.ctx, loop.data, loop.log, kept)
         state = comm.timer.state if comm.timer is not None else None
         self.memory = state if isinstance(state, powersgd.Memory) else None
