@@ -628,6 +628,30 @@ def test_a_failure_report_over_a_store_that_blocks_returns_within_its_bound(monk
     store.release.set()
 
 
+def test_a_setup_failure_report_to_a_store_that_hangs_returns_within_its_bound(monkeypatch):
+    """Issue 55, the last round's leftover: setup_watch.report wrote to the store on the main thread, unbounded; a
+    link that just went down held a failing rank (and a notebook's cell) there for minutes."""
+    import threading
+    import time as _time
+
+    from ddp_utils.robust import failures, setup_watch
+    release = threading.Event()
+
+    class Hanging:
+        def set(self, key, value):
+            release.wait(60)
+
+        def add(self, key, n):
+            release.wait(60)
+            return 1
+    monkeypatch.setattr(failures, "REPORT_S", 0.3)
+    monkeypatch.setattr(setup_watch, "FIRST_S", 0.2)
+    start = _time.monotonic()
+    assert setup_watch.report(Hanging(), 1, "rank 1 failed during setup: ...") is None
+    assert _time.monotonic() - start < 2.0
+    release.set()
+
+
 def test_every_rank_slow_to_get_its_batch_is_no_stall_when_none_waits_in_a_collective(watched):
     """Issue 37, finding 5: cold storage makes every rank wait 30 s for its first batch. No rank is in a collective,
     so no collective timeout can strike and nobody holds anybody up: the watch must not abort a healthy run. As soon

@@ -8,9 +8,28 @@ look while nobody failed, whatever the number of ranks.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 COUNT = "failures"
+REPORT_S = 5.0   # seconds the main thread gives its failure report before it goes on without it
+
+
+def within(seconds: float, call, default=None):
+    """``call()``'s answer, or ``default`` when it raised or has not answered in ``seconds``: over a link that just
+    went down a store call blocks far longer than any timeout set on the store, and a rank that is failing must
+    still say so and exit (or give a notebook's cell back) in time. The call goes on, on a daemon thread."""
+    got = {}
+
+    def run() -> None:
+        try:
+            got["answer"] = call()
+        except Exception:   # noqa: BLE001 - the store may be what failed
+            pass
+    thread = threading.Thread(target=run, daemon=True, name="store-report")
+    thread.start()
+    thread.join(seconds)
+    return got.get("answer", default)
 
 
 def report(keys, rank: int, text: str) -> int:

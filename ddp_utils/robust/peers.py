@@ -16,7 +16,6 @@ It knows nothing of training: the core's setup attaches it, and the core's steps
 """
 from __future__ import annotations
 
-import contextlib
 import re
 import threading
 import time
@@ -196,7 +195,7 @@ def _try(call, *args):
         return False, e
 
 
-REPORT_S = 5.0   # seconds the main thread gives its failure report before it goes on without it
+REPORT_S = failures.REPORT_S   # seconds the main thread gives its failure report before it goes on without it
 
 
 def report_failure(ctx, text: str) -> None:
@@ -207,13 +206,7 @@ def report_failure(ctx, text: str) -> None:
     if not (ctx.distributed and _store is not None):
         return
     store = _store
-
-    def write():
-        with contextlib.suppress(Exception):
-            failures.report(store, ctx.rank, text)
-    thread = threading.Thread(target=write, daemon=True, name="report-failure")
-    thread.start()
-    thread.join(REPORT_S)
+    failures.within(REPORT_S, lambda: failures.report(store, ctx.rank, text))
 
 
 def describe_failure(exc: BaseException) -> str:

@@ -26,14 +26,14 @@ FIRST_S = 5.0  # how long a rank that failed second waits to read who failed fir
 def report(keys, rank: int, text: str) -> str | None:
     """Leave this rank's reason for failing its setup where the others read it (robust/failures.py). Returns the
     first failure's text when another rank failed before this one (this rank's error is then most likely its
-    consequence: a connection it closed), else None. Best effort: None where the store is gone."""
-    try:
+    consequence: a connection it closed), else None. Best effort and bounded: None where the store is gone or
+    does not answer within REPORT_S (then FIRST_S more to read the first)."""
+    def write_then_read() -> str | None:
         if failures.report(keys, rank, text) == 1:
             return None
         found = failures.first(keys, wait=FIRST_S)   # the first rank writes its place next (or died first)
         return found[1] if found and found[0] != rank else None
-    except Exception:   # noqa: BLE001 - the store may be what failed
-        return None
+    return failures.within(failures.REPORT_S + FIRST_S, write_then_read)
 
 
 class SetupWatch:
