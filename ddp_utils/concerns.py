@@ -142,6 +142,10 @@ class Watch(Observer):
         if self.heartbeat is not None:
             self.heartbeat.fetching(False)
 
+    def eval_fetching(self, loop, waiting: bool) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.fetching(waiting, "validation")
+
 
 @register(after=(Watch, TimeSplit))   # the watch hears of a step's end after its log point
 class LogPoints(Observer):

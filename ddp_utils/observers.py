@@ -147,6 +147,9 @@ class Observer:
     def epoch_exit(self, loop) -> Ask | None:
         pass
 
+    def eval_fetching(self, loop, waiting: bool) -> Ask | None:
+        """The evaluation after an epoch waits for its next batch (True), or has it or has finished (False)."""
+
     def epoch_trained(self, loop, stats: dict) -> Ask | None:
         pass
 
@@ -161,7 +164,7 @@ class Observer:
 
 
 HOOKS = ("start", "epoch_start", "before_step", "after_backward", "before_update", "after_step", "step_end",
-         "epoch_exit", "epoch_trained", "epoch_end", "results", "close")
+         "epoch_exit", "eval_fetching", "epoch_trained", "epoch_end", "results", "close")
 OPENING = ("start", "epoch_start", "before_step", "after_backward", "before_update")   # outermost first; the rest
                                                                                          # innermost first
 

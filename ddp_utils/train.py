@@ -38,7 +38,9 @@ def fit(job) -> dict:
     ``peers.PeerLost`` with a paragraph that says what was saved and how to resume.
     """
     with watched(job) as around:   # the run's guard and watch; what broke, said (watch.py)
-        return train_epochs(new_loop(job, around))
+        loop = new_loop(job, around)
+        job.state = None   # the loop holds the checkpoint now, and lets go of it once restored (a model's size)
+        return train_epochs(loop)
 
 
 def new_loop(job, around: Around | None = None, **chosen) -> Loop:
@@ -70,6 +72,7 @@ def _train_epochs(loop: Loop) -> dict:
     if loop.state is not None and checkpoint.mend_best(loop.state, logger.run_dir, loop.ctx, settings.init_timeout):
         logger.info(f"best.pt was older than the best epoch ({loop.state['epoch'] + 1}) that last.pt records (a stop "
                     f"between the two writes): written again from it")
+    loop.state = None   # restored: its CPU copy of the weights and optimizer state is freed for the run
     precision = amp_dtype(settings, loop.ctx.device) or "fp32"
     logger.info(f"{describe_batch(settings)}; precision {precision}; device {loop.ctx.device}")
     val, trained_now, started = None, 0, time.perf_counter()
@@ -93,7 +96,8 @@ def train_and_evaluate(loop: Loop, epoch: int):
     """One epoch's record (its training figures and the exact evaluation after it), and what the observers ask
     at its end: what the checkpoint keeps, a reason to stop early."""
     train = train_one_epoch(loop, epoch)
-    val = evaluate(loop.model, loop.data.val, loop.settings, loop.ctx)
+    val = evaluate(loop.model, loop.data.val, loop.settings, loop.ctx,
+                   fetching=lambda waiting: loop.observers.eval_fetching(loop, waiting))   # the watch hears of it
     record = {"epoch": epoch + 1, "train": train, "val": val}
     loop.history.append(record)
     asked = loop.observers.epoch_end(loop, record)   # checks; what the checkpoint keeps; a reason to stop early
@@ -210,12 +214,13 @@ def _continue_the_schedule(scheduler, state: dict, per_epoch: int, settings, log
 
 
 @torch.no_grad()
-def evaluate(model, loader, settings, ctx) -> dict:
+def evaluate(model, loader, settings, ctx, fetching=None) -> dict:
     """Exact evaluation: each sample of the split counted once across ranks, sums all-reduced.
 
     Runs on the unwrapped module (no DDP forward, so ranks with fewer batches cannot deadlock; an FSDP
     model's forward all-gathers, so there they add empty batches), and returns the same global {loss, acc1,
-    acc5, count} on every rank.
+    acc5, count} on every rank. ``fetching(waiting)``: told when this rank waits for its next batch (the kit's
+    watch then names a rank stuck in its validation loader while the others wait for it in the sums).
     """
     net = unwrap(model)
     collectives.sync_buffers(net, ctx)   # DDP: every rank evaluates rank 0's model, the one saved
@@ -224,8 +229,15 @@ def evaluate(model, loader, settings, ctx) -> dict:
     dtype = amp_dtype(settings, ctx.device)
     meter = Meter(ctx.device)
     padding = forwards_to_add(net, loader, ctx)   # FSDP: as many forwards on every rank
-    for images, labels in loader:
-        images, labels = to_device(images, labels, settings, ctx.device)
+    fetching = fetching or (lambda waiting: None)
+    batches = iter(loader)
+    while True:
+        fetching(True)
+        batch = next(batches, None)
+        fetching(False)
+        if batch is None:
+            break
+        images, labels = to_device(*batch, settings, ctx.device)
         with autocast(dtype, ctx.device):
             logits = net(images)
         meter.update(F.cross_entropy(logits.float(), labels, reduction="sum"), logits.float(), labels)

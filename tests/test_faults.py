@@ -130,12 +130,15 @@ def test_a_frozen_peer_stops_the_other_rank_within_30_s_naming_it(name, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["stuck_loader", "stuck_loader_ignoring_sigint"])
+@pytest.mark.parametrize("name", ["stuck_loader", "stuck_loader_ignoring_sigint", "stuck_val_loader"])
 def test_a_rank_stuck_in_its_data_loader_is_named_by_every_rank_before_the_collective_timeout(name, tmp_path):
     """Rank 1 still beats, but its main thread waits for a batch that never comes: rank 0 waits for it in a
     collective. Both stop after the watch's 12 s (not the collective timeout's 24 s, not its raw error), naming
     rank 1's data loader; rank 1 says where its thread is. Also in ranks that ignore SIGINT (started by `cmd &`
-    from a script; issue 37, finding 6), where the watch's self-interrupt did nothing and rank 1 hung for good."""
+    from a script; issue 37, finding 6), where the watch's self-interrupt did nothing and rank 1 hung for good; and
+    in the evaluation after an epoch (issue 55, D5: it told the watch nothing, so no rank was named and, under the
+    two-node commands, the processes never exited)."""
+    what = "validation" if name == "stuck_val_loader" else "training"
     port = free_port()
     results = run_all([scenario(name, r, port, tmp_path) for r in range(2)], timeout=120, env=base_env())
     assert [r.returncode for r in results] == [2, 2], describe(results)
@@ -143,9 +146,10 @@ def test_a_rank_stuck_in_its_data_loader_is_named_by_every_rank_before_the_colle
     for rank, result in enumerate(results):
         assert float(checks(result)["stopped_at"]) - stuck < 24, describe(results)
         assert re.search(rf"rank {rank}: training stopped because rank 1 \(on [^,]+, 127.0.0.1\) has waited \d+ s for "
-                         r"its next training batch "
+                         rf"its next {what} batch "
                          r"\(its data loader\)", result.output), describe(results)
-    assert re.search(r"rank 1: its training thread is at: .*fault_scenarios.py:\d+ epoch", results[1].output), \
+    where = "__iter__" if name == "stuck_val_loader" else "epoch"
+    assert re.search(rf"rank 1: its training thread is at: .*fault_scenarios.py:\d+ {where}", results[1].output), \
         describe(results)
 
 

@@ -46,6 +46,7 @@ class Heartbeat:
         self.stall_after = stall_after   # a function: seconds (None: progress is not judged)
         self.steps = 0
         self.fetching_since: float | None = None   # when the training loop started waiting for its next batch
+        self.fetching_what = "training"            # which loader it waits for (or last waited for)
         self.progress_at = time.monotonic()        # when this rank last finished a step (the judge tracks it)
         self.stalled: int | None = None   # the rank the judge found stuck waiting for its next batch
         self.interrupted = False   # this rank's stalled main thread was interrupted by its own watch
@@ -87,9 +88,11 @@ class Heartbeat:
         self.steps += 1
         self.fetching_since = time.monotonic()
 
-    def fetching(self, waiting: bool) -> None:
-        """The training loop waits for its next batch (True) or has it, or left the loop (False)."""
+    def fetching(self, waiting: bool, what: str = "training") -> None:
+        """The loop waits for its next ``what`` batch (True: training, or validation after an epoch) or has it, or
+        left the loop (False)."""
         self.fetching_since = time.monotonic() if waiting else None
+        self.fetching_what = what
 
     def silent(self, older_than: float = 0.0) -> list[tuple[int, float]]:
         """(rank, seconds since its last sign of life) for the peers silent longer than ``older_than``."""
@@ -155,7 +158,7 @@ class Heartbeat:
         me = self.ctx.rank
         since = self.fetching_since
         fetching = -1.0 if since is None else time.monotonic() - since
-        self._keys.set(f"alive/{me}", f"{time.time():.3f}|{self.steps}|{fetching:.1f}")   # time|steps|waiting for data
+        self._keys.set(f"alive/{me}", f"{time.time():.3f}|{self.steps}|{fetching:.1f}|{self.fetching_what}")
         keys = [f"alive/{r}" for r in self.seen]
         # a key per rank, each written by its rank; multi_get would wait for a missing one, so read them
         # one by one until every rank has beaten once (the first seconds)
@@ -234,13 +237,21 @@ class Heartbeat:
         if not stuck:
             return None
         r = self.stalled = stuck[0]
-        return (f"rank {r}{peers.where(r)} has waited {waits[r]:.0f} s for its next training batch (its data "
+        what = self.fetching_what if r == self.ctx.rank else self._what(self.seen[r][0])
+        return (f"rank {r}{peers.where(r)} has waited {waits[r]:.0f} s for its next {what} batch (its data "
                 f"loader) while the other ranks wait for it in a collective: a stuck DataLoader worker, a stalled "
                 f"disk or network file system, or a deadlock in the dataset's code")
 
     @staticmethod
+    def _what(beat: str) -> str:
+        """Which loader a peer waits for, from its last beat (``time|steps|waiting|what``)."""
+        parts = beat.split("|")
+        return parts[3] if len(parts) > 3 else "training"
+
+    @staticmethod
     def _fetching(beat: str, seen: float, now: float) -> float | None:
-        """How long a peer has waited for its next batch, from its last beat (``time|steps|waiting``), or None."""
+        """How long a peer has waited for its next batch, from its last beat (``time|steps|waiting|what``), or
+        None."""
         try:
             waiting = float(beat.split("|")[2])
         except (IndexError, ValueError):   # "done", or no beat yet

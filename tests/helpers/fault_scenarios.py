@@ -16,6 +16,7 @@ The rank prepares and trains on fake data (2 ranks, gloo, loopback). What the sc
 - ``stuck_loader``: rank 1's data loader blocks for good at the 5th batch (a stuck worker, a hung file system)
   while its beat thread goes on; collective timeout 24 s (the watch names it after 12 s).
 - ``stuck_loader_ignoring_sigint``: the same in ranks that ignore SIGINT, as one started by ``cmd &`` in a script.
+- ``stuck_val_loader``: the same in rank 1's validation loader, at its 2nd batch of the first evaluation.
 - ``own_error``: once rank 0 has saved epoch 1, rank 1's next forward pass raises a RuntimeError whose text names
   NCCL (a fault of its own GPU, emulated), while rank 0 is alive and well.
 Prints ``CHECK name=value`` lines the tests read.
@@ -36,7 +37,8 @@ from ddp_utils.train import fit
 
 def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") -> None:
     timeout = {"plain": 8, "patient": 600, "default": Settings.collective_timeout, "slow_compile": 3,
-               "paced": 3, "stuck_loader": 24, "stuck_loader_ignoring_sigint": 24}.get(name, 4)
+               "paced": 3, "stuck_loader": 24, "stuck_loader_ignoring_sigint": 24,
+               "stuck_val_loader": 24}.get(name, 4)
     settings = Settings(dataset="fake", image_size=32, workers=0, wandb="disabled", backend="gloo", world_size=2,
                         rank=rank, master_addr=addr, master_port=port, init_timeout=60,
                         collective_timeout=timeout, epochs=30,
@@ -69,11 +71,13 @@ def main(name: str, rank: int, port: int, folder: str, addr: str = "127.0.0.1") 
         if name == "slow_start":
             settings = settings.replace(epochs=1)
             job.settings = settings
-        if name.startswith("stuck_loader"):
+        if name.startswith("stuck_"):
             # as in a kernel (see "interrupt"); or as a rank started by `cmd &` in a script, which ignores SIGINT
             signal.signal(signal.SIGINT, signal.SIG_IGN if name.endswith("ignoring_sigint") else
                           signal.default_int_handler)
-            if rank == 1:
+            if rank == 1 and name == "stuck_val_loader":
+                job.data.val = StuckAt(job.data.val, at=1)
+            elif rank == 1:
                 stick_the_loader(job.data.train, at=5)
         if name == "own_error" and rank == 1:
             fail_after_epoch_1(job.model, os.path.join(folder, "run0", "last.pt"))
@@ -125,6 +129,24 @@ def stick_the_loader(loader, at: int) -> None:
                 time.sleep(600)
             yield batch
     loader.epoch = epoch
+
+
+class StuckAt:
+    """A validation loader whose ``at``-th batch of the first pass never comes."""
+
+    def __init__(self, loader, at: int):
+        self.loader, self.at, self.passes = loader, at, 0
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        self.passes += 1
+        for i, batch in enumerate(self.loader):
+            if i == self.at and self.passes == 1:
+                print(f"CHECK stuck_at={time.time()}", flush=True)
+                time.sleep(600)
+            yield batch
 
 
 def fail_after_epoch_1(model, last: str) -> None:
