@@ -2,7 +2,8 @@
 
 The run's own figures and its cost (``Results``), where each epoch's time went (``TimeSplit``), the kit's watch told
 what the loop does (``Watch``), the log points (``LogPoints``), early stop (``EarlyStop``), numbers that stopped being
-finite (``Divergence``), and ``--compile``'s first step (``CompileTimeout``). Each registers in the order it must run:
+finite (``Divergence``), parameters the first step left without a gradient (``Unused``), and ``--compile``'s first
+step (``CompileTimeout``). Each registers in the order it must run:
 the time split outside everything that works in a step, so it measures all of it, and the watch outside the log
 points, so it hears of a step's end after its log point. The options' observers live beside the options (speed/).
 """
@@ -15,7 +16,7 @@ import torch
 
 from . import collectives, own_ddp
 from .metrics import Diverged, Meter, check_finite
-from .model import unwrap
+from .model import ddp_of, unwrap
 from .parallel import local_part
 from .observers import Ask, Observer, batches_made_ahead, register
 from .progress import Progress
@@ -244,7 +245,63 @@ def weights_finite(model, ctx) -> bool:
     return collectives.all_reduce_sum(torch.tensor([float(bad)], device=ctx.device), ctx).item() == 0
 
 
+class UnusedParameters(ValueError):
+    """Parameters that got no gradient in DDP's first step, with find_unused_parameters off: DDP would stop at the
+    next step with torch's "Expected to have finished reduction in the prior iteration"."""
+
+
 @register(after=(Divergence,))
+class Unused(Observer):
+    """At the run's first optimizer step, every rank's parameters that got no gradient: DDP waits for every
+    parameter's gradient before it all-reduces its bucket, so without ``find_unused_parameters`` (or
+    ``static_graph``) it stops at the next step with a sentence that names no parameter. The kit names them, on
+    every rank, at the first step; FSDP needs no setting and is told so."""
+    checked = False
+
+    @classmethod
+    def for_loop(cls, loop, around):
+        return cls() if loop.ctx.distributed else None
+
+    def after_backward(self, loop) -> None:
+        if self.checked:
+            return
+        self.checked = True
+        net, mode = unwrap(loop.model), loop.meta.get("parallel")
+        if mode not in ("ddp", "zero1", "fsdp") or (mode != "fsdp" and ddp_of(loop.model) is None):
+            return   # your own DDP (--build-ddp a/b/c) has no such setting
+        mine = [name for name, p in net.named_parameters() if p.requires_grad and p.grad is None]
+        every = collectives.gather_objects(mine, loop.ctx)   # the same list on every rank (a collective)
+        names = sorted(set().union(*every))
+        if names:
+            said = unused_said(names, every, loop.settings, mode)
+            if mode == "fsdp" or loop.settings.find_unused_parameters or loop.settings.static_graph:
+                loop.logger.info(said)
+            else:
+                raise UnusedParameters(said)
+
+
+def unused_said(names: list[str], every: list[list[str]], settings, mode: str) -> str:
+    """The paragraph for parameters ``names`` that got no gradient (``every``: each rank's own list)."""
+    ranks = [r for r, mine in enumerate(every) if mine]
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    head = (f"{len(names)} parameter(s) got no gradient in the first step on rank(s) {', '.join(map(str, ranks))}: "
+            f"{shown}. The model's forward did not use them")
+    if mode == "fsdp":
+        return (f"{head}; FSDP reduce-scatters the gradients that exist and the optimizer leaves these as they are: "
+                f"nothing to set.")
+    if settings.find_unused_parameters or settings.static_graph:
+        how = "find_unused_parameters" if settings.find_unused_parameters else "static_graph"
+        return f"{head}; DDP handles them ({how}=True)."
+    return (f"{head}, and DDP waits for every parameter's gradient before it all-reduces its bucket: it would stop at "
+            f"the next step (\"Expected to have finished reduction in the prior iteration\"). Either make the forward "
+            f"use them (or delete them, or freeze them with requires_grad=False), or set find_unused_parameters=True "
+            f"(--find-unused-parameters; in a notebook, Settings(find_unused_parameters=True) on every rank): DDP "
+            f"then finds the unused ones after every forward, an extra walk of the autograd graph each step; or "
+            f"static_graph=True when the same ones go unused at every step (no such walk; it rules out accumulate > 1 "
+            f"and local SGD).")
+
+
+@register(after=(Unused,))
 class CompileTimeout(Observer):
     """``--compile``: the short collective timeout starts after the first step, whose compilation can take minutes."""
 

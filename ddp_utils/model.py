@@ -158,7 +158,8 @@ def _place(model: nn.Module, settings, ctx) -> nn.Module:
 def wrap_ddp(model: nn.Module, settings, ctx) -> DDP:
     """``model`` in DistributedDataParallel as the kit trains it (the link probe times a copy wrapped alike)."""
     return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-               gradient_as_bucket_view=True, bucket_cap_mb=settings.bucket_mb, static_graph=settings.static_graph)
+               gradient_as_bucket_view=True, bucket_cap_mb=settings.bucket_mb, static_graph=settings.static_graph,
+               find_unused_parameters=settings.find_unused_parameters)
 
 
 def local_gradients(model: nn.Module, local: bool):

@@ -155,6 +155,11 @@ class Settings:
     static_graph: bool = _f(False, "tell DDP the model runs the same layers every step (lets it skip per-step "
                                    "bookkeeping and overlap better); wrong for models with data-dependent branches",
                             section=DISTRIBUTED, agree=True)
+    find_unused_parameters: bool = _f(False, "let DDP train a model whose forward leaves some parameters unused "
+                                             "(a branch not taken, a spare head): DDP then walks the autograd graph "
+                                             "after every forward to find them (torch: an extra traversal every "
+                                             "step, which can slow it); off, the kit stops at the first step naming "
+                                             "them", section=DISTRIBUTED, agree=True)
     powersgd_rank: int = _f(4, "PowerSGD: rank of the low-rank approximation (higher = closer to exact, more bytes)",
                             section=DISTRIBUTED, bound=POSITIVE, agree=True)
     powersgd_warmup_steps: int = _f(0, "PowerSGD: steps of exact fp32 all-reduce before compressing (the start of "
@@ -255,6 +260,19 @@ class Settings:
                 out.append(f"{f.name}={value}: must be positive")
             elif f.metadata["bound"] == NOT_NEGATIVE and value < 0:
                 out.append(f"{f.name}={value}: must not be negative")
+        out += self._combination_problems()
+        window = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(self.profile_steps))
+        if str(self.profile_steps).strip() and not (window and int(window[1]) < int(window[2])):
+            out.append(f"profile_steps={self.profile_steps!r}: write A:B with A < B, the training steps to trace "
+                       f"(e.g. 20:25 traces steps 20 to 24), or leave it empty")
+        if not str(self.master_addr).strip():
+            out.append("master_addr is empty: set it to the master node's IP address")
+        out += self._model_problems()
+        return out
+
+    def _combination_problems(self) -> list[str]:
+        """Settings that each work alone but not together."""
+        out = []
         # Accumulation and local SGD train under DDP's no_sync() (comm=auto never picks localsgd with static_graph).
         under_no_sync = (f"accumulate={self.accumulate}" if self.accumulate > 1 else
                          "comm=localsgd" if self.comm == "localsgd" else None)
@@ -265,10 +283,12 @@ class Settings:
         if self.parallel in ("dp", "none") and self.world_size > 1:
             out.append(f"parallel={self.parallel} runs one process, but world_size={self.world_size}: use "
                        f"parallel=ddp for several processes, or world_size=1")
-        ddp_only = [f"comm={self.comm}"] * (self.comm != "none") + ["static_graph"] * self.static_graph
+        ddp_only = ([f"comm={self.comm}"] * (self.comm != "none") + ["static_graph"] * self.static_graph
+                    + ["find_unused_parameters"] * self.find_unused_parameters)
         if self.parallel == "fsdp" and ddp_only:   # FSDP has no DDP wrapper to hook into
             out.append(f"{' and '.join(ddp_only)} with parallel=fsdp: these set how DDP sends the gradients, and FSDP "
-                       f"reduce-scatters them itself: use comm=none without static_graph, or parallel=ddp or zero1")
+                       f"reduce-scatters them itself (a parameter no forward uses keeps its value): use comm=none "
+                       f"without static_graph or find_unused_parameters, or parallel=ddp or zero1")
         if self.parallel == "zero1" and (self.comm == "localsgd" or self.auto_local_sgd):
             out.append(f"{'comm=localsgd' if self.comm == 'localsgd' else 'auto_local_sgd'} with parallel=zero1: local "
                        f"SGD averages every rank's whole optimizer state, which ZeRO-1 splits between the ranks: use "
@@ -280,13 +300,6 @@ class Settings:
         if self.build_ddp == "f" and (self.parallel != "ddp" or self.comm == "localsgd" or self.auto_local_sgd):
             out.append("build_ddp='f' runs ZeRO-1 with your ShardedOptimizer beside torch's DDP: use it with "
                        "parallel=ddp (the run is then zero1's) and without local SGD")
-        window = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(self.profile_steps))
-        if str(self.profile_steps).strip() and not (window and int(window[1]) < int(window[2])):
-            out.append(f"profile_steps={self.profile_steps!r}: write A:B with A < B, the training steps to trace "
-                       f"(e.g. 20:25 traces steps 20 to 24), or leave it empty")
-        if not str(self.master_addr).strip():
-            out.append("master_addr is empty: set it to the master node's IP address")
-        out += self._model_problems()
         return out
 
     def _model_problems(self) -> list[str]:

@@ -414,3 +414,45 @@ def test_zero1_and_fsdp_train_on_two_gpus_over_nccl_to_ddps_accuracy(tmp_path, d
     ddp, mine = results(tmp_path / "ddp"), results(tmp_path / mode)
     assert abs(mine["acc1"] - ddp["acc1"]) <= 1.0 and isinstance(mine["memory"]["peak_bytes"], int)
     assert weights(tmp_path / mode / "last.pt").keys() == weights(tmp_path / "ddp" / "last.pt").keys()
+
+
+def _spare_ranks(tmp_path, mode: str, *extra) -> list:
+    """Two ranks of ``train`` on a model with a parameter no forward uses (tests/helpers/unused_ranks.py)."""
+    port = free_port()
+    flags = [*FAST, "--arch", "spare_convnet", "--epochs", "1", "--batch-size", "8", "--max-steps-per-epoch", "3",
+             "--no-link-probe", "--parallel", mode, "--run-dir", str(tmp_path / mode), "--world-size", "2",
+             "--master-port", str(port), *extra]
+    return run_all([python("-m", "tests.helpers.unused_ranks", *flags, "--rank", str(r)) for r in (0, 1)],
+                   timeout=180, env=base_env(), stagger=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+def test_a_parameter_no_forward_uses_stops_the_first_step_on_every_rank_naming_it_and_the_setting(tmp_path, mode):
+    """Issue 55: at the default, DDP and ZeRO-1 stopped at step 2 with torch's "Expected to have finished reduction
+    in the prior iteration", naming no parameter, and the kit had no way to say find_unused_parameters."""
+    results = _spare_ranks(tmp_path, mode)
+    assert [r.returncode for r in results] == [2, 2], describe(results)
+    for r in results:
+        assert ("2 parameter(s) got no gradient in the first step on rank(s) 0, 1: spare.bias, spare.weight"
+                in r.output), describe([r])
+        assert "--find-unused-parameters" in r.output and "static_graph=True" in r.output, describe([r])
+        assert "Expected to have finished reduction" not in r.output.split("got no gradient")[0], describe([r])
+    assert not (tmp_path / mode / "last.pt").exists()   # stopped at the first step: no epoch saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "fsdp"])
+def test_with_find_unused_parameters_ddp_and_zero1_train_it_and_fsdp_needs_no_setting(tmp_path, mode):
+    runnable(mode)
+    results = _spare_ranks(tmp_path, mode, *(["--find-unused-parameters"] if mode != "fsdp" else []))
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    said = "DDP handles them (find_unused_parameters=True)" if mode != "fsdp" else "FSDP reduce-scatters the"
+    assert said in results[0].output, describe(results)
+    assert json.loads((tmp_path / mode / "results.json").read_text())["epochs_run"] == 1
+    assert checkpoint.load_checkpoint(tmp_path / mode / "last.pt")["model"]["spare.weight"].shape == (4, 4)
+
+
+def test_find_unused_parameters_is_refused_with_fsdp_which_has_no_ddp_to_tell():
+    with pytest.raises(ValueError, match="find_unused_parameters with parallel=fsdp"):
+        Settings(parallel="fsdp", find_unused_parameters=True)
