@@ -265,6 +265,17 @@ class FSDP(Mode):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for index in set(range(len(params))) - {int(i) for i in state["state"]}:
             optimizer.state.pop(params[index], None)
+        _own_copies(optimizer, state)
+
+
+def _own_copies(optimizer, state: dict) -> None:
+    """The optimizer's own copy of every tensor it took from ``state`` as is: torch's loader keeps the caller's
+    unsharded tensors (AdamW's ``step``), which each training step would then increment in the caller's state."""
+    given = {id(t) for entry in state["state"].values() for t in entry.values() if torch.is_tensor(t)}
+    for entry in optimizer.state.values():
+        for key, value in entry.items():
+            if torch.is_tensor(value) and id(value) in given:
+                entry[key] = value.clone()
 
 
 parallel.register(ZeRO1())
