@@ -168,13 +168,13 @@ def left_group(s: Settings, mode: str) -> None:
     """Rank 1 fails after a training step and leaves the group as ``Job.fail`` does, its model and optimizer still
     referenced (a notebook's kernel lives on, holding them); rank 0 then waits in a collective rank 1 never joins.
     It must fail at once, not when rank 1's process ends (12 s later) or at the collective timeout (60 s)."""
-    from tests.helpers.mode_matrix import build, settings_for, train
+    from tests.helpers.mode_matrix import batches, build, settings_for, train
     from ddp_utils.job import release_group
-    settings = settings_for(mode, 0.9, "nchw", s.rank, s.world_size, s.master_port)
+    settings = settings_for(mode, ("sgd", 0.9, "nchw"), s.rank, s.world_size, s.master_port)
     ctx = distributed.setup(settings)
     distributed.set_collective_timeout(60.0)
     model, optimizer, scheduler, scaler = build(settings, ctx)
-    train(model, optimizer, scheduler, scaler, settings, ctx, steps=2, seed=1)
+    train(model, optimizer, scheduler, scaler, settings, ctx, batches(1, ctx.rank, 2))
     peers.wait_for_all("trained", ctx, 60)
     if ctx.rank == 1:
         release_group(model)
