@@ -167,6 +167,21 @@ def test_a_killed_peer_stops_the_other_rank_within_seconds(tmp_path):
 
 
 @pytest.mark.slow
+def test_when_the_master_dies_the_survivors_paragraph_is_the_first_thing_it_prints(tmp_path):
+    """Issue 55, D2: losing node 0 is the commonest failure of the two-node homework, and the survivor printed about
+    63 lines of C++ frames (its store requests to the dead master, from the watch's and the report's threads) before
+    the kit's paragraph."""
+    import signal
+    returncode, stopped, out = signal_rank_1_after_epoch_1("patient", signal.SIGKILL, tmp_path, victim=0)
+    assert returncode == 2 and stopped < 30, (stopped, out[-3000:])
+    lines = out.splitlines()
+    first = next((i for i, line in enumerate(lines) if "rank 1: training stopped because" in line), None)
+    assert first is not None and first <= 5, out[-3000:]
+    assert "rank 0's store gave no answer" in lines[first] and "--resume" in lines[first], lines[first]
+    assert "frame #" not in out and "TCPStore.cpp" not in out, out[-3000:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["plain", pytest.param("patient", marks=pytest.mark.floor), "default"])
 def test_a_node_that_drops_off_the_network_stops_both_ranks_within_30_s(name, two_hosts, tmp_path):
     """Rank 1's link goes down mid-run: both ranks stop within 30 s, also with a collective timeout of 600 s (only

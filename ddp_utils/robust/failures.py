@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
+from .stderr import quietly
+
 COUNT = "failures"
 REPORT_S = 5.0   # seconds the main thread gives its failure report before it goes on without it
 
@@ -23,7 +25,7 @@ def within(seconds: float, call, default=None):
 
     def run() -> None:
         try:
-            got["answer"] = call()
+            got["answer"] = quietly(call)
         except Exception:   # noqa: BLE001 - the store may be what failed
             pass
     thread = threading.Thread(target=run, daemon=True, name="store-report")

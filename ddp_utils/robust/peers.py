@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from . import compat, failures, sockets
 from .devices import ended_beside
+from .stderr import quietly
 
 
 def attach(store, group_store, group_sockets: set) -> None:
@@ -174,7 +175,7 @@ def _ask_store(ctx, what: str, call, *args):
     """``call(*args)`` on the store, given up after STORE_PATIENCE s: a store call over a link that went
     down blocks far longer than any timeout set on the store, so it runs in a thread of its own."""
     box: list = []
-    thread = threading.Thread(target=lambda: box.append(_try(call, *args)), daemon=True)
+    thread = threading.Thread(target=lambda: box.append(_try(quietly, call, *args)), daemon=True)
     thread.start()
     thread.join(STORE_PATIENCE)
     if not box:

@@ -17,27 +17,34 @@ import threading
 from typing import Callable
 
 _holding: list = []   # the HeldStderr now holding fd 2, in the order they took it (release_all's)
+# One hold at a time in the process: two threads' holds released out of order would leave fd 2 turned to a closed
+# temporary file. A hold that cannot have it soon goes without (the noise then passes): never a thread stuck here.
+_fd2 = threading.Lock()
 
 
 class HeldStderr:
     """``hold()`` ... ``release()`` (or ``with HeldStderr(is_noise):``): fd 2's output in between is held, and
-    written back on release but for the lines ``is_noise`` matches. Hold and release may come from two threads."""
+    written back on release but for the lines ``is_noise`` matches. Hold and release may come from two threads.
+    ``wait``: how long ``hold`` waits while another hold is on before it goes without."""
 
-    def __init__(self, is_noise: Callable[[str], bool]):
-        self.is_noise = is_noise
+    def __init__(self, is_noise: Callable[[str], bool], wait: float = 1.0):
+        self.is_noise, self.wait = is_noise, wait
         self._lock = threading.Lock()
         self._saved: int | None = None   # the real fd 2 while held
         self._file = None
 
     def hold(self) -> None:
         with self._lock:
-            if self._saved is not None:
+            if self._saved is not None or not _fd2.acquire(timeout=self.wait):
                 return
-            with contextlib.suppress(OSError):
+            try:
                 self._file = tempfile.TemporaryFile()
                 self._saved = os.dup(2)
                 os.dup2(self._file.fileno(), 2)
                 _holding.append(self)
+            except OSError:
+                self._saved = None
+                _fd2.release()
 
     def release(self) -> None:
         with self._lock:
@@ -47,6 +54,7 @@ class HeldStderr:
             os.close(self._saved)
             self._saved = None
             _holding.remove(self)
+            _fd2.release()
             self._file.seek(0)
             kept = [line for line in self._file.read().decode(errors="replace").splitlines(keepends=True)
                     if not self.is_noise(line)]
@@ -73,7 +81,8 @@ def release_all() -> None:
 # profiler_start"; on a CUDA build without a GPU an "ERROR:... gpuGetDeviceCount" that is none)
 _KINETO = re.compile(r"^\s*[A-Z]*:?\s*\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+:\d+\]")
 # torch's C++ log lines ("[W1128 20:05:21.123456 12345 TCPStore.cpp:123] ...") and an exception's C++ frames
-_CPP = re.compile(r"^(\[[WEIF]\d{4} |frame #\d+:|Exception raised from |\s*$)")
+# ("[rank1]:[W1202 ...": the c10d logger's, which names the rank first)
+_CPP = re.compile(r"^(\[rank\d+\]:)?(\[[WEIF]\d{4} |frame #\d+:|Exception raised from |\s*$)")
 
 
 def profiler_noise(line: str) -> bool:
@@ -82,3 +91,11 @@ def profiler_noise(line: str) -> bool:
 
 def store_noise(line: str) -> bool:
     return bool(_CPP.match(line))
+
+
+def quietly(call, *args):
+    """``call(*args)`` (a store request) with the C++ frames torch's store client logs when it fails kept off the
+    output: ~25 lines a failed request, from every thread that asks a dead master's store, in front of the
+    paragraph that explains it. Goes without the hold when another one is on (never waits)."""
+    with HeldStderr(store_noise, wait=0.0):
+        return call(*args)

@@ -232,22 +232,38 @@ def wait_for_epoch_1(folder, procs, bound: float = 120.0) -> None:
         _time.sleep(0.1)
 
 
-def signal_rank_1_after_epoch_1(name, sig, folder) -> tuple:
-    """Both ranks of scenario ``name``; once epoch 1 is saved rank 1 gets ``sig`` (SIGSTOP: frozen, SIGKILL:
-    gone). Rank 0's (return code, seconds from the signal to its exit, output)."""
+def signal_rank_1_after_epoch_1(name, sig, folder, victim: int = 1) -> tuple:
+    """Both ranks of scenario ``name``; once epoch 1 is saved rank ``victim`` gets ``sig`` (SIGSTOP: frozen, SIGKILL:
+    gone). The other rank's (return code, seconds from the signal to its exit, output after the signal)."""
     from tests.helpers.procs import free_port
     procs = start_ranks(name, free_port(), folder, real=sig == signal.SIGSTOP)
+    survivor = procs[1 - victim]
     try:
         wait_for_epoch_1(folder, procs)
+        before = printed_so_far(survivor)   # what it printed before the signal
         # a SIGKILL goes to the rank's own command, not the fork server's client that stands for it (tests/helpers/zygote.py:
         # the client's death reaches the command only when the server sees it, after the others may have looked)
         from tests.helpers import zygote
-        os.kill((zygote.command_of(procs[1].pid) if sig == signal.SIGKILL else None) or procs[1].pid, sig)
+        os.kill((zygote.command_of(procs[victim].pid) if sig == signal.SIGKILL else None) or procs[victim].pid, sig)
         sent = time.monotonic()
-        out = output_of(procs[0], 60)
-        return procs[0].returncode, time.monotonic() - sent, out
+        out = output_of(survivor, 60)
+        return survivor.returncode, time.monotonic() - sent, out if victim == 0 else before + out
     finally:
         stop_all(procs)
+
+
+def printed_so_far(proc) -> str:
+    """What ``proc`` has written to its stdout pipe until now (read from the pipe itself: nothing has read it yet)."""
+    fd, chunks = proc.stdout.fileno(), []
+    os.set_blocking(fd, False)
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    finally:
+        os.set_blocking(fd, True)
+    return b"".join(chunks).decode(errors="replace")
 
 
 def output_of(proc, bound: float) -> str:
