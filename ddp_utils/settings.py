@@ -212,6 +212,12 @@ class Settings:
     # ---------------------------------------------------------------------------------------
     def __post_init__(self):
         # Fill what was left out from the preset's recipe (frozen: hence object.__setattr__).
+        for f in fields(self):   # a notebook's pathlib.Path for a folder is the text of that path; EPOCHS = 2.0 is 2
+            value = getattr(self, f.name)
+            if _kind(f) is str and isinstance(value, os.PathLike):
+                object.__setattr__(self, f.name, os.fspath(value))
+            elif _kind(f) is int and isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, f.name, int(value))
         recipe = PRESETS[self.dataset if self.dataset in PRESETS else "demo"].recipe
         if self.arch is None:
             object.__setattr__(self, "arch", recipe.arch)
@@ -241,12 +247,11 @@ class Settings:
             choices = _choices(f)
             if choices and getattr(self, f.name) not in choices:
                 out.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
-        # A value typed into a notebook (MAX_STEPS = None, EPOCHS = "2") gets a sentence, not a TypeError.
-        not_numbers = [f"{f.name}={getattr(self, f.name)!r}: must be a number" for f in fields(self)
-                       if _kind(f) in (int, float) and (isinstance(getattr(self, f.name), bool)
-                                                        or not isinstance(getattr(self, f.name), (int, float)))]
-        if not_numbers:
-            return out + not_numbers
+        # A value typed into a notebook (MAX_STEPS = None, EPOCHS = "2", COMPILE = "no") gets a sentence, not a
+        # TypeError, nor a truthy string taken for True
+        mistyped = [_mistyped(f, getattr(self, f.name)) for f in fields(self)]
+        if any(mistyped):
+            return out + [m for m in mistyped if m]
         if self.world_size < 1:
             out.append(f"world_size={self.world_size}: must be at least 1")
         if not 0 <= self.rank < max(self.world_size, 1):
@@ -425,6 +430,21 @@ def _choices(f) -> tuple | None:
 def _help(f) -> str:
     """A field's help text, read now where it comes from a table."""
     return f.metadata["help"]() if callable(f.metadata["help"]) else f.metadata["help"]
+
+
+def _mistyped(f, value) -> str | None:
+    """The sentence for a value not of its field's type (numbers numbers, booleans True or False, names and paths
+    text), or None."""
+    kind = _kind(f)
+    if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        return f"{f.name}={value!r}: must be a number"
+    if kind is int and isinstance(value, float) and not value.is_integer():
+        return f"{f.name}={value!r}: must be a whole number"
+    if kind is bool and not isinstance(value, bool):
+        return f"{f.name}={value!r}: must be True or False"
+    if kind is str and not isinstance(value, str):
+        return f"{f.name}={value!r}: must be text (a name, or a path in quotes)"
+    return None
 
 
 def _kind(f) -> type:

@@ -167,3 +167,19 @@ def test_a_value_that_is_no_number_is_named_in_a_sentence_not_a_type_error(typed
     [(name, value)] = typed.items()
     with pytest.raises(ValueError, match=re.escape(f"{name}={value!r}: must be a number")):
         Settings(**typed)
+
+
+@pytest.mark.parametrize("typed, said", [({"compile": "no"}, "compile='no': must be True or False"),
+                                         ({"static_graph": 1}, "static_graph=1: must be True or False"),
+                                         ({"data_dir": 3}, "data_dir=3: must be text (a name, or a path in quotes)"),
+                                         ({"epochs": 2.5}, "epochs=2.5: must be a whole number")])
+def test_each_setting_is_checked_for_its_type_with_a_sentence_naming_the_value(typed, said):
+    """Issue 55, item 5: a truthy string was taken for True (COMPILE = "no" compiled), a number for a path."""
+    with pytest.raises(ValueError, match=re.escape(said)):
+        Settings(**typed)
+
+
+def test_a_path_object_is_taken_as_its_text_and_a_whole_float_as_an_integer():
+    import pathlib
+    settings = Settings(data_dir=pathlib.Path("data") / "demo", epochs=3.0)
+    assert settings.data_dir == "data/demo" and settings.epochs == 3 and isinstance(settings.epochs, int)
