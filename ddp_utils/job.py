@@ -35,7 +35,7 @@ from .model import build_model, parallel_mode, prepare_model, unwrap
 from .parallel import load_model_state
 from .robust import autoresume
 from .runlog import NullLogger, RunLogger, default_run_dir, make_logger, summarize
-from .settings import Settings
+from .settings import Settings, field_type
 from .train import evaluate, fit
 from .watch import wait_for_the_others
 
@@ -195,7 +195,7 @@ NOT_IN_A_GRID = ("rank", "world_size", "local_rank", "master_addr", "master_port
 
 def grid_axes(texts) -> dict[str, list]:
     """``["bucket_mb=1,25,100", "comm=none,fp16"]`` -> ``{"bucket_mb": [1.0, 25.0, 100.0], "comm": ["none", "fp16"]}``:
-    each value converted to its setting's type (the defaults' types), every name a setting."""
+    each value converted to its setting's type, every name a setting."""
     defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
     axes: dict[str, list] = {}
     for text in texts or []:
@@ -207,7 +207,7 @@ def grid_axes(texts) -> dict[str, list]:
         if name in NOT_IN_A_GRID or name in axes:
             raise ValueError(f"--grid {text!r}: {name} cannot vary {'twice' if name in axes else 'within one job'} "
                              f"({'give it once' if name in axes else 'run a job per value; --seeds repeats runs'})")
-        kind = type(defaults[name]) if defaults[name] is not None else str
+        kind = field_type(name)   # the field's own: a recipe's epochs or lr default to None, yet are numbers
         try:
             axes[name] = [_grid_value(kind, v.strip()) for v in values.split(",") if v.strip()]
         except ValueError:

@@ -447,6 +447,11 @@ def _mistyped(f, value) -> str | None:
     return None
 
 
+def field_type(name: str) -> type:
+    """The type setting ``name`` takes (its flag's): int for ``epochs`` although its default is None (the recipe's)."""
+    return _kind(next(f for f in fields(Settings) if f.name == name))
+
+
 def _kind(f) -> type:
     """The type a field's values take (its flag's): ``type=`` where the default is None, else the default's."""
     return f.metadata.get("type", type(f.default))

@@ -23,6 +23,16 @@ def test_grid_values_take_their_settings_types_and_every_combination_gets_its_ow
     assert len({r.run_dir for r in runs}) == 8
 
 
+def test_a_recipe_setting_whose_default_is_none_is_still_parsed_as_its_number():
+    """Issue 55, item 5: --grid lr=0.1,0.2 or epochs=2,4 parsed as text (their defaults are None, the preset's recipe),
+    and every run then stopped on 'must be a number'."""
+    axes = grid_axes(["lr=0.1,0.2", "epochs=2,4", "optimizer=sgd,adamw"])
+    assert axes == {"lr": [0.1, 0.2], "epochs": [2, 4], "optimizer": ["sgd", "adamw"]}
+    assert [(r.lr, r.epochs) for r in grid_settings(Settings(run_dir="runs/g"), axes)][:2] == [(0.1, 2), (0.1, 2)]
+    with pytest.raises(ValueError, match="epochs takes int values"):
+        grid_axes(["epochs=2.5"])
+
+
 @pytest.mark.parametrize("bad,said", [("rank=0,1", "cannot vary within one job"), ("seed=1,2", "--seeds"),
                                       ("nope=1", "NAME a train setting"), ("bucket_mb=big", "takes float values"),
                                       ("sync_bn=maybe", "takes bool values"), ("bucket_mb=", "NAME=V1,V2")])
