@@ -35,11 +35,12 @@ def pytest_runtest_makereport(item, call):
                                f"(.ci/run sets CI=true): {reason}")
 
 
-# The files that take longest, collected first. Under -n 3 --dist loadfile each file goes whole to the worker that is
+# The files that take longest, collected first. Under -n 2 --dist loadfile each file goes whole to the worker that is
 # free, in the order collected (pytest.ini's --no-loadscope-reorder: xdist would otherwise put the files with the
 # most tests first, which are the quick ones, and leave the longest for the end, one worker idle): the longest first
 # leave the short ones to even out the end. Per-file sums of python -m pytest -n 2 --durations=0 (2026-12-02); a
-# third worker on two cores: about a third of the suite's time is waiting (fault bounds, notebook pauses, starts); a
+# third worker (-n 3) ran the suite 2 % faster but took the CPU-heavy fixtures (the demo at its defaults, the lab's
+# solution) to within 10 % of their time bounds, and past them beside any other load; a
 # file not named here keeps its place after these.
 LONGEST_FIRST = ("test_faults.py", "test_training.py", "test_launch.py", "test_sharding.py", "test_quotes.py",
                  "test_notebooks.py", "test_build_ddp.py", "test_jupyterlab.py", "test_real_processes.py",

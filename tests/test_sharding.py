@@ -427,7 +427,7 @@ def _spare_ranks(tmp_path, mode: str, *extra) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+@pytest.mark.parametrize("mode", ["ddp"])   # zero1 wraps the same DDP (the setting's runs below take both)
 def test_a_parameter_no_forward_uses_stops_the_first_step_on_every_rank_naming_it_and_the_setting(tmp_path, mode):
     """Issue 55: at the default, DDP and ZeRO-1 stopped at step 2 with torch's "Expected to have finished reduction
     in the prior iteration", naming no parameter, and the kit had no way to say find_unused_parameters."""
