@@ -34,7 +34,7 @@ import traceback
 
 from . import peers
 from . import guard
-from .stderr import HeldStderr, store_noise
+from .stderr import quietly
 
 SILENT_AFTER = 15.0   # seconds without a beat before a rank counts as gone (beats come every 2 s)
 
@@ -58,7 +58,6 @@ class Heartbeat:
         self._store_ok = 0.0     # when the beat thread last finished a round with the store
         self._failure: str | None = None   # a failure another rank reported
         self._all_beat = False   # every other rank's beat key exists: one multi_get reads them all
-        self._quiet = HeldStderr(store_noise, wait=0.0)   # never waits: another hold on means this beat goes without
         self._finished = False
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._beat, name="ddp_utils-heartbeat", daemon=True),
@@ -148,8 +147,7 @@ class Heartbeat:
                     if self._finished:
                         self._keys.set(f"alive/{me}", "done")
                     return
-                with self._quiet:   # a dead store's C++ frames (~25 lines a call) kept from the student's output
-                    self._round()
+                quietly(self._round)   # a dead store's C++ frames (~25 lines a call) kept from the student's output
             except Exception:   # noqa: BLE001 - the store (rank 0) is gone or unreachable: the judge decides
                 if stopping:
                     return
