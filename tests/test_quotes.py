@@ -192,6 +192,131 @@ def test_demo_trains_ddp_and_single_and_prints_the_comparison_table(fresh):
     assert len(list((fresh.tmp / "runs" / "demo").glob("*/results.json"))) == 2
 
 
+@pytest.fixture(scope="module")
+def demo_runs(fresh) -> dict[str, Path]:
+    """The demo's two run folders (DDP on 2 ranks, then one process), from its run above."""
+    fresh("demo", "demo")
+    runs = fresh.tmp / "runs" / "demo"
+    [ddp], [single] = runs.glob("*-ddp2"), runs.glob("*-single")
+    return {"ddp": ddp, "single": single}
+
+
+# -- the demo's runs: the default recipe learns, and they hold every figure the homework asks for -------------
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["ddp", "single"])
+def test_demo_at_default_settings_reaches_95_percent(demo_runs, run):
+    """The default recipe (the demo's; a run of `train --dataset demo` with nothing else set has it too) learns."""
+    from ddp_utils.settings import Settings
+    results = json.loads((demo_runs[run] / "results.json").read_text())
+    assert results["acc1"] >= 95.0, results["acc1"]
+    saved = json.loads((demo_runs[run] / "settings.json").read_text())
+    assert (saved["arch"], saved["epochs"], saved["batch_size"], saved["lr"]) == ("convnet", 8, 32, 0.8)
+    defaults = Settings()
+    assert (defaults.arch, defaults.epochs, defaults.batch_size, defaults.lr) == ("convnet", 8, 32, 0.8)
+
+
+def answer_sources() -> dict[int, list[str]]:
+    """``{question number: ["time.png", "results.json: comm_s, ...", ...]}`` from lab/README.md's step 9."""
+    text = (Path(REPO) / "lab" / "README.md").read_text()
+    section = text.split("## 9. Questions to answer")[1].split("## 10.")[0]
+    sources, question, answer = {}, None, False
+    for line in section.splitlines():
+        start = re.match(r"(\d+)\. \*\*", line)
+        if start:
+            question, answer = int(start.group(1)), False
+        answer = (answer and line.strip() != "" and not line.lstrip().startswith("* ")) or "*Answer from:*" in line
+        if answer:
+            sources.setdefault(question, []).extend(re.findall(r"`([^`]+)`", line))
+    return sources
+
+
+# Sources the demo's two runs do not make, and the test that makes them instead.
+MADE_ELSEWHERE = {"runs/check/allreduce-*.json": "tests/test_cli.py, tests/test_mesh.py: check saves its sweep",
+                  "runs/iperf3.txt": "the student's own iperf3 (step 5); no kit code writes it"}
+# Questions answered from other runs than the demo's pair, each with the tests whose runs make those sources.
+OTHER_RUNS = {12: "tests/test_grid.py (train --grid, report's grid section and grid.png); "
+                  "tests/test_build_ddp_bench.py (bench.py step's step.md)",
+              13: "tests/test_own_ddp.py (--build-ddp a and c in the notebooks, comm_s); tests/test_build_ddp.py "
+                  "(the lab's pytest log); tests/test_build_ddp_bench.py (collectives.png, collectives.json, step.md); "
+                  "tests/test_sharding.py (--build-ddp f's memory)",
+              14: "tests/test_sharding.py (zero1 and fsdp runs, report's memory table)"}
+
+
+# questions 12 and 13's sources that lab/build_ddp writes or runs: the text its source must hold
+LAB_BENCH = {"bench.py step": 'add_parser("step"', "bench.py": 'add_parser("collectives"',
+             "step.md": '"step.md"', "collectives.png": '"collectives.png"', "collectives.json": '"collectives.json"',
+             "python -m pytest lab/build_ddp -rA": "def test_part_a_"}
+
+
+def lab_source() -> str:
+    lab = Path(REPO) / "lab" / "build_ddp"
+    return (lab / "bench.py").read_text() + (lab / "test_build_ddp.py").read_text()
+
+
+def report_source() -> str:
+    return "\n".join(p.read_text() for p in (Path(REPO) / "ddp_utils" / "tools" / "report").glob("*.py"))
+
+
+def kit_source() -> str:
+    return "\n".join(p.read_text() for p in (Path(REPO) / "ddp_utils").rglob("*.py"))
+
+
+@pytest.mark.slow
+def test_every_homework_question_names_figures_that_the_demo_runs_produced(demo_runs, tmp_path):
+    from ddp_utils.tools import report
+    from ddp_utils.runlog import read_scalars
+    runs = [demo_runs["ddp"], demo_runs["single"]]
+    out = tmp_path / "report"
+    report.write_report(runs, out)
+    sources = answer_sources()
+    assert sorted(sources) == list(range(1, 15)), sources   # every question says where its answer is
+    written = (out / "results.md").read_text()
+    for question, items in sources.items():
+        for item in items:
+            kind, _, names = item.partition(": ")
+            where = f"question {question}: {item}"
+            if item in MADE_ELSEWHERE:   # not by a demo run: the test named there makes it
+                continue
+            if question in OTHER_RUNS:   # a grid, your own DDP, ZeRO/FSDP: the runs of OTHER_RUNS[question]
+                if kind == "results.md":
+                    assert f"## {names}" in report_source(), where   # the report writes that section
+                elif kind == "results.json":
+                    assert all(f'"{name}"' in kit_source() for name in names.split(", ")), where
+                elif kind in LAB_BENCH:   # the lab's own commands and what bench.py writes
+                    assert LAB_BENCH[kind] in lab_source(), where
+                else:
+                    assert kind in ("grid.png", "time.png") or kind.startswith("the epoch lines") \
+                        or kind.endswith(".md"), where
+                continue
+            if kind == "results.md" and names:              # a section of the report over the demo runs
+                assert f"## {names}" in written, where
+                continue
+            if kind == "compare":                           # the table `python -m ddp_utils compare RUN...` prints
+                table = report.compare_table(runs)
+                assert "| single |" in table and "| DDP |" in table, where   # both runs, one row each
+                continue
+            if kind == "report":                            # the command that wrote `out`
+                assert (out / "results.md").is_file(), where
+                continue
+            if not names:                                   # a file of the report
+                assert (out / kind).is_file(), where
+                continue
+            names = [name.strip() for name in names.split(",")]
+            for run in runs:
+                if kind == "results.json":
+                    results = json.loads((run / "results.json").read_text())
+                    assert all(name in results for name in names), where
+                elif kind == "TensorBoard":
+                    scalars = read_scalars(run)
+                    assert all(scalars.get(name) for name in names), where
+                elif kind == "run folder":
+                    assert all((run / name).is_file() for name in names), where
+                elif kind == "log.txt":
+                    assert all(name in (run / "log.txt").read_text() for name in names), where
+                else:
+                    raise AssertionError(f"{where}: unknown kind of source {kind!r}")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("run,proc", [(r, p) for r, run in quotes.RUNS.items() for p in run.procs])

@@ -64,6 +64,16 @@ def test_amp_is_off_on_cpu_by_default_and_bf16_when_asked():
     assert optim.amp_dtype(Settings(amp="bf16"), cpu) is torch.bfloat16
 
 
+def test_fp16_on_a_cpu_is_said_to_be_slow_and_the_loop_says_it(tmp_path, capsys):
+    """Issue 55: `--amp fp16` on a CPU ran many times slower without a word."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert optim.precision_note(Settings(amp="fp16"), cpu).startswith("note: amp=fp16 on a CPU: a CPU has no fast "
+                                                                      "float16 arithmetic")
+    assert optim.precision_note(Settings(amp="fp16"), gpu) == "" == optim.precision_note(Settings(amp="bf16"), cpu)
+    _in_process_fit(tmp_path / "run", epochs=1, amp="fp16", workers=0)
+    assert "note: amp=fp16 on a CPU" in (tmp_path / "run" / "log.txt").read_text()
+
+
 # -- DDP maths ---------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -98,12 +108,12 @@ def test_evaluation_is_exact_across_ranks_for_a_split_not_divisible_by_the_world
 
 # -- checkpoints and resume --------------------------------------------------------------------
 
-def _in_process_fit(run_dir, epochs=3, resume=None, dataset="fake", data_dir="data/demo"):
+def _in_process_fit(run_dir, epochs=3, resume=None, dataset="fake", data_dir="data/demo", **changes):
     """What a notebook does: prepare() then fit(job), in this process."""
     from ddp_utils.job import prepare
-    settings = Settings(dataset=dataset, data_dir=str(data_dir), image_size=32, arch="convnet", workers=2,
-                        wandb="disabled", epochs=epochs, batch_size=8, max_steps_per_epoch=3,
-                        run_dir=str(run_dir), log_every=1)
+    settings = Settings(**{**dict(dataset=dataset, data_dir=str(data_dir), image_size=32, arch="convnet", workers=2,
+                                  wandb="disabled", epochs=epochs, batch_size=8, max_steps_per_epoch=3,
+                                  run_dir=str(run_dir), log_every=1), **changes})
     with prepare(settings, resume=resume, log=lambda *_: None) as job:
         return train.fit(job)
 
@@ -298,11 +308,13 @@ def test_final_metrics_of_a_two_rank_run_equal_a_single_process_evaluation_of_it
 # -- defaults that learn, threads, output -----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def demo_at_defaults(tmp_path_factory):
-    """`python -m ddp_utils train --dataset demo` with nothing else set, on 2 ranks and on 1, output piped."""
+def at_defaults(tmp_path_factory):
+    """`python -m ddp_utils train --dataset demo` with nothing else set but a short run (2 epochs of 3 steps), on 2
+    ranks and on 1, output piped. (The default recipe's accuracy: tests/test_quotes.py, on the demo's runs.)"""
     tmp = tmp_path_factory.mktemp("defaults")
     port = free_port()
-    base = ["--dataset", "demo", "--data-dir", str(tmp / "demo"), "--wandb", "disabled"]
+    base = ["--dataset", "demo", "--data-dir", str(tmp / "demo"), "--wandb", "disabled", "--epochs", "2",
+            "--max-steps-per-epoch", "3"]
     from ddp_utils.demo_data import prepare_demo
     prepare_demo(tmp / "demo")
     env = base_env()
@@ -315,20 +327,9 @@ def demo_at_defaults(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["ddp", "single"])
-def test_demo_at_default_settings_reaches_95_percent(demo_at_defaults, run):
-    tmp, two, one = demo_at_defaults
-    assert all(r.returncode == 0 for r in two + one), describe(two + one)
-    results = json.loads((tmp / run / "results.json").read_text())
-    assert results["acc1"] >= 95.0, results["acc1"]
-    saved = json.loads((tmp / run / "settings.json").read_text())
-    assert (saved["arch"], saved["epochs"], saved["batch_size"], saved["lr"]) == ("convnet", 8, 32, 0.8)
-
-
-@pytest.mark.slow
-def test_ranks_sharing_a_machine_share_its_cores(demo_at_defaults):
+def test_ranks_sharing_a_machine_share_its_cores(at_defaults):
     import os
-    tmp, two, one = demo_at_defaults
+    tmp, two, one = at_defaults
     assert all(r.returncode == 0 for r in two + one), describe(two + one)
     cores = len(os.sched_getaffinity(0))
     assert json.loads((tmp / "ddp" / "results.json").read_text())["threads"] == max(1, cores // 2)
@@ -337,13 +338,13 @@ def test_ranks_sharing_a_machine_share_its_cores(demo_at_defaults):
 
 
 @pytest.mark.slow
-def test_piped_output_has_one_line_per_epoch_and_no_progress_bar_frames(demo_at_defaults):
-    tmp, two, one = demo_at_defaults
+def test_piped_output_has_one_line_per_epoch_and_no_progress_bar_frames(at_defaults):
+    tmp, two, one = at_defaults
     assert all(r.returncode == 0 for r in two + one), describe(two + one)
     for output in (two[0].output, one[0].output):
         assert "\r" not in output and not re.search(r"\dit/s", output)   # tqdm's rate; "Gbit/s" is fine
         assert [line.split(":")[0] for line in output.splitlines() if line.startswith("epoch ")] == [
-            f"epoch {e}/8" for e in range(1, 9)]
+            f"epoch {e}/2" for e in range(1, 3)]
 
 
 @pytest.mark.slow
@@ -440,116 +441,6 @@ def test_resuming_with_another_architecture_names_both_and_writes_nothing(tmp_pa
     assert "is a checkpoint of arch='convnet', but these settings say arch='convnet_gn'" in res.output
     assert "--arch convnet" in res.output and "Traceback" not in res.output and len(res.output) < 3000
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
-
-
-def answer_sources() -> dict[int, list[str]]:
-    """``{question number: ["time.png", "results.json: comm_s, ...", ...]}`` from lab/README.md's step 9."""
-    import re
-    from pathlib import Path
-    text = (Path(__file__).resolve().parents[1] / "lab" / "README.md").read_text()
-    section = text.split("## 9. Questions to answer")[1].split("## 10.")[0]
-    sources, question, answer = {}, None, False
-    for line in section.splitlines():
-        start = re.match(r"(\d+)\. \*\*", line)
-        if start:
-            question, answer = int(start.group(1)), False
-        answer = (answer and line.strip() != "" and not line.lstrip().startswith("* ")) or "*Answer from:*" in line
-        if answer:
-            sources.setdefault(question, []).extend(re.findall(r"`([^`]+)`", line))
-    return sources
-
-
-# Sources the demo's two runs do not make, and the test that makes them instead.
-MADE_ELSEWHERE = {"runs/check/allreduce-*.json": "tests/test_cli.py, tests/test_mesh.py: check saves its sweep",
-                  "runs/iperf3.txt": "the student's own iperf3 (step 5); no kit code writes it"}
-# Questions answered from other runs than the demo's pair, each with the tests whose runs make those sources.
-OTHER_RUNS = {12: "tests/test_grid.py (train --grid, report's grid section and grid.png); "
-                  "tests/test_build_ddp_bench.py (bench.py step's step.md)",
-              13: "tests/test_own_ddp.py (--build-ddp a and c in the notebooks, comm_s); tests/test_build_ddp.py "
-                  "(the lab's pytest log); tests/test_build_ddp_bench.py (collectives.png, collectives.json, step.md); "
-                  "tests/test_sharding.py (--build-ddp f's memory)",
-              14: "tests/test_sharding.py (zero1 and fsdp runs, report's memory table)"}
-
-
-# questions 12 and 13's sources that lab/build_ddp writes or runs: the text its source must hold
-LAB_BENCH = {"bench.py step": 'add_parser("step"', "bench.py": 'add_parser("collectives"',
-             "step.md": '"step.md"', "collectives.png": '"collectives.png"', "collectives.json": '"collectives.json"',
-             "python -m pytest lab/build_ddp -rA": "def test_part_a_"}
-
-
-def lab_source() -> str:
-    from pathlib import Path
-    lab = Path(__file__).resolve().parents[1] / "lab" / "build_ddp"
-    return (lab / "bench.py").read_text() + (lab / "test_build_ddp.py").read_text()
-
-
-def report_source() -> str:
-    from pathlib import Path
-    return "\n".join(p.read_text() for p in (Path(__file__).resolve().parents[1] / "ddp_utils" / "tools" / "report")
-                     .glob("*.py"))
-
-
-def kit_source() -> str:
-    from pathlib import Path
-    return "\n".join(p.read_text() for p in (Path(__file__).resolve().parents[1] / "ddp_utils").rglob("*.py"))
-
-
-@pytest.mark.slow
-def test_every_homework_question_names_figures_that_the_demo_runs_produced(demo_at_defaults, tmp_path):
-    from ddp_utils.tools import report
-    from ddp_utils.runlog import read_scalars
-    tmp, two, one = demo_at_defaults
-    assert all(r.returncode == 0 for r in two + one), describe(two + one)
-    runs = [tmp / "ddp", tmp / "single"]
-    out = tmp_path / "report"
-    report.write_report(runs, out)
-    sources = answer_sources()
-    assert sorted(sources) == list(range(1, 15)), sources   # every question says where its answer is
-    written = (out / "results.md").read_text()
-    for question, items in sources.items():
-        for item in items:
-            kind, _, names = item.partition(": ")
-            where = f"question {question}: {item}"
-            if item in MADE_ELSEWHERE:   # not by a demo run: the test named there makes it
-                continue
-            if question in OTHER_RUNS:   # a grid, your own DDP, ZeRO/FSDP: the runs of OTHER_RUNS[question]
-                if kind == "results.md":
-                    assert f"## {names}" in report_source(), where   # the report writes that section
-                elif kind == "results.json":
-                    assert all(f'"{name}"' in kit_source() for name in names.split(", ")), where
-                elif kind in LAB_BENCH:   # the lab's own commands and what bench.py writes
-                    assert LAB_BENCH[kind] in lab_source(), where
-                else:
-                    assert kind in ("grid.png", "time.png") or kind.startswith("the epoch lines") \
-                        or kind.endswith(".md"), where
-                continue
-            if kind == "results.md" and names:              # a section of the report over the demo runs
-                assert f"## {names}" in written, where
-                continue
-            if kind == "compare":                           # the table `python -m ddp_utils compare RUN...` prints
-                table = report.compare_table(runs)
-                assert "| single |" in table and "| DDP |" in table, where   # both runs, one row each
-                continue
-            if kind == "report":                            # the command that wrote `out`
-                assert (out / "results.md").is_file(), where
-                continue
-            if not names:                                   # a file of the report
-                assert (out / kind).is_file(), where
-                continue
-            names = [name.strip() for name in names.split(",")]
-            for run in runs:
-                if kind == "results.json":
-                    results = json.loads((run / "results.json").read_text())
-                    assert all(name in results for name in names), where
-                elif kind == "TensorBoard":
-                    scalars = read_scalars(run)
-                    assert all(scalars.get(name) for name in names), where
-                elif kind == "run folder":
-                    assert all((run / name).is_file() for name in names), where
-                elif kind == "log.txt":
-                    assert all(name in (run / "log.txt").read_text() for name in names), where
-                else:
-                    raise AssertionError(f"{where}: unknown kind of source {kind!r}")
 
 
 # -- resuming on another world size (a node lost or added) -----------------------------------------
