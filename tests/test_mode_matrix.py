@@ -1,7 +1,7 @@
 """Every parallel mode on the settings a GPU run takes: the mode matrix (tests/helpers/mode_matrix.py runs each rank).
 
 {ddp, zero1, fsdp} saved x {ddp, zero1, fsdp} resumed x {1, 2, 3} ranks each way x {SGD without and with momentum,
-AdamW} x channels_last {on, off} (forced on this CPU), on a net with a parameter that no forward uses (at the kit's
+AdamW} in channels_last (forced on this CPU), and SGD with momentum also without it (mode_matrix.VARIANTS), on a net with a parameter that no forward uses (at the kit's
 default: find_unused_parameters under DDP), trained in bf16 autocast with fp16's gradient scaler in the loop: each
 checkpoint resumes in every other mode and world size with, on EVERY rank, the state restored bit for bit, the state
 it was given unchanged, and the next step the source mode's own (within mode_matrix.STEP_RTOL); best.pt and last.pt

@@ -51,7 +51,11 @@ def test_a_group_signal_with_workers_on_stops_both_ranks_and_leaves_no_process(t
         deadline = time.monotonic() + 240
         while not (run / "last.pt").exists() and time.monotonic() < deadline and procs[0].poll() is None:
             time.sleep(0.3)
-        assert (run / "last.pt").exists(), "no checkpoint was written in time"
+        if not (run / "last.pt").exists():   # a rank that ended early: what it said
+            stop(procs)
+            said = "\n".join(f"--- rank {r} (exit {p.poll()}):\n{p.communicate(timeout=30)[0][-3000:]}"
+                             for r, p in enumerate(procs))
+            raise AssertionError(f"no checkpoint was written in time\n{said}")
         time.sleep(1.0)   # into the next epoch: its DataLoader workers are running
         os.killpg(procs[rank].pid, sig)
         stopped = time.monotonic()

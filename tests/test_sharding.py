@@ -64,21 +64,6 @@ def results(folder) -> dict:
     return json.loads((folder / "results.json").read_text())
 
 
-# Both ranks stop right after epoch 2's checkpoint (Stop in both notebooks, both nodes lost, a spot instance taken).
-STOPPED_AFTER_EPOCH_2 = """
-import sys
-from ddp_utils import checkpoint
-from ddp_utils.tools import cli
-real = checkpoint.save_state
-def save_state(paths, loop):
-    real(paths, loop)
-    if loop.epoch == 1:
-        raise KeyboardInterrupt
-checkpoint.save_state = save_state
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
-
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory, demo_dir):
     """``stopped(mode)``: the folder of a 2-rank run of ``runs``' settings, stopped after its epoch 2 (made once)."""
@@ -87,7 +72,7 @@ def stopped(tmp_path_factory, demo_dir):
     def stop(mode: str):
         if mode not in made:
             folder, port = tmp_path_factory.mktemp(f"stopped-{mode}") / "run", free_port()
-            cmds = [python("-c", STOPPED_AFTER_EPOCH_2, "train", *FAST, *demo(demo_dir), "--parallel", mode,
+            cmds = [python("-m", "tests.helpers.stopped_run", "train", *FAST, *demo(demo_dir), "--parallel", mode,
                            "--run-dir", str(folder), "--rank", str(r), "--world-size", "2", "--master-port", str(port))
                     for r in range(2)]
             ranks = run_all(cmds, timeout=180, env=base_env())
