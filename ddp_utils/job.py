@@ -34,7 +34,7 @@ from .robust.peers import describe_failure
 from .model import build_model, parallel_mode, prepare_model, unwrap
 from .parallel import load_model_state
 from .robust import autoresume
-from .runlog import NullLogger, RunLogger, default_run_dir, make_logger, summarize
+from .runlog import NullLogger, RunFolderError, RunLogger, default_run_dir, make_logger, run_folder_refusal, summarize
 from .settings import Settings, field_type
 from .train import evaluate, fit
 from .watch import wait_for_the_others
@@ -77,14 +77,27 @@ class Job:
         """After an error or an interrupt: tell the other ranks why (DDP), write it to the run folder,
         and leave the process group so that its connections close now and setup can run again."""
         own = isinstance(exc, peers.PeerLost)   # another rank's failure: nothing new to tell
+        kept = kept_checkpoint(self.logger.run_dir, self.ctx)
+        if isinstance(exc, KeyboardInterrupt):   # the command line's stop paragraph says what exists
+            exc.kept = what_exists(kept, self.logger.run_dir, self.ctx)
         if not own:
-            kept = kept_checkpoint(self.logger.run_dir, self.ctx)
             peers.report_failure(self.ctx, f"rank {self.ctx.rank} stopped: {describe_failure(exc)}"
                                                  + (f". {kept[0].upper()}{kept[1:]}" if kept else ""))
         self.logger.error(str(exc) if str(exc).startswith("rank") else describe_failure(exc))
         self.logger.close(exit_code=1)
         release_group(self.model)     # DDP
         distributed.teardown(abort=True)   # DDP: the other ranks' collectives fail now, not at a timeout
+
+
+def what_exists(kept: str, run_dir, ctx) -> str:
+    """After an interrupt: what this rank can say is kept (``kept``: checkpoint.kept_checkpoint's sentence, rank
+    0's) and how to go on, for the stop paragraph."""
+    if not ctx.is_main:   # the run folder is rank 0's: it says what is there
+        return ("rank 0 says what its run folder holds; if an epoch finished, continue every rank with --resume "
+                "RUN_DIR/last.pt (rank 0's run folder)")
+    if kept.startswith("no checkpoint"):
+        return f"no epoch finished, so no checkpoint was written ({run_dir} holds the log): start the run again"
+    return f"{kept}: continue with --resume {checkpoint.checkpoint_paths(run_dir)[0]}"
 
 
 def release_group(model) -> None:
@@ -113,12 +126,19 @@ def prepare(settings, resume: str | None = None, evaluate: bool = False, log=pri
     cleanly.
     """
     _check_evaluate(resume, evaluate)   # before joining: a wrong command fails at once
-    ctx = setup(settings, log)   # DDP: pre-flight, init_process_group, settings agreement
-    data = build_data(settings, ctx, log)   # DDP: DistributedSampler shards; the ranks agree on the data
-    model = build_model(settings.arch, data.num_classes, settings.seed, data.image_size)   # seeded, for this size
-    model = prepare_model(model, settings, ctx, log)   # DDP: wrap
     resume = Evaluate(resume) if evaluate else resume
-    return open_run(settings, ctx, data, model, resume, log)   # DDP: rank 0 writes the run folder
+    try:
+        ctx = setup(settings, log)   # DDP: pre-flight, init_process_group, settings agreement
+        with distributed.leaving_on_error(ctx):   # before the data and the model: a folder it cannot write, said now
+            check_run_folder(continued_in(settings, resume), ctx, resume)
+        data = build_data(settings, ctx, log)   # DDP: DistributedSampler shards; the ranks agree on the data
+        model = build_model(settings.arch, data.num_classes, settings.seed, data.image_size)   # seeded, for this size
+        model = prepare_model(model, settings, ctx, log)   # DDP: wrap
+        return open_run(settings, ctx, data, model, resume, log)   # DDP: rank 0 writes the run folder
+    except KeyboardInterrupt as exc:
+        if not hasattr(exc, "kept"):   # stopped before the run folder was opened (open_run's job.fail says after)
+            exc.kept = "it stopped while preparing the run, before writing anything: start it again"
+        raise
 
 
 def open_run(settings, ctx, data: Data, model, resume: str | None = None, log=print) -> Job:
@@ -135,20 +155,21 @@ def open_run(settings, ctx, data: Data, model, resume: str | None = None, log=pr
         _check_evaluate(resume, evaluate)
         # DDP: the cell's first collective (the resume decision) waits for the other notebook here, up to init_timeout
         peers.wait_for_all("start the run cell (open_run)", ctx, settings.init_timeout, log)
-        if resume and resume != "auto" and not evaluate and not settings.run_dir:
-            # Continue writing into the folder the checkpoint came from (evaluation gets a new folder).
-            settings = settings.replace(run_dir=os.path.dirname(os.path.abspath(resume)))
+        settings = continued_in(settings, resume)
         if resume == "auto":   # DDP: rank 0 has the run folders; it decides for every rank
             resume, run_dir, why = collectives.broadcast_object(autoresume.decide(settings) if ctx.is_main else None,
                                                                 ctx)
             log(f"resume auto: {why}")   # every rank says what all of them do
             settings = settings.replace(run_dir=run_dir)
+        check_run_folder(settings, ctx, resume)   # DDP: rank 0 looks, every rank says it; nothing written yet
         # DDP: loading is a collective (rank 0 reads its file and sends it), so all resume or none.
         collectives.agree({"resume": bool(resume)}, ctx, what="whether to resume")
         state = checkpoint.load_state(resume, ctx, settings.init_timeout) if resume else None
         if state is not None:
             checkpoint.check_matches(state, settings, resume)   # not an 8 KB key dump from load_state_dict
         continuing = state is not None and not evaluate
+        if continuing:
+            refuse_finished(state, settings, ctx, resume)
         # DDP: rank 0 writes the run folder, the other ranks a NullLogger. On a resume, TensorBoard drops
         # what the interrupted run logged after its checkpoint.
         logger = make_logger(settings, ctx.rank, resume=continuing, resume_step=state["step"] if continuing else None)
@@ -158,6 +179,40 @@ def open_run(settings, ctx, data: Data, model, resume: str | None = None, log=pr
         # DDP: rank 0 may take a while to start W&B; the others wait here, not in the first all-reduce
         peers.wait_for_all("finish starting the run", ctx, settings.init_timeout, log)
     return job
+
+
+def continued_in(settings, resume):
+    """The settings of a run that continues ``resume`` (a path): written into the folder the checkpoint came
+    from, unless run_dir says otherwise (``--evaluate`` gets a new folder; ``auto`` decides in open_run)."""
+    if resume and resume != "auto" and not isinstance(resume, Evaluate) and not settings.run_dir:
+        return settings.replace(run_dir=os.path.dirname(resume) or ".")
+    return settings
+
+
+def check_run_folder(settings, ctx, resume=None) -> None:
+    """Rank 0 looks at the folder its run will write (a file in its place, one it cannot write, a new run's
+    folder that holds another run) before anything is built or written there; every rank raises its answer
+    (RunFolderError), so every node says the same paragraph and nothing is left half made."""
+    new_run = None if resume == "auto" else not resume or isinstance(resume, Evaluate)
+    refusal = run_folder_refusal(default_run_dir(settings), new_run) if ctx.is_main else None
+    refusal = collectives.broadcast_object(refusal, ctx)
+    if refusal:
+        raise RunFolderError(refusal)
+
+
+def refuse_finished(state: dict, settings, ctx, resume) -> None:
+    """A finished run's last.pt resumed with no more epochs: RunFolderError on every rank, before its folder is
+    touched (its results.json would be rewritten by a run that trained nothing). A run stopped after its last
+    checkpoint but before its results (no results.json) goes on: it writes them, mending best.pt first."""
+    if state["epoch"] + 1 < settings.epochs:
+        return
+    results = default_run_dir(settings) / "results.json"
+    if collectives.broadcast_object(results.exists() if ctx.is_main else None, ctx):
+        raise RunFolderError(
+            f"{resume} holds epoch {state['epoch'] + 1} of {settings.epochs}: that run finished (its "
+            f"results.json is written), so nothing is left to train, and nothing in its folder was changed. To "
+            f"train it longer, resume with more epochs (--epochs N; EPOCHS in the notebook); to evaluate its "
+            f"weights, add --evaluate.")
 
 
 @contextlib.contextmanager

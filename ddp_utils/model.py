@@ -124,6 +124,11 @@ def prepare_model(model: nn.Module, settings, ctx, log=print) -> nn.Module:
 
 
 def _place(model: nn.Module, settings, ctx) -> nn.Module:
+    if settings.build_ddp and not ctx.distributed:   # settings.json would say a DDP that never ran
+        raise ValueError(f"build_ddp={settings.build_ddp!r} trains with your own DDP (lab/build_ddp) between ranks, but "
+                         f"this run is one process: there is nothing to synchronise, and it would train plainly while "
+                         f"its settings say {settings.build_ddp!r}. Run it on 2 or more ranks (world_size; on one "
+                         f"machine: launch --nproc-per-node 2), or leave build_ddp empty.")
     if settings.sync_bn and ctx.distributed:
         if ctx.device.type != "cuda":
             raise ValueError("sync_bn needs GPUs: PyTorch's SyncBatchNorm has no CPU implementation. "

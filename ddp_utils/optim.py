@@ -79,6 +79,14 @@ def amp_dtype(settings, device: torch.device) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[mode]
 
 
+def precision_note(settings, device: torch.device) -> str:
+    """A line when the precision asked for is a slow one on this device, else ""."""
+    if device.type == "cpu" and settings.amp == "fp16":
+        return ("note: amp=fp16 on a CPU: a CPU has no fast float16 arithmetic, so this run computes many times "
+                "slower than in fp32 (amp=off) or bf16; fp16 is for GPUs without bf16 (a T4)")
+    return ""
+
+
 def precision_name(settings, device: torch.device) -> str:
     """"bf16", "fp16" or "fp32": what ``amp_dtype`` gives on this device (every rank must compute alike)."""
     return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[amp_dtype(settings, device)]

@@ -51,12 +51,27 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from .robust.peers import describe_failure
-from .robust.files import atomic_write_text, remove_leftovers
+from .robust.files import atomic_write_text, folder_refusal, remove_leftovers
 
 from .summary import model_summary as _model_summary_text
 
 # A folder holding any of these already holds a run: starting another one there would mix them.
 RUN_MARKERS = ("settings.json", "results.json", "log.txt", "last.pt", "best.pt")
+
+
+class RunFolderError(ValueError):
+    """The run folder cannot be used (a file in its place, not writable, holding another run, a finished run):
+    said on every rank before anything is built or written."""
+
+
+def run_folder_refusal(run_dir, new_run: bool | None) -> str | None:
+    """Why rank 0 cannot write its run there (``run_folder_refusal``'s paragraph), or None. ``new_run``: the
+    folder must not hold another run's checkpoint or results (False: a resume continues it; None: not known yet,
+    resume=auto)."""
+    refusal = folder_refusal(run_dir, "the run folder")
+    if refusal is None and new_run:
+        refusal = _holds_a_run(Path(run_dir))
+    return refusal
 
 
 def default_run_dir(settings) -> Path:
@@ -209,13 +224,24 @@ class RunLogger:
         text = self.settings.to_json() + "\n"
         if path.exists():
             old = path.read_text(encoding="utf-8")
-            if old == text:
+            if old == text or self._same_but_the_folders_name(old):
                 return
             kept = _unused(self.run_dir, f"settings.{time.strftime('%Y%m%d-%H%M%S')}", ".json")
             os.replace(path, kept)
             self.info(f"Settings differ from this run's earlier ones ({_changed(old, self.settings)}); "
                       f"the earlier ones are kept in {kept.name}")
         atomic_write_text(path, text)
+
+    def _same_but_the_folders_name(self, old_json: str) -> bool:
+        """The earlier settings.json says the same but names this folder another way (unset: the default name;
+        relative or absolute): a resume's settings are then not new ones."""
+        try:
+            old, new = json.loads(old_json), json.loads(self.settings.to_json())
+        except ValueError:
+            return False
+        named = old.pop("run_dir", None)
+        new.pop("run_dir", None)
+        return old == new and (named is None or Path(named).resolve() == self.run_dir.resolve())
 
     def _start_wandb(self, mode: str, resume: bool):
         if mode == "disabled":
@@ -363,21 +389,28 @@ def _refuse_existing_run(run_dir: Path) -> Path | None:
     A start that failed before its first checkpoint (a bad resume, an early error) must not block the
     next attempt: its files are moved into ``attempt-<time>/`` inside the folder, which is returned.
     """
-    found = [name for name in RUN_MARKERS if (run_dir / name).exists()]
-    if not found:
+    held = _holds_a_run(run_dir)
+    if held:   # open_run refused it earlier (run_folder_refusal): this is a RunLogger made by hand
+        raise FileExistsError(held)
+    if not any((run_dir / name).exists() for name in RUN_MARKERS):
         return None
-    kept = [name for name in ("last.pt", "best.pt", "results.json") if (run_dir / name).exists()]
-    if kept:
-        resume = next((run_dir / n for n in ("last.pt", "best.pt") if (run_dir / n).exists()), None)
-        how = f", or resume with --resume {resume}" if resume else ""
-        raise FileExistsError(f"{run_dir} already holds a run ({', '.join(found)}); choose another run_dir "
-                              f"or delete that folder{how}")
     aside = _unused(run_dir, f"attempt-{time.strftime('%Y%m%d-%H%M%S')}", "")
     aside.mkdir()
     for entry in list(run_dir.iterdir()):
         if entry != aside and not entry.name.startswith("attempt-"):
             os.replace(entry, aside / entry.name)
     return aside
+
+
+def _holds_a_run(run_dir: Path) -> str | None:
+    """The refusal of a new run in ``run_dir`` when it holds a run with something to keep (a checkpoint or
+    results), or None."""
+    if not any((run_dir / name).exists() for name in ("last.pt", "best.pt", "results.json")):
+        return None
+    found = [name for name in RUN_MARKERS if (run_dir / name).exists()]
+    resume = next((run_dir / n for n in ("last.pt", "best.pt") if (run_dir / n).exists()), None)
+    how = f", or resume with --resume {resume}" if resume else ""
+    return f"{run_dir} already holds a run ({', '.join(found)}); choose another run_dir or delete that folder{how}"
 
 
 def _unused(folder: Path, stem: str, suffix: str) -> Path:

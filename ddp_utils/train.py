@@ -21,7 +21,8 @@ from . import checkpoint, collectives, distributed
 from .metrics import Meter
 from .model import forwards_to_add, local_gradients, unwrap
 from .observers import Around, Loop
-from .optim import amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, optimizer_steps, to_device
+from .optim import (amp_dtype, autocast, build_optimizer, build_scheduler, make_scaler, optimizer_steps, precision_note,
+                    to_device)
 from .robust import peers
 from .runlog import epoch_line, summarize
 from .settings import describe_batch
@@ -75,6 +76,8 @@ def _train_epochs(loop: Loop) -> dict:
     loop.state = None   # restored: its CPU copy of the weights and optimizer state is freed for the run
     precision = amp_dtype(settings, loop.ctx.device) or "fp32"
     logger.info(f"{describe_batch(settings)}; precision {precision}; device {loop.ctx.device}")
+    if precision_note(settings, loop.ctx.device):
+        logger.info(precision_note(settings, loop.ctx.device))
     val, trained_now, started = None, 0, time.perf_counter()
     for epoch in range(loop.epoch, settings.epochs):
         record, asked = train_and_evaluate(loop, epoch)

@@ -226,7 +226,84 @@ def test_ctrl_c_during_training_leaves_the_last_checkpoint_intact_and_says_how_t
     assert proc.returncode == 130, out
     assert "--resume" in out and "Traceback" not in out
     from ddp_utils import checkpoint
-    assert checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] >= 0
+    epoch = checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"]
+    assert epoch >= 0
+    # issue 55: what exists, named (it was one fixed text that also said "RUN_DIR/last.pt")
+    last = tmp_path / "run" / "last.pt"
+    assert (f"interrupted: the process group was torn down and the other ranks were told; the checkpoint {last} "
+            f"holds epoch {epoch + 1}: continue with --resume {last}.") in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_before_the_first_checkpoint_says_that_none_was_written(tmp_path):
+    """Issue 55: the paragraph promised an intact last.pt also when no epoch had finished."""
+    cmd = python("-m", "ddp_utils", "train", "--dataset", "fake", "--image-size", "32", "--workers", "0",
+                 "--wandb", "disabled", "--batch-size", "8", "--epochs", "2", "--max-steps-per-epoch", "100000",
+                 "--run-dir", str(tmp_path / "run"))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        log, deadline = tmp_path / "run" / "log.txt", time.monotonic() + 180
+        while not (log.exists() and "global batch" in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)   # training has started: the epoch of 1,250 steps takes far longer than this test
+        assert log.exists(), "the run did not start in time"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        stop([proc])
+    assert proc.returncode == 130, out
+    assert (f"interrupted: the process group was torn down and the other ranks were told; no epoch finished, so no "
+            f"checkpoint was written ({tmp_path / 'run'} holds the log): start the run again.") in out, out[-2000:]
+    assert not (tmp_path / "run" / "last.pt").exists() and "Traceback" not in out
+
+
+def _tree(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+RO_MOUNT = 'mount --bind "$RO" "$RO" && mount -o remount,ro,bind "$RO" "$RO" && exec "$0" "$@"'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["a file", "read-only"])
+def test_a_run_folder_rank_0_cannot_write_is_named_on_every_rank_before_the_data_and_model(tmp_path, fault):
+    """Issue 55: a run folder that could not be written gave a raw PermissionError traceback, exit 1, after the data
+    and the model were built; a --run-dir naming a file said "[Errno 17] File exists". Now rank 0 looks first, and
+    every rank says its paragraph and exits 2; nothing is written."""
+    from tests.helpers.runs import train_cmd
+    port, runs = free_port(), tmp_path / "runs"
+    runs.mkdir()
+    if fault == "a file":
+        (runs / "run").write_text("a student's file\n")
+        prefix, said = [[], []], f"the run folder {runs / 'run'} is a file, not a folder"
+    else:   # root writes through any permission: a read-only mount, for rank 0 alone
+        prefix = [["env", f"RO={runs}", "unshare", "-m", "sh", "-c", RO_MOUNT], []]
+        said = f"the run folder {runs / 'run'} cannot be written (it would be made in {runs}): Read-only file system"
+    before = _tree(tmp_path)
+    results = run_all([train_cmd(runs / "run", r, 2, port, "--epochs", "1", "--max-steps-per-epoch", "2")
+                       for r in range(2)], timeout=120, prefix=prefix)
+    assert [r.returncode for r in results] == [2, 2], describe(results)
+    for r in results:
+        assert said in r.output and "Traceback" not in r.output, describe([r])
+        assert "parallel:" not in r.output   # refused before the model was placed (rank 0 says what runs there)
+    assert _tree(tmp_path) == before and sorted(p.name for p in runs.iterdir()) == (["run"] if fault == "a file"
+                                                                                      else [])
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_trains_nothing_and_changes_nothing_in_its_folder(tmp_path):
+    """Issue 55: it said "continuing at epoch 2" of a 1-epoch run, rewrote results.json (epochs_run 0) and renamed
+    settings.json. A relative --resume, as a student types it."""
+    from tests.helpers.runs import FAST, run_ranks
+    run_ranks(tmp_path, "run", 1, "--epochs", "1", "--max-steps-per-epoch", "2")
+    before = _tree(tmp_path / "run")
+    [res] = run_all([python("-m", "ddp_utils", "train", *FAST, "--epochs", "1", "--max-steps-per-epoch", "2",
+                            "--resume", "run/last.pt")], timeout=120, cwd=str(tmp_path))
+    assert res.returncode == 2, describe([res])
+    assert ("run/last.pt holds epoch 1 of 1: that run finished (its results.json is written), so nothing is left to "
+            "train, and nothing in its folder was changed. To train it longer, resume with more epochs (--epochs N; "
+            "EPOCHS in the notebook); to evaluate its weights, add --evaluate.") in res.output, describe([res])
+    assert "Traceback" not in res.output and _tree(tmp_path / "run") == before
 
 
 def test_ci_types_the_quick_start_as_printed_then_runs_the_tests_sections_commands_in_its_venv():

@@ -21,6 +21,17 @@ def test_your_ddp_is_refused_with_what_it_lacks(changes):
         Settings(build_ddp="b", **changes)
 
 
+@pytest.mark.parametrize("part", ["a", "f"])
+def test_your_ddp_on_one_process_is_refused_before_the_run_opens(part):
+    """Issue 55: `--build-ddp a` with one process trained plainly while settings.json said "a"."""
+    import torch
+    from ddp_utils.distributed import DistContext
+    from ddp_utils.model import prepare_model
+    one = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+    with pytest.raises(ValueError, match=f"build_ddp='{part}' trains with your own DDP .* but this run is one process"):
+        prepare_model(nn.Linear(2, 2), Settings(build_ddp=part), one, log=lambda *_: None)
+
+
 def test_the_kit_finds_your_file_the_solution_or_a_named_file_from_build_ddp(monkeypatch):
     monkeypatch.delenv("BUILD_DDP", raising=False)
     assert own_ddp.which() == "student.py" and own_ddp.implementation().__name__ == "build_ddp_student"

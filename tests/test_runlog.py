@@ -196,6 +196,72 @@ def test_existing_run_is_refused_without_resume_and_left_untouched(tmp_path, cap
     assert tree(run) == before
 
 
+def test_a_run_folder_that_is_a_file_or_inside_one_is_named_before_anything_is_written(tmp_path):
+    """Issue 55: `--run-dir` naming a file printed only "[Errno 17] File exists", after the data and model were built."""
+    from ddp_utils.runlog import run_folder_refusal
+    tmp_path = tmp_path / "work"   # beside this module's W&B home
+    tmp_path.mkdir()
+    (tmp_path / "notes.txt").write_text("a student's file\n")
+    said = run_folder_refusal(tmp_path / "notes.txt", new_run=True)
+    assert said == (f"the run folder {tmp_path / 'notes.txt'} is a file, not a folder. Name a folder (a new one is "
+                    f"made) and start again.")
+    said = run_folder_refusal(tmp_path / "notes.txt" / "run", new_run=True)
+    assert f"the run folder {tmp_path / 'notes.txt' / 'run'} cannot be made: {tmp_path / 'notes.txt'} is a file" in said
+    assert (tmp_path / "notes.txt").read_text() == "a student's file\n"
+    assert run_folder_refusal(tmp_path / "new" / "run", new_run=True) is None   # made later, by the run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]   # the write probe left nothing
+
+
+def test_a_new_run_in_a_folder_holding_a_run_is_named_and_a_start_that_never_saved_is_not(tmp_path):
+    from ddp_utils.runlog import run_folder_refusal
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.txt").write_text("a start that failed before its first checkpoint\n")
+    assert run_folder_refusal(run, new_run=True) is None      # set aside into attempt-*/ when the run opens
+    (run / "results.json").write_text("{}")
+    said = run_folder_refusal(run, new_run=True)
+    assert said.startswith(f"{run} already holds a run (results.json, log.txt)"), said
+    assert run_folder_refusal(run, new_run=False) is None     # a resume continues it
+    assert run_folder_refusal(run, new_run=None) is None      # resume=auto: decided when the run opens
+
+
+@pytest.mark.slow
+def test_a_run_folder_on_a_read_only_disk_is_named_as_such_also_for_root(tmp_path):
+    """root writes through any permission: the probe writes for real, so a read-only mount is what it meets here."""
+    import subprocess
+    import sys
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    probe = (f"from ddp_utils.robust.files import folder_refusal; "
+             f"print(folder_refusal({str(folder / 'run')!r}, 'the run folder'))")
+    script = (f"mount --bind {folder} {folder} && mount -o remount,ro,bind {folder} {folder} && "
+              f"exec {sys.executable} -c {probe!r}")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (f"the run folder {folder / 'run'} cannot be written (it would be made in {folder}): "
+                                   f"Read-only file system. Choose a folder this user can write (a path under your "
+                                   f"home folder or the current one), or fix its permissions, and start again.")
+    assert list(folder.iterdir()) == []
+
+
+def test_a_resume_that_names_its_folder_another_way_keeps_its_settings_json(tmp_path, monkeypatch):
+    """Issue 55: a resume wrote the run folder as an absolute path, so settings.json was renamed as if changed."""
+    monkeypatch.chdir(tmp_path)
+    with RunLogger(OFF.replace(run_dir="runs/a"), resume=False) as log:
+        log.info("first part")
+    before = (tmp_path / "runs" / "a" / "settings.json").read_text()
+    with RunLogger(OFF.replace(run_dir=str(tmp_path / "runs" / "a")), resume=True):
+        pass
+    with RunLogger(OFF.replace(run_dir="runs/./a"), resume=True):
+        pass
+    assert sorted(p.name for p in (tmp_path / "runs" / "a").glob("settings*.json")) == ["settings.json"]
+    assert (tmp_path / "runs" / "a" / "settings.json").read_text() == before
+    with RunLogger(OFF.replace(run_dir="runs/a", epochs=3), resume=True):   # a real change is still kept aside
+        pass
+    assert len(list((tmp_path / "runs" / "a").glob("settings.*.json"))) == 1
+
+
 def test_resume_appends_to_the_log_and_keeps_old_events(tmp_path):
     run = tmp_path / "run"
     with RunLogger(OFF, run) as log:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
@@ -17,6 +18,29 @@ MB = 2**20
 
 class DiskFull(RuntimeError):
     """The disk filled up while writing; the previous file is kept. The message says where and how much."""
+
+
+def folder_refusal(folder, what: str) -> str | None:
+    """Why ``folder`` cannot be a folder this process writes, in a sentence that starts with ``what`` ("the run
+    folder"), or None when it can. Asked before anything is built or written: a file in its place (or in a
+    parent's), or a nearest existing folder that cannot be written. Tried for real (a temporary file made and
+    removed there), so a read-only disk or mount answers as it will when the run writes, also for root."""
+    folder = Path(folder)
+    existing = folder
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if os.path.lexists(existing) and not existing.is_dir():
+        where = "is a file" if existing == folder else f"cannot be made: {existing} is a file"
+        return f"{what} {folder} {where}, not a folder. Name a folder (a new one is made) and start again."
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".write-probe-", suffix=".tmp")   # remove_leftovers' pattern
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        inside = "" if existing == folder else f" (it would be made in {existing})"
+        return (f"{what} {folder} cannot be written{inside}: {exc.strerror or exc}. Choose a folder this user can "
+                f"write (a path under your home folder or the current one), or fix its permissions, and start again.")
+    return None
 
 
 def temporary_name(path: Path) -> Path:

@@ -22,8 +22,9 @@ from ..robust import peers
 from .. import settings as settings_module
 from ..robust.guard import RunGuard, Terminated
 
-# Errors whose message already says what is wrong and what to do: no traceback for these.
-CLEAR_ERRORS = (ValueError, FileExistsError, FileNotFoundError, RuntimeError)
+# Errors answered with exit 2 and their paragraph (with the traceback too when neither the kit raised them nor they
+# are a bad value or a missing or existing file): OSError is also a disk or folder the kit did not foresee.
+CLEAR_ERRORS = (ValueError, OSError, RuntimeError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,10 +184,11 @@ def _command(args, run: RunGuard) -> int:
 
 def _stopped(exc: KeyboardInterrupt) -> int:
     what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+    # what exists: the run's own sentence (job.what_exists), else (a stop outside a run) only what may
+    kept = getattr(exc, "kept", None) or ("if an epoch finished, its checkpoint is last.pt in the run folder: "
+                                          "continue with --resume RUN_DIR/last.pt")
     with contextlib.suppress(OSError):   # the terminal (or the launcher reading our output) may be gone
-        print(f"\n{what}: the process group was torn down and the other ranks were told; the last completed "
-              f"epoch's checkpoint (last.pt in the run folder) is intact. Continue with --resume "
-              f"RUN_DIR/last.pt.", file=sys.stderr)
+        print(f"\n{what}: the process group was torn down and the other ranks were told; {kept}.", file=sys.stderr)
     return 143 if isinstance(exc, Terminated) else 130
 
 

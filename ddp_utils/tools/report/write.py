@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 
 
+from ...robust.files import folder_refusal
 from .runs import _load_all, group_runs, hardware_caption, parallel_mode
 from .tables import baseline_index, compare_table, lr_notes, results_table, seed_table
 from .bounds import beside_probe, bottleneck_sentence
@@ -77,7 +78,7 @@ def report_dir(out_dir=None, kit_images: bool = False) -> Path:
                 f"Use --out DIR to choose a folder, or run without --out for a new {REPORTS_DIR}/<time>/ folder.")
         return KIT_IMAGES
     if out_dir is None:
-        return new_report_dir()
+        return _writable(new_report_dir(), "the report folder (a new one under reports/)")
     out = Path(out_dir)
     if _is_kit_images(out):
         raise FileExistsError(
@@ -97,7 +98,15 @@ def report_dir(out_dir=None, kit_images: bool = False) -> Path:
             f"an empty folder, so that a report never replaces a file (your answers, or an earlier report "
             f"you handed in). Nothing was written. Run without --out to write to a new "
             f"{REPORTS_DIR}/<time>/ folder, or choose a new folder with --out DIR.")
-    return out
+    return _writable(out, "the report folder (--out)")
+
+
+def _writable(folder: Path, what: str) -> Path:
+    """``folder``, or ValueError naming why it cannot be written (before the table or a figure is made)."""
+    refusal = folder_refusal(folder, what)
+    if refusal:
+        raise ValueError(refusal.replace("start again", "run the report again") + " Nothing was written.")
+    return folder
 
 
 def report_markdown(run_dirs, baseline=None, report_cmd: str | None = None) -> str:
