@@ -850,3 +850,16 @@ def test_a_stuck_loaders_worker_processes_are_described_by_their_state_and_wait_
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.slow
+def test_after_a_failure_release_group_lets_the_teardown_free_ddps_process_group():
+    """What Job.fail relies on: with the DDP model still held (a notebook's traceback holds it), the group is freed
+    by the teardown after release_group, on every rank; without it, it is not (the control: the reducer holds it).
+    ZeRO's optimizer and FSDP's blocks still hold it after release_group (tests/helpers/release_ranks.py shows it)."""
+    for release in (0, 1):
+        port = free_port()
+        ranks = run_all([python("-m", "tests.helpers.release_ranks", "ddp", str(r), "2", str(port), str(release))
+                         for r in range(2)], timeout=120, env=base_env())
+        assert all(r.returncode == 0 for r in ranks), describe(ranks)
+        assert all(f"FREED {bool(release)}" in r.output for r in ranks), describe(ranks)

@@ -64,13 +64,14 @@ def test_amp_is_off_on_cpu_by_default_and_bf16_when_asked():
     assert optim.amp_dtype(Settings(amp="bf16"), cpu) is torch.bfloat16
 
 
-def test_fp16_on_a_cpu_is_said_to_be_slow_and_the_loop_says_it(tmp_path, capsys):
+@pytest.mark.slow
+def test_fp16_on_a_cpu_is_said_to_be_slow_and_the_loop_says_it(tmp_path):
     """Issue 55: `--amp fp16` on a CPU ran many times slower without a word."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert optim.precision_note(Settings(amp="fp16"), cpu).startswith("note: amp=fp16 on a CPU: a CPU has no fast "
                                                                       "float16 arithmetic")
     assert optim.precision_note(Settings(amp="fp16"), gpu) == "" == optim.precision_note(Settings(amp="bf16"), cpu)
-    _in_process_fit(tmp_path / "run", epochs=1, amp="fp16", workers=0)
+    _in_process_fit(tmp_path / "run", epochs=1, amp="fp16", workers=0, arch="mlp")   # fp16 convolutions: ~10 s a step
     assert "note: amp=fp16 on a CPU" in (tmp_path / "run" / "log.txt").read_text()
 
 
@@ -447,7 +448,8 @@ def test_resuming_with_another_architecture_names_both_and_writes_nothing(tmp_pa
 def _train_then_resume(tmp_path, before: int, after: int):
     """Epoch 1 of 3 on ``before`` ranks, then the rest on ``after`` ranks from its last.pt."""
     # fake data: 10 steps on 1 rank, 5 on 2 (16 px: the schedule is the point, not the pictures)
-    steps = ("--epochs", "3", "--max-steps-per-epoch", "0", "--batch-size", "256", "--image-size", "16")
+    steps = ("--epochs", "3", "--max-steps-per-epoch", "0", "--batch-size", "256", "--image-size", "16",
+             "--no-link-probe")
     run_ranks(tmp_path, "run", before, *steps[:1], "1", *steps[2:])   # a 1-epoch run: its last.pt is epoch 1
     state = checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")
     assert state["settings"]["world_size"] == before and state["epoch"] == 0
@@ -468,7 +470,7 @@ def test_a_run_resumes_on_another_world_size_and_its_schedule_continues_where_a_
     assert f"(world size {before}); this run takes" in out
     # The lr of the resumed epochs is what a run on `after` ranks from the start has at those epochs.
     straight = run_ranks(tmp_path, "straight", after, "--epochs", "3", "--max-steps-per-epoch", "0",
-                         "--batch-size", "256", "--image-size", "16")
+                         "--batch-size", "256", "--image-size", "16", "--no-link-probe")
     assert straight[0].returncode == 0
     same = json.loads((tmp_path / "straight" / "results.json").read_text())["history"]
     assert [h["train"]["lr"] for h in results["history"][1:]] == pytest.approx([h["train"]["lr"] for h in same[1:]])
