@@ -77,10 +77,10 @@ class Job:
         """After an error or an interrupt: tell the other ranks why (DDP), write it to the run folder,
         and leave the process group so that its connections close now and setup can run again."""
         own = isinstance(exc, peers.PeerLost)   # another rank's failure: nothing new to tell
-        kept = kept_checkpoint(self.logger.run_dir, self.ctx)
-        if isinstance(exc, KeyboardInterrupt):   # the command line's stop paragraph says what exists
-            exc.kept = what_exists(kept, self.logger.run_dir, self.ctx)
         if not own:
+            kept = kept_checkpoint(self.logger.run_dir, self.ctx)
+            if isinstance(exc, KeyboardInterrupt):   # the command line's stop paragraph says what exists
+                exc.kept = what_exists(kept, self.logger.run_dir, self.ctx)
             peers.report_failure(self.ctx, f"rank {self.ctx.rank} stopped: {describe_failure(exc)}"
                                                  + (f". {kept[0].upper()}{kept[1:]}" if kept else ""))
         self.logger.error(str(exc) if str(exc).startswith("rank") else describe_failure(exc))

@@ -221,6 +221,20 @@ def test_notebook_parameters_use_the_recipe_and_show_the_lr_convention(path):
     assert "global batch of 256" in cell.source
 
 
+@pytest.mark.parametrize("path", [MAIN, WORKER, SINGLE], ids=lambda p: p.name)
+def test_resume_none_and_data_dir_none_get_the_kits_sentence_not_a_type_error(path, monkeypatch):
+    """Issue 55: `RESUME = None` failed in the settings cell's own os.path.dirname, `DATA_DIR = None` in pathlib."""
+    monkeypatch.chdir(NOTEBOOKS)
+    params, settings_cell = code_cells(read(path))[:2]
+    scope = {}
+    exec(params + "\nRESUME = None", scope)
+    exec(settings_cell, scope)   # the import and Settings cell: RESUME = None is "start a new run"
+    assert scope["settings"].run_dir.startswith("../runs/")
+    exec("DATA_DIR = None", scope)
+    with pytest.raises(ValueError, match=re.escape("data_dir=None: must be text (a name, or a path in quotes)")):
+        exec(settings_cell, scope)
+
+
 def test_single_is_main_without_its_ddp_lines():
     """The lesson is a diff: drop main's `# DDP:` lines and single.ipynb is left, except for its own values of
     WORLD_SIZE and PARALLEL (main's lines for both are tagged)."""

@@ -69,6 +69,17 @@ def test_load_run_on_an_unfinished_run_says_it_has_not_finished(tmp_path):
         report.load_run(tmp_path)
 
 
+def test_an_unfinished_run_is_told_to_resume_only_from_a_checkpoint_it_has(tmp_path):
+    """Issue 55: `report` on a run stopped before its first epoch ended pointed at a last.pt that did not exist."""
+    (tmp_path / "settings.json").write_text(Settings().to_json())
+    with pytest.raises(FileNotFoundError, match="start it again: no epoch finished, so it has no checkpoint") as err:
+        report.load_run(tmp_path)
+    assert "last.pt" not in str(err.value)
+    (tmp_path / "last.pt").write_bytes(b"a checkpoint")
+    with pytest.raises(FileNotFoundError, match=f"continue it with --resume {re.escape(str(tmp_path / 'last.pt'))}"):
+        report.load_run(tmp_path)
+
+
 # -- the table -----------------------------------------------------------------------------------
 def test_table_has_the_course_columns_and_one_row_per_run_named_after_its_folder(runs):
     table = report.results_table(runs)
@@ -248,6 +259,18 @@ def test_an_empty_or_new_out_folder_takes_the_report(runs, tmp_path, capsys):
         assert "| ddp2 | 2 | DDP | 128 | 2 | 0:30:10 | 1000 | 500 | 50.00 | 90.00 | 2.00x |" in (out / "results.md").read_text()
         assert sorted(p.name for p in out.iterdir()) == REPORT_FILES
     assert capsys.readouterr().err == ""
+
+
+def test_an_out_folder_that_cannot_be_made_is_named_and_nothing_is_written(runs, tmp_path, capsys):
+    """Issue 55: a report folder that could not be written gave a raw traceback (exit 1)."""
+    work = tmp_path / "work"   # beside the runs
+    work.mkdir()
+    (work / "notes.txt").write_text("a student's answers\n")
+    assert cli.main(["report", *map(str, runs), "--out", str(work / "notes.txt" / "report")]) == 2
+    err = capsys.readouterr()
+    assert (f"error: the report folder (--out) {work / 'notes.txt' / 'report'} cannot be made: "
+            f"{work / 'notes.txt'} is a file, not a folder.") in err.err and "Traceback" not in err.err
+    assert err.out == "" and sorted(p.name for p in work.iterdir()) == ["notes.txt"]   # not even the table
 
 
 def test_the_kit_images_folder_is_the_repositorys_images_folder():

@@ -21,10 +21,11 @@ def load_run(run_dir) -> dict:
     results_path, settings_path = run_dir / "results.json", run_dir / "settings.json"
     if not results_path.exists():
         if settings_path.exists():   # started (settings are written first) but not finished
+            go_on = (f"continue it with --resume {run_dir / 'last.pt'}" if (run_dir / "last.pt").exists() else
+                     "start it again: no epoch finished, so it has no checkpoint to continue from")
             raise FileNotFoundError(
                 f"{run_dir} is a run that has not finished: it has no results.json yet (written "
-                f"after the last epoch). Wait for it to end, or continue it with "
-                f"--resume {run_dir / 'last.pt'}")
+                f"after the last epoch). Wait for it to end, or {go_on}")
         raise FileNotFoundError(f"{run_dir} is not a run folder: it has no results.json and no "
                                 f"settings.json. Pass the folder a training run wrote, e.g. "
                                 f"runs/demo/<stamp>-ddp2")
