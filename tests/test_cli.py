@@ -207,29 +207,35 @@ def test_check_with_loader_nvjpeg_says_where_it_decodes_and_refuses_a_png_preset
     assert not ok and "NOT READY (data): loader='nvjpeg' is for imagenet" in text, text
 
 
-@pytest.mark.slow
-def test_ctrl_c_during_training_leaves_the_last_checkpoint_intact_and_says_how_to_resume(tmp_path):
+def _interrupted_once(tmp_path, ready, *extra) -> tuple[int, str]:
+    """``train`` on fake images into tmp_path/run, sent Ctrl-C (SIGINT) once ``ready()`` holds (180 s at most):
+    its exit code and output."""
     cmd = python("-m", "ddp_utils", "train", "--dataset", "fake", "--image-size", "32", "--workers", "0",
-                 "--wandb", "disabled", "--batch-size", "8", "--epochs", "50", "--max-steps-per-epoch", "2",
-                 "--run-dir", str(tmp_path / "run"))
+                 "--wandb", "disabled", "--batch-size", "8", "--run-dir", str(tmp_path / "run"), *extra)
     proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
-        while not (tmp_path / "run" / "last.pt").exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert (tmp_path / "run" / "last.pt").exists(), "no checkpoint was written in time"
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ready(), "the run did not get there in time"
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
         stop([proc])
-    assert proc.returncode == 130, out
+    return proc.returncode, out
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_training_leaves_the_last_checkpoint_intact_and_says_how_to_resume(tmp_path):
+    last = tmp_path / "run" / "last.pt"
+    code, out = _interrupted_once(tmp_path, last.exists, "--epochs", "50", "--max-steps-per-epoch", "2")
+    assert code == 130, out
     assert "--resume" in out and "Traceback" not in out
     from ddp_utils import checkpoint
-    epoch = checkpoint.load_checkpoint(tmp_path / "run" / "last.pt")["epoch"]
+    epoch = checkpoint.load_checkpoint(last)["epoch"]
     assert epoch >= 0
     # issue 55: what exists, named (it was one fixed text that also said "RUN_DIR/last.pt")
-    last = tmp_path / "run" / "last.pt"
     assert (f"interrupted: the process group was torn down and the other ranks were told; the checkpoint {last} "
             f"holds epoch {epoch + 1}: continue with --resume {last}.") in out, out[-2000:]
 
@@ -237,21 +243,11 @@ def test_ctrl_c_during_training_leaves_the_last_checkpoint_intact_and_says_how_t
 @pytest.mark.slow
 def test_ctrl_c_before_the_first_checkpoint_says_that_none_was_written(tmp_path):
     """Issue 55: the paragraph promised an intact last.pt also when no epoch had finished."""
-    cmd = python("-m", "ddp_utils", "train", "--dataset", "fake", "--image-size", "32", "--workers", "0",
-                 "--wandb", "disabled", "--batch-size", "8", "--epochs", "2", "--max-steps-per-epoch", "100000",
-                 "--run-dir", str(tmp_path / "run"))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        log, deadline = tmp_path / "run" / "log.txt", time.monotonic() + 180
-        while not (log.exists() and "global batch" in log.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.2)   # training has started: the epoch of 1,250 steps takes far longer than this test
-        assert log.exists(), "the run did not start in time"
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        stop([proc])
-    assert proc.returncode == 130, out
+    log = tmp_path / "run" / "log.txt"
+    started = lambda: log.exists() and "global batch" in log.read_text()   # noqa: E731 - training has started
+    # an epoch of 1,250 steps takes far longer than this test
+    code, out = _interrupted_once(tmp_path, started, "--epochs", "2", "--max-steps-per-epoch", "100000")
+    assert code == 130, out
     assert (f"interrupted: the process group was torn down and the other ranks were told; no epoch finished, so no "
             f"checkpoint was written ({tmp_path / 'run'} holds the log): start the run again.") in out, out[-2000:]
     assert not (tmp_path / "run" / "last.pt").exists() and "Traceback" not in out

@@ -220,6 +220,7 @@ def test_launch_refuses_the_flags_it_sets_itself():
     assert "Traceback" not in res.output
 
 
+@pytest.mark.slow   # it starts processes (pytest.ini's slow)
 def test_launch_gives_its_ranks_the_nccl_error_handling_that_lets_the_kits_watch_speak_first(tmp_path):
     """Issue 37, finding 1: torchrun gives its workers the agent's TORCH_NCCL_ASYNC_ERROR_HANDLING or else 1
     (SIGABRT of every survivor when NCCL sees a dead peer, before the kit's watch names it). launch starts torchrun

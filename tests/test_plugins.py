@@ -101,6 +101,7 @@ def test_a_loader_added_by_one_registration_in_one_file_trains_a_step(tables, tm
     assert "tensors" in Settings.__dataclass_fields__["loader"].metadata["choices"]()   # --loader offers it
 
 
+@pytest.mark.slow   # it starts processes (pytest.ini's slow)
 def test_a_misspelt_not_for_key_fails_when_ddp_utils_is_imported_naming_the_loaders(tmp_path):
     """A preset's ``not_for`` names loaders: a typo there made ``--loader auto`` load an 11 GB split into memory,
     silently. Here presets.py itself has the typo, in a copy of the package."""

@@ -73,6 +73,7 @@ def test_with_a_hash_seed_set_forked_commands_hash_as_real_ones():
     assert facts(run(["exit", "0"], True, env)[1])["hash"] == facts(run(["exit", "0"], False, env)[1])["hash"]
 
 
+@pytest.mark.slow   # it starts processes (pytest.ini's slow)
 def test_a_group_sigint_stops_the_command_as_it_stops_a_real_one_and_the_difference_it_keeps(monkeypatch):
     """Ctrl-C in a terminal sends SIGINT to the whole process group. Both ways the command dies of it with
     Python's traceback; a real command's children in the group get it too, a forked command's do not (the client
