@@ -65,9 +65,9 @@ class RunFolderError(ValueError):
 
 
 def run_folder_refusal(run_dir, new_run: bool | None) -> str | None:
-    """Why rank 0 cannot write its run there (``run_folder_refusal``'s paragraph), or None. ``new_run``: the
-    folder must not hold another run's checkpoint or results (False: a resume continues it; None: not known yet,
-    resume=auto)."""
+    """Why rank 0 cannot write its run in ``run_dir``, as a paragraph (robust/files.folder_refusal's, or the
+    other run it holds), or None. ``new_run``: the folder must not hold another run's checkpoint or results (False:
+    a resume continues it; None: not known yet, resume=auto)."""
     refusal = folder_refusal(run_dir, "the run folder")
     if refusal is None and new_run:
         refusal = _holds_a_run(Path(run_dir))
