@@ -15,6 +15,7 @@ import torch
 from tests.helpers.pages import kit_pages
 from tests.helpers.folders import RANK1_SEES, data_copies
 from tests.helpers.procs import REPO, base_env, describe, free_port, python, run_all, stop
+from tests.helpers.runs import tree
 
 
 def check_cmd(rank, world_size, port, *extra):
@@ -253,10 +254,6 @@ def test_ctrl_c_before_the_first_checkpoint_says_that_none_was_written(tmp_path)
     assert not (tmp_path / "run" / "last.pt").exists() and "Traceback" not in out
 
 
-def _tree(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 RO_MOUNT = 'mount --bind "$RO" "$RO" && mount -o remount,ro,bind "$RO" "$RO" && exec "$0" "$@"'
 
 
@@ -275,14 +272,14 @@ def test_a_run_folder_rank_0_cannot_write_is_named_on_every_rank_before_the_data
     else:   # root writes through any permission: a read-only mount, for rank 0 alone
         prefix = [["env", f"RO={runs}", "unshare", "-m", "sh", "-c", RO_MOUNT], []]
         said = f"the run folder {runs / 'run'} cannot be written (it would be made in {runs}): Read-only file system"
-    before = _tree(tmp_path)
+    before = tree(tmp_path)
     results = run_all([train_cmd(runs / "run", r, 2, port, "--epochs", "1", "--max-steps-per-epoch", "2")
                        for r in range(2)], timeout=120, prefix=prefix)
     assert [r.returncode for r in results] == [2, 2], describe(results)
     for r in results:
         assert said in r.output and "Traceback" not in r.output, describe([r])
         assert "parallel:" not in r.output   # refused before the model was placed (rank 0 says what runs there)
-    assert _tree(tmp_path) == before and sorted(p.name for p in runs.iterdir()) == (["run"] if fault == "a file"
+    assert tree(tmp_path) == before and sorted(p.name for p in runs.iterdir()) == (["run"] if fault == "a file"
                                                                                       else [])
 
 
@@ -292,14 +289,14 @@ def test_resuming_a_finished_run_trains_nothing_and_changes_nothing_in_its_folde
     settings.json. A relative --resume, as a student types it."""
     from tests.helpers.runs import FAST, run_ranks
     run_ranks(tmp_path, "run", 1, "--epochs", "1", "--max-steps-per-epoch", "2")
-    before = _tree(tmp_path / "run")
+    before = tree(tmp_path / "run")
     [res] = run_all([python("-m", "ddp_utils", "train", *FAST, "--epochs", "1", "--max-steps-per-epoch", "2",
                             "--resume", "run/last.pt")], timeout=120, cwd=str(tmp_path))
     assert res.returncode == 2, describe([res])
     assert ("run/last.pt holds epoch 1 of 1: that run finished (its results.json is written), so nothing is left to "
             "train, and nothing in its folder was changed. To train it longer, resume with more epochs (--epochs N; "
             "EPOCHS in the notebook); to evaluate its weights, add --evaluate.") in res.output, describe([res])
-    assert "Traceback" not in res.output and _tree(tmp_path / "run") == before
+    assert "Traceback" not in res.output and tree(tmp_path / "run") == before
 
 
 def test_ci_types_the_quick_start_as_printed_then_runs_the_tests_sections_commands_in_its_venv():

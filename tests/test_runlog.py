@@ -21,6 +21,7 @@ from ddp_utils.runlog import (
 from ddp_utils.settings import Settings
 from ddp_utils.model import unwrap as unwrap_model
 from ddp_utils.summary import model_summary
+from tests.helpers.runs import tree
 
 FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 hex characters, like a real W&B key
 
@@ -40,12 +41,6 @@ def no_wandb_credentials(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / ".config" / "wandb"))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(home / ".cache" / "wandb"))
     monkeypatch.setenv("WANDB_DATA_DIR", str(home / ".local" / "share" / "wandb"))
-
-
-def tree(folder):
-    """{relative path: bytes} of every file under ``folder``: a snapshot to compare."""
-    return {str(p.relative_to(folder)): p.read_bytes()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def small_model():

@@ -29,6 +29,11 @@ def run_ranks(tmp_path, name, world_size, *extra, timeout=180):
     return results
 
 
+def tree(folder) -> dict:
+    """{relative path: bytes} of every file under ``folder``: a snapshot to compare (nothing changed, nothing left)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
 def weights(path):
     return checkpoint.load_checkpoint(path)["model"]
 
