@@ -292,7 +292,7 @@ def teardown(abort: bool = False) -> None:
     """Destroy the process group if there is one. Safe to call any time, any number of times.
 
     ``abort`` (after an error or an interrupt): the others' next collective fails now. NCCL: aborted; gloo: its
-    connections shut down (ZeRO's and FSDP's C++ objects keep a freed group alive while the process holds them).
+    connections shut down, whoever still holds the group (job.release_group first lets the model and optimizer go of it).
     """
     global _active
     _active = None

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checkpoint, collectives, distributed
+from . import checkpoint, collectives, distributed, parallel
 from .robust import peers
 from .checkpoint import kept_checkpoint
 from .data import build_data
 from .loaders import Data
 from .distributed import setup
 from .robust.peers import describe_failure
-from .model import build_model, parallel_mode, prepare_model, unwrap
+from .model import build_model, ddp_of, parallel_mode, prepare_model, unwrap
 from .parallel import load_model_state
 from .robust import autoresume
 from .runlog import NullLogger, RunFolderError, RunLogger, default_run_dir, make_logger, run_folder_refusal, summarize
@@ -63,6 +63,7 @@ class Job:
     model_table: str = ""             # the layer table (rank 0), also in model_summary.txt
     parallel: str = "none"            # what runs: ddp, dp or none (model.parallel_mode)
     log: object = print               # where the run's own notes go (rank 0)
+    optimizer: object = None          # a weak reference to the run's optimizer (new_loop), for release_group
 
     def __enter__(self) -> "Job":
         return self
@@ -85,7 +86,7 @@ class Job:
                                                  + (f". {kept[0].upper()}{kept[1:]}" if kept else ""))
         self.logger.error(str(exc) if str(exc).startswith("rank") else describe_failure(exc))
         self.logger.close(exit_code=1)
-        release_group(self.model)     # DDP
+        release_group(self.model, self.optimizer() if self.optimizer is not None else None)
         distributed.teardown(abort=True)   # DDP: the other ranks' collectives fail now, not at a timeout
 
 
@@ -100,19 +101,20 @@ def what_exists(kept: str, run_dir, ctx) -> str:
     return f"{kept}: continue with --resume {checkpoint.checkpoint_paths(run_dir)[0]}"
 
 
-def release_group(model) -> None:
-    """Make a DDP model let go of its process group, so that tearing the group down frees it (its
-    threads and buffers) although the notebook and the error's traceback still reference the model.
+def release_group(model, optimizer=None) -> None:
+    """Make a model (and its optimizer) let go of the process group, so that tearing the group down frees it (its
+    threads and buffers) although the notebook and the error's traceback still reference them: DDP's reducer here,
+    ZeRO's optimizer and FSDP's blocks in their modes (``Mode.release``).
     The other ranks' collectives fail at once either way: teardown(abort=True) shuts the connections."""
     import gc
-
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    while model is not None:
-        if isinstance(model, DDP):
-            for name in ("reducer", "logger", "process_group", "_comm_hooks"):
-                model.__dict__.pop(name, None)
-            break
-        model = getattr(model, "_orig_mod", None)   # torch.compile's wrapper
+    if model is None:
+        return
+    ddp = ddp_of(model)
+    if ddp is not None:
+        for name in ("reducer", "logger", "process_group", "_comm_hooks"):
+            ddp.__dict__.pop(name, None)
+    net = unwrap(model)
+    parallel.of_state(net, optimizer).release(net, optimizer)
     gc.collect()
 
 

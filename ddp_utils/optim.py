@@ -9,6 +9,10 @@ import contextlib
 import math
 
 import torch
+# imported before any process group exists (``import ddp_utils`` comes first): its module gives a helper the
+# group of the moment as a default argument, which would keep that group alive for the life of the process
+# (a notebook's kernel), and a failed run's teardown could not free it (job.release_group)
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
 def build_optimizer(model: torch.nn.Module, settings, zero: bool = False) -> torch.optim.Optimizer:
@@ -30,7 +34,6 @@ def build_optimizer(model: torch.nn.Module, settings, zero: bool = False) -> tor
         from .own_ddp import sharded_optimizer
         return sharded_optimizer(groups, kind, lr=settings.effective_lr, **options)
     if zero:   # each rank steps the parameters it owns (about 1/N, by size) and broadcasts them (speed/sharding.py)
-        from torch.distributed.optim import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer(groups, optimizer_class=kind, lr=settings.effective_lr, **options)
     return kind(groups, lr=settings.effective_lr, **options)
 

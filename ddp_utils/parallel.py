@@ -66,6 +66,11 @@ class Mode:
         """Load a plain (full) model state, which every rank holds."""
         net.load_state_dict(state)
 
+    def release(self, net: nn.Module, optimizer) -> None:
+        """After a failure: let go of the process group wherever the mode's objects hold it (ZeRO's optimizer,
+        FSDP's blocks), so that tearing the group down frees it while a notebook still holds them
+        (``job.release_group``; DDP's own hold is let go there)."""
+
     def load_optimizer(self, net: nn.Module, optimizer, state: dict) -> None:
         """Load a plain optimizer state (SGD's ``state_dict()``, parameters by index)."""
         # a copy: on a CPU torch keeps the tensors it is given as the momentum, and each step would change the
@@ -114,6 +119,17 @@ def load_model_state(net: nn.Module, state: dict) -> None:
 def load_optimizer_state(net: nn.Module, optimizer, state: dict) -> None:
     """Load a plain optimizer state into ``optimizer``, whatever its mode (ZeRO keeps its own parameters' state)."""
     of_state(net, optimizer).load_optimizer(net, optimizer, state)
+
+
+def drop_groups(obj) -> None:
+    """Set each attribute of ``obj`` that is a process group to None, and empty each dict attribute holding one
+    (``Mode.release``: after this the object cannot run a collective again, which a failed run does not)."""
+    from torch.distributed import ProcessGroup
+    for name, value in list(getattr(obj, "__dict__", {}).items()):
+        if isinstance(value, ProcessGroup):
+            setattr(obj, name, None)
+        elif isinstance(value, dict) and any(isinstance(v, ProcessGroup) for v in value.values()):
+            value.clear()
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:

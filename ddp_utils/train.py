@@ -13,6 +13,7 @@ wants changed comes back from its hook as an ``Ask``, applied here in a line of 
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,7 @@ def new_loop(job, around: Around | None = None, **chosen) -> Loop:
     (``train_one_epoch(new_loop(job), 0)`` trains one epoch; ``chosen``: the Loop's ``given`` / ``only``)."""
     settings, ctx = job.settings, job.ctx
     optimizer = build_optimizer(job.model, settings, zero=job.parallel == "zero1")   # ZeRO-1: state sharded
+    job.optimizer = weakref.ref(optimizer)   # for job.release_group after a failure; the loop owns the optimizer
     scheduler = build_scheduler(optimizer, settings, optimizer_steps(len(job.data.train), settings.accumulate))
     scaler = make_scaler(amp_dtype(settings, ctx.device), ctx.device)
     meta = {"parallel": job.parallel, "resumed_from": job.resume if job.state is not None else None}

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_utils import collectives, distributed
-from ddp_utils.robust import peers
+from ddp_utils.robust import compat, peers
 from ddp_utils.robust import rendezvous
 from ddp_utils.settings import Settings
 from tests.helpers import netns
@@ -60,7 +60,6 @@ def test_a_rank_that_left_after_an_error_ends_the_others_collective_at_once_in_e
     """Issue 43, finding 8: a rank that failed left the group as Job.fail does, but under zero1 and fsdp the others'
     next collective waited until that process ended (26.7 s here; a notebook's kernel lives on) or timed out:
     ZeRO's and FSDP's C++ objects kept the freed group's connections open. teardown(abort=True) shuts them."""
-    from ddp_utils.robust import compat
     if mode == "fsdp" and compat.fsdp_refusal("cpu", "gloo"):
         pytest.skip(compat.fsdp_refusal("cpu", "gloo"))   # the floor's torch 2.6 runs no FSDP2 on a CPU
     port = free_port()
@@ -853,13 +852,16 @@ def test_a_stuck_loaders_worker_processes_are_described_by_their_state_and_wait_
 
 
 @pytest.mark.slow
-def test_after_a_failure_release_group_lets_the_teardown_free_ddps_process_group():
-    """What Job.fail relies on: with the DDP model still held (a notebook's traceback holds it), the group is freed
-    by the teardown after release_group, on every rank; without it, it is not (the control: the reducer holds it).
-    ZeRO's optimizer and FSDP's blocks still hold it after release_group (tests/helpers/release_ranks.py shows it)."""
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "fsdp"])
+def test_after_a_failure_release_group_lets_the_teardown_free_the_process_group(mode):
+    """What Job.fail relies on: with the model and optimizer still held (a notebook's traceback holds them), the
+    group is freed by the teardown after release_group, on every rank; without it, it is not (the control: DDP's
+    reducer, ZeRO's optimizer, FSDP's blocks and their device mesh hold it)."""
+    if mode == "fsdp" and compat.fsdp_refusal("cpu", "gloo"):
+        pytest.skip(compat.fsdp_refusal("cpu", "gloo"))   # the floor's torch 2.6 runs no FSDP2 on a CPU
     for release in (0, 1):
         port = free_port()
-        ranks = run_all([python("-m", "tests.helpers.release_ranks", "ddp", str(r), "2", str(port), str(release))
+        ranks = run_all([python("-m", "tests.helpers.release_ranks", mode, str(r), "2", str(port), str(release))
                          for r in range(2)], timeout=120, env=base_env())
         assert all(r.returncode == 0 for r in ranks), describe(ranks)
         assert all(f"FREED {bool(release)}" in r.output for r in ranks), describe(ranks)

@@ -158,6 +158,31 @@ def test_a_resumed_run_lets_go_of_the_checkpoint_once_it_has_restored_from_it(tm
     assert results["epochs_run"] == 1 and held == [None]
 
 
+def test_a_failed_run_hands_release_group_its_optimizer_and_a_finished_job_keeps_no_optimizer(tmp_path, monkeypatch):
+    """Issue 55: ZeRO's optimizer holds the process group, and the loop (not the job) owns the optimizer: Job.fail
+    must still reach it (a weak reference), and a job that ran must not keep the optimizer's state alive."""
+    import gc
+    from ddp_utils import job as job_module
+    released = []
+    monkeypatch.setattr(job_module, "release_group", lambda model, optimizer=None: released.append(optimizer))
+    real = train.train_and_evaluate
+
+    def fail_after_a_step(loop, epoch):
+        released.append(("the loop's", loop.optimizer))
+        raise RuntimeError("a failure inside the run")
+    monkeypatch.setattr(train, "train_and_evaluate", fail_after_a_step)
+    with pytest.raises(RuntimeError, match="a failure inside the run"):
+        _in_process_fit(tmp_path / "failed", epochs=1, workers=0)
+    assert released[1] is released[0][1] and released[1] is not None
+    monkeypatch.setattr(train, "train_and_evaluate", real)
+    settings = Settings(dataset="fake", data_dir="data/demo", image_size=32, arch="convnet", workers=0,
+                        wandb="disabled", epochs=1, batch_size=8, max_steps_per_epoch=2, run_dir=str(tmp_path / "ok"))
+    with job_module.prepare(settings, log=lambda *_: None) as job:
+        train.fit(job)
+    gc.collect()
+    assert job.optimizer is not None and job.optimizer() is None
+
+
 @pytest.mark.slow
 def test_compile_trains_for_real_and_resumes_from_an_eager_checkpoint_to_the_eager_runs_weights(tmp_path):
     """Issues 36/37: --compile had only run with torch.compile stubbed. For real on the CPU (inductor and the

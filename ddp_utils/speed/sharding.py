@@ -40,7 +40,7 @@ from torch import nn
 from .. import collectives, parallel
 from ..model import unwrap
 from ..observers import Observer, register
-from ..parallel import Mode, local_part
+from ..parallel import Mode, drop_groups, local_part
 from ..robust import compat
 
 STATE_BYTES = {"sgd": 4, "adam": 8}   # K: optimizer state per parameter, fp32 (SGD: momentum; Adam: two moments)
@@ -199,6 +199,9 @@ class ZeRO1(Mode):
         getattr(optimizer, "_all_state_dicts", []).clear()
         return net.state_dict(), optim_state
 
+    def release(self, net: nn.Module, optimizer) -> None:
+        drop_groups(optimizer)   # ZeRO's (or your ShardedOptimizer's) process_group
+
     def load_optimizer(self, net: nn.Module, optimizer, state: dict) -> None:
         if _is_yours(optimizer):   # every rank raises this: the same settings, the same checkpoint
             raise ValueError("build_ddp=f does not resume: your ShardedOptimizer (lab/build_ddp, part f) keeps its "
@@ -235,6 +238,20 @@ class FSDP(Mode):
 
     def blueprint(self, net: nn.Module) -> nn.Module:
         return blueprint(net)
+
+    def release(self, net: nn.Module, optimizer) -> None:
+        # each sharded block's mesh infos name the group; each parameter's device mesh keeps it in a registry
+        # (torch 2.9 on; torch 2.6's mesh keeps its name only)
+        for module in net.modules():
+            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+            group = getattr(state, "_fsdp_param_group", None)
+            for holder in ([group, *group.fsdp_params] if group is not None else []):
+                drop_groups(holder.mesh_info)
+                drop_groups(holder.post_forward_mesh_info)
+        for p in net.parameters():
+            mesh = getattr(p, "device_mesh", None)
+            drop_groups(mesh)
+            drop_groups(getattr(mesh, "_root_mesh", None))
 
     def full_state(self, net: nn.Module, optimizer, ctx) -> tuple[dict | None, dict | None]:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,

@@ -177,7 +177,7 @@ def left_group(s: Settings, mode: str) -> None:
     train(model, optimizer, scheduler, scaler, settings, ctx, batches(1, ctx.rank, 2))
     peers.wait_for_all("trained", ctx, 60)
     if ctx.rank == 1:
-        release_group(model)
+        release_group(model, optimizer)
         distributed.teardown(abort=True)
         check("left", True)
         time.sleep(12)   # the kernel lives on

@@ -1,12 +1,12 @@
-"""Per-rank code for tests/test_sharding.py's release test: after a failure, does tearing the group down free it?
+"""Per-rank code for tests/test_distributed.py's release test: after a failure, does tearing the group down free it?
 
     python -m tests.helpers.release_ranks MODE RANK WORLD PORT RELEASE
 
 Joins a gloo group of WORLD ranks, places a small net in MODE (ddp, zero1, fsdp) with its optimizer, takes a step,
 then keeps the model and the optimizer alive (as a notebook's traceback does after a failed cell), calls
 ``job.release_group`` when RELEASE is 1, tears the group down as ``Job.fail`` does, and prints ``FREED True`` when
-the default process group object is gone, ``FREED False`` when something still holds it. (zero1 and fsdp: False
-either way today, though no Python object refers to the group after DDP's release: see the closing notes.)
+the default process group object is gone, ``FREED False`` when something still holds it. The kit is imported
+first, as in a notebook (ZeRO's module must be imported before the group exists: ddp_utils/optim.py).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def main() -> None:
     optimizer.step()
     group = weakref.ref(dist.group.WORLD)
     if release:
-        release_group(model)
+        release_group(model, optimizer)
     distributed.teardown(abort=True)
     gc.collect()
     print(f"FREED {group() is None}", flush=True)
