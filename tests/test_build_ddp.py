@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -274,18 +275,89 @@ def test_the_handout_check_finds_the_solution_wherever_it_is_copied(tmp_path):
     """The check the handout passes can fail: the solution's code pasted into any file is found."""
     make_handout = handout_module()
     (tmp_path / "notes.md").write_text("my answers:\n" + SOLUTION.read_text())
-    found = make_handout.leaks(tmp_path, make_handout.solution_windows(Path(REPO)))
+    found = make_handout.leaks(tmp_path, make_handout.solution_windows(SOLUTION.read_text()))
     assert found and all(f.startswith("notes.md: ") for f in found)
+
+
+def test_the_handout_check_compares_code_so_the_skeleton_passes_and_the_solution_without_docstrings_does_not():
+    """Issue 56: the check subtracted the working tree's student.py from the solution, so a solved student.py
+    cleared itself. It now takes the bodies the student writes (GIVEN's aside: the skeleton keeps them) and
+    compares code only: the skeleton shares none of it, the solution with every docstring reworded all of it."""
+    make_handout = handout_module()
+    solution = make_handout.solution_windows(SOLUTION.read_text())
+    assert not make_handout.windows(make_handout.code_lines((LAB / "student.py").read_text())) & solution
+    assert make_handout.GIVEN == {name for name, node in definitions(LAB / "student.py").items()
+                                  if isinstance(node, ast.FunctionDef) and not not_implemented_message(node)}
+    source, tree = SOLUTION.read_text().splitlines(), ast.parse(SOLUTION.read_text())
+    for node in ast.walk(tree):   # every docstring reworded, the code kept
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)) and ast.get_docstring(node):
+            first = node.body[0]
+            indent = source[first.lineno - 1][:len(source[first.lineno - 1]) - len(source[first.lineno - 1].lstrip())]
+            source[first.lineno - 1:first.end_lineno] = [f'{indent}"""Mine."""'] + [""] * (first.end_lineno -
+                                                                                         first.lineno)
+    reworded = make_handout.windows(make_handout.code_lines("\n".join(source)))
+    assert reworded & solution == solution
+
+
+def committed_clone(tmp_path: Path) -> Path:
+    """A clone of the kit's commit, for an instructor's hands."""
+    clone = tmp_path / "kit"
+    subprocess.run(["git", "clone", "-q", "--no-local", "--depth", "1", f"file://{REPO}", str(clone)], check=True,
+                   timeout=120)
+    return clone
+
+
+def test_the_handout_takes_the_committed_student_py_not_an_uncommitted_solution(tmp_path):
+    """Issue 56: an instructor who solved student.py to try the lab, without committing, got a handout whose
+    student.py was the solution. The handout is made from the commit: its student.py is the committed skeleton,
+    the uncommitted file is named, and the kit's own tests that run the solution stay out (they would fail)."""
+    make_handout = handout_module()
+    clone = committed_clone(tmp_path)
+    skeleton = (clone / "lab/build_ddp/student.py").read_bytes()
+    shutil.copy(clone / "lab/build_ddp/solution/reference.py", clone / "lab/build_ddp/student.py")
+    files = make_handout.make_handout(tmp_path / "handout", repo=clone, check_lab=False)
+    assert (tmp_path / "handout/lab/build_ddp/student.py").read_bytes() == skeleton
+    assert make_handout.uncommitted(clone) == ["lab/build_ddp/student.py"]
+    assert "tests/test_build_ddp.py" not in files and "tests/test_own_ddp.py" not in files
+    assert "tests/test_training.py" in files and "lab/build_ddp/test_build_ddp.py" in files
+    assert not any(name.startswith(("lab/build_ddp/solution/", ".ci/")) for name in files)
+
+
+def test_the_handout_refuses_a_committed_solution_and_leaves_nothing_behind(tmp_path):
+    make_handout = handout_module()
+    clone = committed_clone(tmp_path)
+    shutil.copy(clone / "lab/build_ddp/solution/reference.py", clone / "lab/build_ddp/student.py")
+    subprocess.run(["git", "-c", "user.name=TA", "-c", "user.email=ta@example.org", "commit", "-qam", "solved"],
+                   cwd=clone, check=True)
+    (tmp_path / "handout.partial").mkdir()   # someone's folder of that name beside OUT: left alone
+    (tmp_path / "handout.partial" / "mine.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"would hold the solution's code .*\n  lab/build_ddp/student.py: "):
+        make_handout.make_handout(tmp_path / "handout", repo=clone, check_lab=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["handout.partial", "kit"]
+    assert (tmp_path / "handout.partial" / "mine.txt").read_text() == "mine"
+
+
+def test_the_handout_says_which_folder_it_cannot_write_or_which_copy_has_no_git(tmp_path):
+    make_handout = handout_module()
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match=r"^cannot write beside .*a-file/handout .*: give a folder you can write"):
+        make_handout.make_handout(tmp_path / "a-file" / "handout")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    with pytest.raises(ValueError, match=r"is not a git checkout: the handout is made from what the kit's "):
+        make_handout.make_handout(tmp_path / "out", repo=copy)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "copy"]
 
 
 @pytest.mark.slow
 def test_the_handout_has_no_solution_and_its_untouched_student_file_fails_every_part(tmp_path):
     make_handout = handout_module()
     out = tmp_path / "handout"
-    files = make_handout.make_handout(out)
+    files = make_handout.make_handout(out)   # its own check ran the lab's tests there (below: what they say)
     assert "lab/build_ddp/student.py" in files and "lab/build_ddp/HINTS.md" in files
     assert not (out / "lab/build_ddp/solution").exists() and not any("solution" in f for f in files)
-    assert not make_handout.leaks(out, make_handout.solution_windows(Path(REPO)))
+    assert not make_handout.leaks(out, make_handout.solution_windows(SOLUTION.read_text()))
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == files   # nothing the check left
     done = subprocess.run([sys.executable, "-m", "pytest", "lab/build_ddp", "-p", "no:cacheprovider", "-k", "2-ranks",
                            f"--junitxml={tmp_path / 'student.xml'}"], cwd=out, env=lab_env(), capture_output=True,
                           text=True, timeout=RUN_LIMIT_S)
