@@ -1,4 +1,6 @@
-"""lab/build_ddp/bench.py, part (e) of the lab: the alpha-beta fit finds the alpha and beta it was given;
+"""lab/build_ddp/bench.py, part (e) of the lab: the alpha-beta fit finds the alpha and beta it was given, and its
+rounds' fits give their spread; figures are medians of rounds with their range, and two whose ranges overlap are
+said to be within each other's spread;
 ``collectives`` writes its rows, fit and figure, and stops, naming the size, at a ring that sums wrong;
 ``step`` trains each chosen DDP and writes one table of them, stops its ranks on Ctrl-C, and says that --hosts
 netns needs root. The processes run the kit's solution (BUILD_DDP=reference) on tiny sizes and a few steps."""
@@ -61,6 +63,44 @@ def test_the_fit_never_gives_a_negative_alpha():
     assert alpha == 0.0 and beta > 0
 
 
+def test_rounds_give_each_figure_a_median_and_a_range_and_overlapping_ranges_are_not_ranked():
+    """Issue 56: three 8-second runs gave alphas 2.5x apart, and bench.py printed medians only. A figure is now
+    the median of its rounds with their range, and two figures whose ranges overlap are not told apart."""
+    b = load_bench()
+    assert b.spread([3.0, 1.0, 2.0, 10.0, 2.5]) == (2.5, 1.0, 10.0)
+    assert b.shown([0.001, 0.002, 0.003], 1e3) == "2 (1-3)"
+    assert b.within([1.0, 2.0], [1.9, 3.0]) and not b.within([1.0, 2.0], [2.1, 3.0])
+    assert b.compared([1.0, 2.0], [1.5, 3.0]) == "within each other's spread"
+    assert b.compared([4.0, 4.4, 5.0], [1.9, 2.0, 2.2]) == "2.20x, beyond the spread"
+    rows = b.step_rows({"a": [{"step_ms": 10.0, "compute_ms": 5.0, "comm_ms": 4.0, "comm_share": 40.0, "img_s": 60.0},
+                              {"step_ms": 12.0, "compute_ms": 5.5, "comm_ms": 5.0, "comm_share": 42.0, "img_s": 50.0},
+                              {"step_ms": 11.0, "compute_ms": 6.0, "comm_ms": 4.5, "comm_share": 41.0, "img_s": 55.0}],
+                        "ddp": [{"step_ms": 11.5, "compute_ms": 5.0, "comm_ms": 3.0, "comm_share": 26.0, "img_s": 52.0},
+                                {"step_ms": 13.0, "compute_ms": 5.0, "comm_ms": 3.1, "comm_share": 24.0, "img_s": 46.0},
+                                {"step_ms": 12.5, "compute_ms": 5.0, "comm_ms": 3.2, "comm_share": 25.0, "img_s": 48.0}],
+                        "c64": [{"step_ms": 20.0, "compute_ms": 5.0, "comm_ms": 9.0, "comm_share": 45.0, "img_s": 30.0},
+                                {"step_ms": 21.0, "compute_ms": 5.0, "comm_ms": 9.1, "comm_share": 43.0, "img_s": 29.0},
+                                {"step_ms": 22.0, "compute_ms": 5.0, "comm_ms": 9.2, "comm_share": 42.0, "img_s": 28.0}]}, 30)
+    a = rows[0]
+    assert a["step_ms"] == 11.0 and a["step_ms_range"] == [10.0, 12.0] and a["step_ms_rounds"] == [10.0, 12.0, 11.0]
+    assert b.step_summary(rows) == ("fastest step: (a) allreduce_gradients; torch DDP, 25 MB: within its spread; "
+                                    "(c) BucketDDP, 64 MB: 1.91x, beyond the spread")
+
+
+def test_the_rounds_fits_give_alpha_and_beta_their_spread_and_the_prediction_its_range():
+    b = load_bench()
+    sizes = b.sizes(64)
+    truth = [(40e-6, 1 / 2e9), (60e-6, 1 / 1.5e9), (50e-6, 1 / 1.8e9)]   # three rounds of a drifting machine
+    rows = [{"bytes": n, "p2p_s_rounds": [a + n * beta for a, beta in truth]} for n in sizes]
+    fit = b.fit_with_spread(rows, world=2)
+    assert sorted(fit["alpha_us_rounds"]) == pytest.approx([40, 50, 60], rel=1e-6)
+    assert sorted(fit["bandwidth_gbs_rounds"]) == pytest.approx([1.5, 1.8, 2.0], rel=1e-6)
+    assert 40 <= fit["alpha_us"] <= 60 and 1.5 <= fit["bandwidth_gbs"] <= 2.0
+    for row in rows:   # the ring's prediction of each round's fit: 2 (N - 1) (alpha + n / N beta)
+        assert sorted(row["predicted_ring_s_rounds"]) == pytest.approx(
+            sorted(b.ring_prediction(row["bytes"], 2, a, beta) for a, beta in truth), rel=1e-6)
+
+
 def test_step_on_netns_hosts_says_it_needs_root(monkeypatch, capsys, tmp_path):
     b = load_bench()
     monkeypatch.setattr(b.os, "geteuid", lambda: 1000)
@@ -79,14 +119,21 @@ def test_a_folder_holding_files_is_never_written_to(capsys, tmp_path):
 @pytest.mark.slow
 def test_collectives_writes_its_rows_fit_and_figure(tmp_path):
     out = tmp_path / "out"
-    done = bench("collectives", "--ranks", "2", "--max-mib", "4", "--out", str(out))
+    done = bench("collectives", "--ranks", "2", "--max-mib", "4", "--repeat", "2", "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads((out / "collectives.json").read_text())
     assert [row["bytes"] for row in record["rows"]] == [4096 * 4**k for k in range(6)]
     for row in record["rows"]:
         for key in ("ring_s", "all_reduce_s", "p2p_s", "predicted_ring_s", "ring_busbw_gbs"):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
-    assert record["fit"]["alpha_s"] >= 0 and record["fit"]["bandwidth_gbs"] > 0
+        for key in ("ring_s", "all_reduce_s", "p2p_s"):   # two rounds each, their median and range
+            rounds = row[f"{key}_rounds"]
+            assert len(rounds) == 2 and row[f"{key}_range"] == [min(rounds), max(rounds)], (key, row)
+            assert row[key] == pytest.approx(sum(rounds) / 2)
+        assert row["ring_vs_all_reduce"] in done.stdout and row["ring_vs_predicted"] in done.stdout
+    assert record["fit"]["alpha_s"] >= 0 and record["fit"]["bandwidth_gbs"] > 0 and record["repeat"] == 2
+    assert len(record["fit"]["alpha_us_rounds"]) <= 2 and "ring against dist.all_reduce: " in done.stdout
+    assert (out / "collectives.md").read_text().splitlines()[0].startswith("alpha-beta fit")
     assert record["ranks"] == 2 and record["backend"] == "gloo" and record["implementation"].endswith("reference.py")
     assert (out / "collectives.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| 64 KiB |" in done.stdout and "alpha-beta fit" in done.stdout
@@ -120,7 +167,8 @@ def test_collectives_stops_at_a_wrong_ring_and_names_the_size(tmp_path):
 @pytest.mark.slow
 def test_step_writes_one_table_of_every_variant_and_traces_part_a(tmp_path):
     out = tmp_path / "out"
-    done = bench("step", "--hosts", "local", "--steps", "3", "--variants", "a,c1,ddp", "--out", str(out))
+    done = bench("step", "--hosts", "local", "--steps", "3", "--variants", "a,c1,ddp", "--repeat", "1",
+                 "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads((out / "step.json").read_text())
     assert [row["variant"] for row in record["rows"]] == ["a", "c1", "ddp"]

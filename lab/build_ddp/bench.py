@@ -2,16 +2,23 @@
 
 Run from the repository root (BUILD_DDP=reference measures the kit's solution instead of your student.py):
 
-    python lab/build_ddp/bench.py collectives                  # 2 ranks, 4 KiB .. 256 MiB: under a minute
+    python lab/build_ddp/bench.py collectives                  # 2 ranks, 4 KiB .. 256 MiB, 5 rounds: minutes
     python lab/build_ddp/bench.py collectives --ranks 4 --max-mib 16
-    python lab/build_ddp/bench.py step                         # 6 trainings side by side: about 3 minutes
+    python lab/build_ddp/bench.py step                         # 6 trainings, 5 rounds: about 15 minutes
     sudo python lab/build_ddp/bench.py step --hosts netns --rate 1gbit   # two "hosts" joined by a 1 Gbit/s link
-    python lab/build_ddp/bench.py step --variants a,b,ddp --steps 10     # a subset, shorter
+    python lab/build_ddp/bench.py step --variants a,b,ddp --steps 10 --repeat 3   # a subset, shorter
+
+Every figure is measured --repeat times (default 5, in rounds: every size or variant once, then again, so that a
+machine that slows down for a while spreads every figure alike rather than biasing one), and printed as the median
+with the spread, the lowest and highest round (``12.3 (11.8-14.0)``). Two figures whose spreads overlap are
+"within each other's spread": the measurement cannot tell them apart, and the tables say so instead of ranking
+them. Measure on an idle machine: another program on the same cores widens every spread.
 
 collectives: times your ring_all_reduce, dist.all_reduce and one point-to-point exchange with the ring
 neighbours, for float32 tensors of 4 KiB to --max-mib MiB (powers of 4). It fits the alpha-beta model
-t(n) = alpha + n * beta to the point-to-point times (alpha: the fixed cost of a message, 1/beta: the bandwidth)
-and predicts the ring from it: 2 (N - 1) messages of n / N bytes, t = 2 (N - 1) (alpha + (n / N) beta).
+t(n) = alpha + n * beta to the point-to-point times (alpha: the fixed cost of a message, 1/beta: the bandwidth),
+once on the medians and once per round (the rounds' fits give alpha's and beta's spread), and predicts the ring
+from it: 2 (N - 1) messages of n / N bytes, t = 2 (N - 1) (alpha + (n / N) beta).
 Across nodes, run the same command on every node with --nodes, --node-rank, --master-addr and --master-port
 (ranks are split in blocks, as in harness.py); --backend nccl gives each rank its own GPU.
 
@@ -92,8 +99,33 @@ def sizes(max_mib: float) -> list[int]:
 
 
 def repeats_for(nbytes: int) -> int:
-    """Small messages are fast and noisy: many repeats; a 256 MiB all-reduce takes about a second on gloo: few."""
-    return 30 if nbytes <= 256 * KIB else 15 if nbytes <= 4 * MIB else 5 if nbytes <= 64 * MIB else 3
+    """Calls timed per round (a round's figure is their median). Small messages are fast and noisy: many; a 256 MiB
+    all-reduce takes about a second on gloo: one (the rounds repeat it)."""
+    return 10 if nbytes <= 256 * KIB else 5 if nbytes <= 4 * MIB else 2 if nbytes <= 64 * MIB else 1
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, lowest, highest) of a figure's rounds."""
+    return statistics.median(values), min(values), max(values)
+
+
+def within(a: list[float], b: list[float]) -> bool:
+    """Whether two figures' spreads overlap: the measurement cannot tell them apart."""
+    return min(a) <= max(b) and min(b) <= max(a)
+
+
+def compared(a: list[float], b: list[float]) -> str:
+    """``within each other's spread``, or the ratio of the medians (a / b) beyond it."""
+    if within(a, b):
+        return "within each other's spread"
+    ratio = statistics.median(a) / statistics.median(b)
+    return f"{ratio:.2f}x, beyond the spread"
+
+
+def shown(values: list[float], scale: float = 1.0, digits: int = 3) -> str:
+    """``median (lowest-highest)`` of a figure's rounds, times ``scale``."""
+    mid, low, high = (v * scale for v in spread(values))
+    return f"{mid:.{digits}g} ({low:.{digits}g}-{high:.{digits}g})"
 
 
 def agreed_time(op, repeats: int, device) -> float:
@@ -132,27 +164,29 @@ def check_ring(ring, nbytes: int, device) -> None:
                          f"be a wrong algorithm's. Fix part (d) first: python -m pytest lab/build_ddp -k part_d")
 
 
-def measure(max_mib: float, device, progress) -> list[dict]:
-    """Every size's times, the same on every rank (agreed_time)."""
+def measure(max_mib: float, repeat: int, device, progress) -> list[dict]:
+    """Every size's times, each a list of ``repeat`` rounds, the same on every rank (agreed_time)."""
     ring = adapter.implementation().ring_all_reduce
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows = []
-    for nbytes in sizes(max_mib):
-        progress[0].value, progress[1].value = nbytes, 0   # where we are, for the parent if we hang
-        check_ring(ring, nbytes, device)
-        buffer = torch.zeros(nbytes // 4, device=device)   # zeros: the sums stay 0 however often we repeat
-        incoming = torch.empty_like(buffer)
+    rows = [{"bytes": nbytes, "repeats": repeats_for(nbytes), "ring_s_rounds": [], "all_reduce_s_rounds": [],
+             "p2p_s_rounds": []} for nbytes in sizes(max_mib)]
+    for row in rows:   # a wrong ring is said before any time is taken
+        progress[0].value, progress[1].value = row["bytes"], 0   # where we are, for the parent if we hang
+        check_ring(ring, row["bytes"], device)
+    for _ in range(repeat):   # rounds: every size once, then again
+        for row in rows:
+            buffer = torch.zeros(row["bytes"] // 4, device=device)   # zeros: the sums stay 0 however often we repeat
+            incoming = torch.empty_like(buffer)
 
-        def exchange():   # one message to the right neighbour while one arrives from the left
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, buffer, (rank + 1) % world),
-                                                dist.P2POp(dist.irecv, incoming, (rank - 1) % world)]):
-                work.wait()
-        row = {"bytes": nbytes, "repeats": repeats_for(nbytes)}
-        ops = {"ring_s": lambda: ring(buffer), "all_reduce_s": lambda: dist.all_reduce(buffer), "p2p_s": exchange}
-        for stage, (key, op) in enumerate(ops.items(), start=1):
-            progress[1].value = stage
-            row[key] = agreed_time(op, row["repeats"], device)
-        rows.append(row)
+            def exchange():   # one message to the right neighbour while one arrives from the left
+                for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, buffer, (rank + 1) % world),
+                                                    dist.P2POp(dist.irecv, incoming, (rank - 1) % world)]):
+                    work.wait()
+            ops = {"ring_s": lambda: ring(buffer), "all_reduce_s": lambda: dist.all_reduce(buffer), "p2p_s": exchange}
+            progress[0].value = row["bytes"]
+            for stage, (key, op) in enumerate(ops.items(), start=1):
+                progress[1].value = stage
+                row[f"{key}_rounds"].append(agreed_time(op, row["repeats"], device))
     return rows
 
 
@@ -168,7 +202,7 @@ def rank_main(rank: int, world: int, per_node: int, launch: dict, progress, conn
             os.environ.setdefault(var, launch["ifname"])
         dist.init_process_group(launch["backend"], init_method=f"tcp://{launch['addr']}:{launch['port']}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=launch["time_limit"]))
-        rows = measure(launch["max_mib"], device, progress)
+        rows = measure(launch["max_mib"], launch["repeat"], device, progress)
         dist.barrier()
         conn.send(("ok", rows if rank == 0 else None))
     except BenchError as error:
@@ -185,7 +219,7 @@ def run_ranks(args) -> list[dict] | None:
     per_node = -(-args.ranks // args.nodes)
     local = [r for r in range(args.ranks) if r // per_node == args.node_rank]
     launch = {"backend": args.backend, "addr": args.master_addr, "port": args.master_port or free_port(),
-              "max_mib": args.max_mib, "time_limit": args.time_limit, "ifname": choose_interface(args.master_addr)[0]}
+              "max_mib": args.max_mib, "repeat": args.repeat, "time_limit": args.time_limit, "ifname": choose_interface(args.master_addr)[0]}
     # forkserver: torch is imported once and each rank forked from it (seconds saved per rank, as in harness.py)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch.distributed"])
@@ -255,51 +289,100 @@ def collectives(args) -> None:
     if args.ranks < 2:
         raise BenchError("--ranks must be at least 2: a ring of one rank sends nothing")
     out = out_folder(args.out) if args.node_rank == 0 else None
-    print(f"collectives: {args.ranks} ranks ({args.backend}), 4 KiB to {args.max_mib:g} MiB, implementation "
-          f"{adapter.path_of(adapter.chosen())}", flush=True)
+    print(f"collectives: {args.ranks} ranks ({args.backend}), 4 KiB to {args.max_mib:g} MiB, {args.repeat} rounds, "
+          f"implementation {adapter.path_of(adapter.chosen())}", flush=True)
     rows, world = run_ranks(args), args.ranks
     if rows is None:
         print(f"node {args.node_rank}: its ranks finished; node 0 prints and writes the results")
         return
-    alpha, beta = fit_alpha_beta([r["bytes"] for r in rows], [r["p2p_s"] for r in rows])
+    fit = fit_with_spread(rows, world)
+    for row in rows:
+        for key in ("ring_s", "all_reduce_s", "p2p_s", "predicted_ring_s"):
+            row[key] = statistics.median(row[f"{key}_rounds"])
+            row[f"{key}_range"] = [min(row[f"{key}_rounds"]), max(row[f"{key}_rounds"])]
+        row.update(ring_busbw_gbs=busbw(row["bytes"], world, row["ring_s"]),
+                   all_reduce_busbw_gbs=busbw(row["bytes"], world, row["all_reduce_s"]),
+                   ring_vs_all_reduce=compared(row["ring_s_rounds"], row["all_reduce_s_rounds"]),
+                   ring_vs_predicted=compared(row["ring_s_rounds"], row["predicted_ring_s_rounds"]))
+    a_lo, a_hi = min(fit["alpha_us_rounds"]), max(fit["alpha_us_rounds"])
+    b_lo, b_hi = min(fit["bandwidth_gbs_rounds"]), max(fit["bandwidth_gbs_rounds"])
+    lines = [f"alpha-beta fit of the point-to-point times: alpha = {fit['alpha_us']:.3g} us ({a_lo:.3g}-{a_hi:.3g}), "
+             f"1/beta = {fit['bandwidth_gbs']:.3g} GB/s ({b_lo:.3g}-{b_hi:.3g}): the fit of the medians (and the "
+             f"lowest-highest of the rounds' own fits); the ring's prediction: 2 (N-1) (alpha + (n/N) beta)", "",
+             "| size | ring ms | all_reduce ms | point-to-point ms | predicted ring ms | ring / all_reduce | "
+             "ring / predicted |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {size_name(r['bytes'])} | {shown(r['ring_s_rounds'], 1e3)} | {shown(r['all_reduce_s_rounds'], 1e3)} | "
+              f"{shown(r['p2p_s_rounds'], 1e3)} | {shown(r['predicted_ring_s_rounds'], 1e3)} | "
+              f"{r['ring_vs_all_reduce']} | {r['ring_vs_predicted']} |" for r in rows]
+    lines += ["", f"median (lowest-highest) of {args.repeat} rounds; \"within each other's spread\": these rounds "
+                  f"cannot tell the two apart", "", summary(rows)]
+    text = "\n".join(lines)
+    print(f"\n{text}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "collectives.md").write_text(text + "\n")
+    (out / "collectives.json").write_text(json.dumps({"rows": rows, "fit": fit, "ranks": world, "nodes": args.nodes,
+                                                      "repeat": args.repeat, "backend": args.backend, **about()},
+                                                     indent=2))
+    plot_collectives(rows, fit, f"{world} ranks, {args.backend}, {args.repeat} rounds", out / "collectives.png")
+    print(f"\nwritten: {out / 'collectives.md'}, {out / 'collectives.json'}, {out / 'collectives.png'}")
+
+
+def fit_with_spread(rows: list[dict], world: int) -> dict:
+    """The alpha-beta fit of the medians, and one fit per round (the spread of alpha and beta); each row gets the
+    ring's predicted time of every round's fit (``predicted_ring_s_rounds``)."""
+    nbytes = [r["bytes"] for r in rows]
+    alpha, beta = fit_alpha_beta(nbytes, [statistics.median(r["p2p_s_rounds"]) for r in rows])
     if beta <= 0:
         raise BenchError(f"the exchanges did not take longer as the size grew to {size_name(rows[-1]['bytes'])}: too "
                          f"small to see the link's bandwidth through the noise; measure up to 4 MiB at least "
                          f"(--max-mib 4)")
+    rounds = [fit_alpha_beta(nbytes, [r["p2p_s_rounds"][k] for r in rows]) for k in range(len(rows[0]["p2p_s_rounds"]))]
+    rounds = [(a, b) for a, b in rounds if b > 0] or [(alpha, beta)]   # a round too noisy to fit says nothing
     for row in rows:
-        row.update(predicted_ring_s=ring_prediction(row["bytes"], world, alpha, beta),
-                   ring_busbw_gbs=busbw(row["bytes"], world, row["ring_s"]),
-                   all_reduce_busbw_gbs=busbw(row["bytes"], world, row["all_reduce_s"]))
-    fit = {"alpha_s": alpha, "beta_s_per_byte": beta, "alpha_us": alpha * 1e6, "bandwidth_gbs": 1e-9 / beta}
-    print(f"\nalpha-beta fit of the point-to-point times: alpha = {fit['alpha_us']:.1f} us, 1/beta = "
-          f"{fit['bandwidth_gbs']:.2f} GB/s; the ring's prediction: 2 (N-1) (alpha + (n/N) beta)\n")
-    print("| size | ring ms | all_reduce ms | point-to-point ms | predicted ring ms | ring busbw GB/s |\n"
-          "| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {size_name(r['bytes'])} | {r['ring_s'] * 1e3:.3f} | {r['all_reduce_s'] * 1e3:.3f} | "
-              f"{r['p2p_s'] * 1e3:.3f} | {r['predicted_ring_s'] * 1e3:.3f} | {r['ring_busbw_gbs']:.3g} |")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "collectives.json").write_text(json.dumps({"rows": rows, "fit": fit, "ranks": world, "nodes": args.nodes,
-                                                      "backend": args.backend, **about()}, indent=2))
-    plot_collectives(rows, fit, f"{world} ranks, {args.backend}", out / "collectives.png")
-    print(f"\nwritten: {out / 'collectives.json'}, {out / 'collectives.png'}")
+        row["predicted_ring_s_rounds"] = [ring_prediction(row["bytes"], world, a, b) for a, b in rounds]
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "alpha_us": alpha * 1e6, "bandwidth_gbs": 1e-9 / beta,
+            "alpha_us_rounds": [a * 1e6 for a, _ in rounds], "bandwidth_gbs_rounds": [1e-9 / b for _, b in rounds]}
+
+
+def summary(rows: list[dict]) -> str:
+    """What the rounds can show: at which sizes the ring is apart from dist.all_reduce and from its prediction."""
+    def sizes_where(key: str, test) -> str:
+        return ", ".join(size_name(r["bytes"]) for r in rows if test(r[key])) or "none"
+    beyond = [r for r in rows if not within(r["ring_s_rounds"], r["all_reduce_s_rounds"])]
+    ratios = [r["ring_s"] / r["all_reduce_s"] for r in beyond]
+    lines = [f"ring against dist.all_reduce: within each other's spread at "
+             f"{sizes_where('ring_vs_all_reduce', lambda v: v.startswith('within'))}; apart at "
+             f"{', '.join(size_name(r['bytes']) for r in beyond) or 'none'}"
+             + (f" (the ring takes {min(ratios):.2f}x-{max(ratios):.2f}x dist.all_reduce's time there)" if ratios
+                else ""),
+             f"ring against the fit's prediction: within each other's spread at "
+             f"{sizes_where('ring_vs_predicted', lambda v: v.startswith('within'))}"]
+    return "\n".join(lines)
 
 
 def plot_collectives(rows: list[dict], fit: dict, title: str, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")   # no window: a file
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
     x = [r["bytes"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, style, label in (("ring_s", "o-", "your ring_all_reduce"), ("all_reduce_s", "s-", "dist.all_reduce"),
                               ("p2p_s", "^-", "one exchange with the neighbours"),
                               ("predicted_ring_s", "--", "ring predicted from the fit")):
-        ax.loglog(x, [r[key] * 1e3 for r in rows], style, label=label)
-    ax.loglog(x, [(fit["alpha_s"] + n * fit["beta_s_per_byte"]) * 1e3 for n in x], ":", color="grey",
-              label=f"fit: {fit['alpha_us']:.0f} us + n / {fit['bandwidth_gbs']:.2f} GB/s")
+        mid = [r[key] * 1e3 for r in rows]
+        bars = [[m - r[f"{key}_range"][0] * 1e3 for m, r in zip(mid, rows)],
+                [r[f"{key}_range"][1] * 1e3 - m for m, r in zip(mid, rows)]]
+        ax.errorbar(x, mid, yerr=bars, fmt=style, capsize=3, label=label)
+    ax.plot(x, [(fit["alpha_s"] + n * fit["beta_s_per_byte"]) * 1e3 for n in x], ":", color="grey",
+            label=f"fit: {fit['alpha_us']:.0f} us + n / {fit['bandwidth_gbs']:.2f} GB/s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xticks(x, [size_name(n) for n in x], rotation=45)
     ax.minorticks_off()
-    ax.set(xlabel="tensor size (float32)", ylabel="time (ms)", title=title)
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set(xlabel="tensor size (float32)", ylabel="time (ms); bars: lowest to highest round", title=title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -320,10 +403,11 @@ VARIANTS = {   # name: (what the table calls it, the train settings that make it
 TRACED = ("a", "b")
 
 
-def train_argv(name: str, run_dir: Path, rank: int, world: int, addr: str, port: int, steps: int) -> list[str]:
+def train_argv(name: str, run_dir: Path, rank: int, world: int, addr: str, port: int, steps: int,
+               traced: bool = True) -> list[str]:
     from ddp_utils.settings import Settings
     # Trace two steps of the first epoch: the profiler's cost stays out of the second epoch, the one compared.
-    profile = f"{max(min(1, steps - 1), steps - 2)}:{steps}" if name in TRACED else ""
+    profile = f"{max(min(1, steps - 1), steps - 2)}:{steps}" if traced and name in TRACED else ""
     settings = Settings(dataset="fake", arch="mlp", image_size=32, batch_size=32, threads=1, workers=0, epochs=2,
                         max_steps_per_epoch=steps, wandb="disabled", progress="off", backend="gloo",
                         link_probe=False,   # the probe times all-reduces before training: seconds we need not spend
@@ -332,7 +416,8 @@ def train_argv(name: str, run_dir: Path, rank: int, world: int, addr: str, port:
     return [sys.executable, "-m", "ddp_utils", "train", *settings.to_argv()]
 
 
-def run_training(name: str, commands: list[list[str]], logs: Path, time_limit: float) -> None:
+def run_training(name: str, commands: list[list[str]], logs: Path, time_limit: float,
+                 variant: str | None = None) -> None:
     """Run one variant's ranks, each in a session of its own; all killed at the time bound or on any failure."""
     # this environment (BUILD_DDP too: it picks the file that trains), the kit importable, one thread per rank
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_SILENT="true",
@@ -361,7 +446,8 @@ def run_training(name: str, commands: list[list[str]], logs: Path, time_limit: f
         log = logs / f"{name}-rank{rank}.log"
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         why = f"was still running after {time_limit:.0f} s (--time-limit)" if code < 0 else f"exited with code {code}"
-        raise BenchError(f"variant {name} ({VARIANTS[name][0]}): rank {rank} {why}; its log {log} ends:\n{tail}")
+        raise BenchError(f"variant {name} ({VARIANTS[variant or name][0]}): rank {rank} {why}; its log {log} "
+                         f"ends:\n{tail}")
 
 
 @contextlib.contextmanager
@@ -405,26 +491,33 @@ def step(args) -> None:
     out = out_folder(args.out)
     (out / "logs").mkdir(parents=True)
     where = f"hosts {args.hosts}" + (f", link {args.rate}" if args.hosts == "netns" else "")
-    print(f"step: {len(names)} trainings of {args.ranks} ranks, {args.steps} steps per epoch, {where}; DDP from "
-          f"{adapter.path_of(adapter.chosen())}; output in {out}", flush=True)
-    rows = []
-    for name in names:
-        started, run_dir = time.monotonic(), out / "runs" / name
-        with hosts_for(args) as (addr, prefixes):   # fresh hosts per run: nothing left from the run before
-            port = free_port() if args.hosts == "local" else 29500
-            run_training(name, [[*prefixes[r], *train_argv(name, run_dir, r, args.ranks, addr, port, args.steps)]
-                                for r in range(args.ranks)], out / "logs", args.time_limit)
-        for checkpoint in run_dir.glob("*.pt"):   # 100 MB each for this model, and nothing here resumes
-            checkpoint.unlink()
-        rows.append({"variant": name, "name": VARIANTS[name][0], **figures(run_dir)})
-        print(f"  {rows[-1]['name']}: {rows[-1]['step_ms']:.0f} ms per step ({time.monotonic() - started:.0f} s)",
-              flush=True)
+    print(f"step: {len(names)} trainings of {args.ranks} ranks, {args.repeat} rounds, {args.steps} steps per epoch, "
+          f"{where}; DDP from {adapter.path_of(adapter.chosen())}; output in {out}", flush=True)
+    runs = {name: [] for name in names}
+    for k in range(args.repeat):   # rounds: every variant once, then again
+        for name in names:
+            started, label = time.monotonic(), name if k == 0 else f"{name}-r{k + 1}"
+            run_dir = out / "runs" / label
+            with hosts_for(args) as (addr, prefixes):   # fresh hosts per run: nothing left from the run before
+                port = free_port() if args.hosts == "local" else 29500
+                traced = k == 0   # the first round's (a) and (b) leave their traces
+                run_training(label, [[*prefixes[r], *train_argv(name, run_dir, r, args.ranks, addr, port, args.steps,
+                                                                traced)]
+                                     for r in range(args.ranks)], out / "logs", args.time_limit, name)
+            for checkpoint in run_dir.glob("*.pt"):   # 100 MB each for this model, and nothing here resumes
+                checkpoint.unlink()
+            runs[name].append(figures(run_dir))
+            print(f"  round {k + 1}, {VARIANTS[name][0]}: {runs[name][-1]['step_ms']:.0f} ms per step "
+                  f"({time.monotonic() - started:.0f} s)", flush=True)
+    rows = step_rows(runs, args.steps)
     lines = [f"mlp, fake data 32 px, batch 32 per rank, {args.ranks} ranks, 1 thread each, second of 2 epochs of "
-             f"{args.steps} steps; {where}", "",
+             f"{args.steps} steps; {where}; median (lowest-highest) of {args.repeat} rounds", "",
              "| variant | step ms | compute ms | comm waited ms per step | comm share of the step % | img/s |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['name']} | {r['step_ms']:.1f} | {r['compute_ms']:.1f} | {r['comm_ms']:.1f} | "
-              f"{r['comm_share']:.0f} | {r['img_s']:.0f} |" for r in rows]
+    lines += [f"| {r['name']} | {shown(r['step_ms_rounds'])} | {shown(r['compute_ms_rounds'])} | "
+              f"{shown(r['comm_ms_rounds'])} | {shown(r['comm_share_rounds'], digits=2)} | {shown(r['img_s_rounds'])} |"
+              for r in rows]
+    lines += ["", step_summary(rows)]
     traces = [str(out / "runs" / n / "profile") for n in names if n in TRACED]
     if traces:
         lines += ["", f"traces of two steps of (a) and (b): {', '.join(traces)} (rank<N>.pt.trace.json; open one in "
@@ -433,10 +526,34 @@ def step(args) -> None:
     print(f"\n{text}")
     (out / "step.md").write_text(text + "\n")
     rate = args.rate if args.hosts == "netns" else None
-    record = {"rows": rows, "ranks": args.ranks, "steps": args.steps, "hosts": args.hosts, "rate": rate,
-              "traces": traces}
+    record = {"rows": rows, "ranks": args.ranks, "steps": args.steps, "repeat": args.repeat, "hosts": args.hosts,
+              "rate": rate, "traces": traces}
     (out / "step.json").write_text(json.dumps({**record, **about()}, indent=2))
     print(f"\nwritten: {out / 'step.md'}, {out / 'step.json'}")
+
+
+def step_rows(runs: dict[str, list[dict]], steps: int) -> list[dict]:
+    """One row per variant from its rounds' figures (``figures``): each figure's median, its range and its rounds."""
+    rows = []
+    for name, rounds in runs.items():
+        row = {"variant": name, "name": VARIANTS[name][0], "steps": steps}
+        for key in ("step_ms", "compute_ms", "comm_ms", "comm_share", "img_s"):
+            row[f"{key}_rounds"] = [run[key] for run in rounds]
+            row[key] = statistics.median(row[f"{key}_rounds"])
+            row[f"{key}_range"] = [min(row[f"{key}_rounds"]), max(row[f"{key}_rounds"])]
+        rows.append(row)
+    return rows
+
+
+def step_summary(rows: list[dict]) -> str:
+    """Which step times the rounds can tell apart: each variant against the fastest, in words."""
+    best = min(rows, key=lambda r: r["step_ms"])
+    said = [f"fastest step: {best['name']}"]
+    for row in rows:
+        if row is not best:
+            verdict = compared(row["step_ms_rounds"], best["step_ms_rounds"])
+            said.append(f"{row['name']}: {'within its spread' if verdict.startswith('within') else verdict}")
+    return "; ".join(said)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     steps.add_argument("--variants", default=",".join(VARIANTS), help=f"which, in order (default {','.join(VARIANTS)})")
     for sub, limit in ((coll, 600), (steps, 300)):
         sub.add_argument("--ranks", type=int, default=2, help="processes (default 2)")
+        sub.add_argument("--repeat", type=int, default=5,
+                         help="rounds: each figure measured this many times, printed as median (lowest-highest) "
+                              "(default 5)")
         sub.add_argument("--out", help="a new folder for the results (default runs/build_ddp_bench/<date-time>)")
         sub.add_argument("--time-limit", type=float, default=limit,
                          help=f"seconds after which the ranks are stopped (per training for step; default {limit})")
