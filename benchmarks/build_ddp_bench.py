@@ -4,7 +4,8 @@
 
 Runs lab/build_ddp/bench.py with the kit's solution (BUILD_DDP=reference), one command after the other on this
 machine: ``collectives --ranks 2`` (4 KiB to 256 MiB), ``step --hosts local`` (loopback: a laptop's run, timed)
-and ``step --hosts netns --rate 1gbit`` (two namespace hosts joined by a 1 Gbit/s link). Writes
+and ``step --hosts netns --rate 1gbit`` (two namespace hosts joined by a 1 Gbit/s link), each in --repeat rounds
+(bench.py's default, 5: every figure a median with its lowest-highest round). Writes
 benchmarks/results/build_ddp_bench.json (each command's table, figures and seconds) and images/collectives.png
 (the plot the lab's question 13 shows). Take it on an idle machine: the ranks share its cores.
 """
@@ -30,9 +31,10 @@ COMMANDS = {"collectives": ["collectives", "--ranks", "2"],
             "step_1gbit": ["step", "--hosts", "netns", "--rate", "1gbit"]}
 
 
-def run(name: str, out: Path, steps: int) -> dict:
+def run(name: str, out: Path, steps: int, repeat: int) -> dict:
     """One bench.py command into ``out``: its JSON, its printed table and its seconds."""
-    argv = [*COMMANDS[name], "--out", str(out)] + (["--steps", str(steps)] if name.startswith("step") else [])
+    argv = [*COMMANDS[name], "--out", str(out), "--repeat", str(repeat)] + (
+        ["--steps", str(steps)] if name.startswith("step") else [])
     started = time.perf_counter()
     done = subprocess.run([sys.executable, str(BENCH), *argv], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "BUILD_DDP": "reference"}, timeout=1800)
@@ -40,8 +42,9 @@ def run(name: str, out: Path, steps: int) -> dict:
         raise SystemExit(f"bench.py {' '.join(argv)} failed:\n{done.stdout}\n{done.stderr}")
     record = json.loads((out / ("collectives.json" if name == "collectives" else "step.json")).read_text())
     table = [line for line in done.stdout.splitlines() if line.startswith("|")]
-    return {"seconds": round(time.perf_counter() - started, 1), "table": table,
-            **{k: record[k] for k in ("rows", "fit", "ranks", "steps", "rate") if k in record}}
+    summary = [line for line in done.stdout.splitlines() if line.startswith(("ring against", "fastest step"))]
+    return {"seconds": round(time.perf_counter() - started, 1), "table": table, "summary": summary,
+            **{k: record[k] for k in ("rows", "fit", "ranks", "steps", "rate", "repeat") if k in record}}
 
 
 def by_variant(step: dict) -> dict:
@@ -51,13 +54,14 @@ def by_variant(step: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30, help="steps per epoch of step's runs (bench.py's default)")
+    parser.add_argument("--repeat", type=int, default=5, help="rounds of every command (bench.py's default)")
     add_out(parser, "build_ddp_bench")
     args = parser.parse_args()
     recorder = Recorder("build_ddp_bench", args)
     figures = {}
     with tempfile.TemporaryDirectory(prefix="build_ddp_bench-") as tmp:
         for name in COMMANDS:
-            figures[name] = run(name, Path(tmp, name), args.steps)
+            figures[name] = run(name, Path(tmp, name), args.steps, args.repeat)
             print(f"{name}: {figures[name]['seconds']:.0f} s", flush=True)
         if Path(args.out).resolve().parent == (REPO / "benchmarks" / "results"):   # the pages' run: their picture
             shutil.copy(Path(tmp, "collectives", "collectives.png"), REPO / "images" / "collectives.png")
