@@ -24,6 +24,10 @@ if [[ -z "${JUPYTER_TOKEN:-}" ]]; then
 fi
 # Jupyter reads the token from the environment, so it never shows up in `ps` output.
 export JUPYTER_TOKEN
+# The node's idle stop (lab/scripts/idle_stop.py, on the host) asks JupyterLab whether a kernel is busy: it reads
+# the address and token from the kit's folder, which the host shares. Root only: the token opens a shell.
+(umask 077 && printf '{"url": "http://127.0.0.1:%s", "token": "%s"}\n' "$port" "$JUPYTER_TOKEN" \
+    > "$kit_dir/.jupyter_server.json") 2> /dev/null || true
 
 echo "JupyterLab listens on ${ip}:${port}. On your laptop, run: ssh -i ~/.ssh/KEY.pem -N -L ${port}:127.0.0.1:${port} ubuntu@THIS_NODE_PUBLIC_IP, then open:"
 echo "    http://127.0.0.1:${port}/lab?token=${JUPYTER_TOKEN}"
