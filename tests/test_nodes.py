@@ -1,0 +1,122 @@
+"""lab/scripts/nodes.py, the nodes' lifecycle from a laptop (issue 57), against a stand-in ``aws`` that records its
+calls and answers as the AWS CLI does (tests/helpers/fake_aws.py): launch tags the node, sets shutdown behaviour
+stop and keeps its id; stop, start, status and terminate use the kept ids; the budget looks the account up and
+alerts by e-mail; a failing call is a sentence, and nothing is kept that AWS did not make."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.procs import REPO
+
+SCRIPT = Path(REPO) / "lab" / "scripts" / "nodes.py"
+FAKE = Path(REPO) / "tests" / "helpers" / "fake_aws.py"
+
+
+class Laptop:
+    def __init__(self, tmp: Path):
+        self.tmp, self.log, self.ids = tmp, tmp / "aws-calls.jsonl", tmp / "ddp-nodes.json"
+        (tmp / "bin").mkdir()
+        (tmp / "bin" / "aws").write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
+        (tmp / "bin" / "aws").chmod(0o755)
+        self.env = {**os.environ, "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}", "FAKE_AWS_LOG": str(self.log),
+                    "FAKE_AWS_STATE": str(tmp / "aws-state.json"), "DDP_NODES_FILE": str(self.ids)}
+
+    def run(self, *args: str, rc: int = 0, **env: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, str(SCRIPT), *args], env={**self.env, **env}, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == rc, done.stdout + done.stderr
+        return done
+
+    def calls(self) -> list[list[str]]:
+        return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
+
+
+@pytest.fixture
+def laptop(tmp_path):
+    return Laptop(tmp_path)
+
+
+def test_launch_tags_the_node_stops_it_on_shutdown_and_keeps_its_id(laptop):
+    out = laptop.run("launch", "node1", "--type", "g4dn.xlarge", "--key", "KEY").stdout
+    calls = laptop.calls()
+    assert [c[:2] for c in calls] == [["ssm", "get-parameter"], ["ec2", "describe-security-groups"],
+                                      ["ec2", "run-instances"], ["ec2", "wait"], ["ec2", "describe-instances"]]
+    run = calls[2]
+
+    def value(flag):
+        return run[run.index(flag) + 1]
+    assert value("--image-id") == "ami-0fake1234567890ab" and value("--security-group-ids") == "sg-0fake42"
+    assert value("--instance-type") == "g4dn.xlarge" and value("--key-name") == "KEY"
+    assert value("--instance-initiated-shutdown-behavior") == "stop"
+    assert value("--tag-specifications") == ("ResourceType=instance,Tags=[{Key=course,Value=ddp},"
+                                             "{Key=Name,Value=ddp-node1}]")
+    assert value("--placement") == "GroupName=ddp-course" and "VolumeType=gp3,DeleteOnTermination=true" in \
+        value("--block-device-mappings")
+    assert calls[3][2:] == ["instance-running", "--instance-ids", "i-0fake0001", "--output", "json"]
+    assert json.loads(laptop.ids.read_text()) == {"node1": "i-0fake0001"}
+    assert "node1: i-0fake0001 running g4dn.xlarge public 3.80.0.1 private 172.31.9.1" in out
+    refused = laptop.run("launch", "node1", "--key", "KEY", rc=2).stderr
+    assert "node1 is already kept (i-0fake0001)" in refused
+
+
+def test_stop_start_status_and_terminate_use_the_kept_ids_and_say_what_survives(laptop):
+    laptop.run("launch", "node1", "--key", "KEY")
+    laptop.run("launch", "node2", "--key", "KEY")
+    stopped = laptop.run("stop").stdout
+    assert ["ec2", "stop-instances", "--instance-ids", "i-0fake0001", "i-0fake0002", "--output", "json"] in \
+        laptop.calls()
+    assert "node1: i-0fake0001 stopped" in stopped and "the NVMe scratch is erased" in stopped
+    started = laptop.run("start", "node2").stdout
+    assert ["ec2", "start-instances", "--instance-ids", "i-0fake0002", "--output", "json"] in laptop.calls()
+    assert "node2: i-0fake0002 running g4dn.2xlarge public 54.90.0.3 private 172.31.9.2" in started   # a new IP
+    status = laptop.run("status").stdout
+    assert "node1: i-0fake0001 stopped" in status and "node2: i-0fake0002 running" in status
+    assert "not kept" not in status
+    refused = laptop.run("terminate", rc=2).stderr
+    assert "add --yes" in refused and not any(c[1] == "terminate-instances" for c in laptop.calls())
+    assert "terminated" in laptop.run("terminate", "--yes").stdout
+    assert ["ec2", "wait", "instance-terminated", "--instance-ids", "i-0fake0001", "i-0fake0002", "--output",
+            "json"] in laptop.calls()
+    assert json.loads(laptop.ids.read_text()) == {}
+
+
+def test_status_names_course_nodes_that_are_not_kept_here(laptop):
+    laptop.run("launch", "node1", "--key", "KEY")
+    laptop.ids.write_text("{}")   # launched from another laptop, or the file lost
+    assert "also tagged course=ddp, not kept in" in laptop.run("status").stdout
+    assert "i-0fake0001" in laptop.run("status").stdout
+
+
+def test_the_budget_looks_up_the_account_and_alerts_by_email_at_the_amount(laptop):
+    out = laptop.run("budget", "--dollars", "10", "--email", "me@example.org").stdout
+    (who, create) = laptop.calls()
+    assert who[:2] == ["sts", "get-caller-identity"] and create[:2] == ["budgets", "create-budget"]
+    assert create[create.index("--account-id") + 1] == "123456789012"
+    budget = json.loads(create[create.index("--budget") + 1])
+    assert budget["BudgetLimit"] == {"Amount": "10.00", "Unit": "USD"} and budget["BudgetType"] == "COST"
+    alerts = json.loads(create[create.index("--notifications-with-subscribers") + 1])
+    assert [(a["Notification"]["NotificationType"], a["Notification"]["Threshold"]) for a in alerts] == \
+        [("ACTUAL", 80), ("FORECASTED", 100)]
+    assert all(a["Subscribers"] == [{"SubscriptionType": "EMAIL", "Address": "me@example.org"}] for a in alerts)
+    assert "$10.00 a month" in out
+
+
+def test_a_failing_call_is_a_sentence_and_nothing_is_kept(laptop):
+    err = laptop.run("launch", "node1", "--key", "KEY", rc=2, FAKE_AWS_FAIL="ec2 run-instances").stderr
+    assert err.startswith("nodes.py launch: aws ec2 run-instances failed: An error occurred "
+                          "(InsufficientInstanceCapacity)")
+    assert not laptop.ids.exists()
+    assert "no node is kept" in laptop.run("stop", rc=2).stderr
+    assert "the AWS CLI is not installed here" in laptop.run("status", rc=2, PATH="/nonexistent").stderr
+
+
+def test_print_shows_the_commands_and_runs_none(laptop):
+    out = laptop.run("--print", "launch", "node1", "--key", "KEY").stdout
+    assert "$ aws ec2 run-instances --image-id AMI" in out and "--instance-initiated-shutdown-behavior stop" in out
+    assert laptop.calls() == [] and not laptop.ids.exists()
