@@ -206,3 +206,15 @@ def test_start_jupyter_leaves_the_idle_stop_its_address_and_token_readable_by_ro
     written = tmp_path / ".jupyter_server.json"
     assert json.loads(written.read_text()) == {"url": "http://127.0.0.1:8890", "token": "abc123"}
     assert stat.S_IMODE(written.stat().st_mode) == 0o600
+
+
+def test_every_idle_stop_command_the_pages_give_runs_as_typed(node):
+    """Issue 57's Done-when: the idle stop's commands on the pages (install in step 2, status, pause, resume,
+    disable) run as typed, sudo aside (this test runs as whoever runs the suite)."""
+    from tests.test_nodes import page_commands
+    commands = page_commands("idle_stop.py", inline=True)
+    assert [c[0] for c in commands] == ["install", "install", "status", "pause", "resume", "disable"], commands
+    node.config.unlink()
+    for command in commands[1:]:   # the same install twice (step 2, and nodes.md's sentence about it)
+        node.run(*command)
+    assert json.loads(node.state.read_text())["disabled"] is True and "ddp-idle-stop.timer" in node.calls()

@@ -116,11 +116,15 @@ def test_no_page_types_a_made_up_aws_id_as_real(page):
 
 def test_the_ami_the_vpc_and_the_security_group_are_found_by_commands_a_student_runs():
     blocks = "\n".join(FENCE.findall(text()))
-    assert re.search(r"AMI=\$\(aws ssm get-parameter --name /aws/service/deeplearning/ami/x86_64/\S+/latest/ami-id",
-                     blocks)
+    # the AMI and the security group of a launch: looked up by lab/scripts/nodes.py (tests/test_nodes.py runs it)
+    assert re.search(r"python3 lab/scripts/nodes.py launch node1 --type \S+ --key KEY", blocks)
+    nodes = (Path(REPO) / "lab" / "scripts" / "nodes.py").read_text()
+    assert re.search(r'AMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/\S+/latest/ami-id"', nodes)
+    assert '"ssm", "get-parameter", "--name", AMI_PARAMETER' in nodes
+    assert '"ec2", "describe-security-groups", "--group-names", GROUP' in nodes and 'GROUP = "ddp-course"' in nodes
     assert re.search(r"VPC=\$\(aws ec2 describe-vpcs --filters Name=is-default,Values=true", blocks)
-    assert re.search(r'SG=\$\(aws ec2 create-security-group .*--vpc-id "\$VPC" --query GroupId', blocks)
-    assert '--image-id "$AMI"' in blocks and '--security-group-ids "$SG"' in blocks
+    assert re.search(r'SG=\$\(aws ec2 create-security-group --group-name ddp-course .*--vpc-id "\$VPC" --query '
+                     r'GroupId', blocks)
     assert "aws configure" in blocks and "mkdir -p ~/.ssh && aws ec2 create-key-pair --key-name KEY" in blocks
 
 
