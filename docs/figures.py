@@ -304,6 +304,37 @@ def data_steps() -> dict[str, dict[str, float]]:
     return out
 
 
+PATH_ROWS = [   # lab/README.md's path table: (you have, price a node-hour, data set, the rest of the row's cells)
+    ("2 x g4dn.2xlarge ($0.752 per hour; T4, 8 vCPUs): the course's", 0.752, "imagenet",
+     "(a) ImageNet from Kaggle | steps 0-10 | 6 | `/data/imagenet`",
+     "4.9 h, $3.68 (with `WORKERS = 2`; 6 is faster) | 1 h\\*, $0.75\\* | 1-10 and 13; 11, 12, 14 optional"),
+    ("2 x g4dn.xlarge ($0.526 per hour; T4, 4 vCPUs)", 0.526, "subset",
+     "the 100-class subset from the zip ([data.md](data.md#on-a-g4dnxlarge-the-subset-straight-from-the-zip)) | "
+     "steps 0-10, that section for step 2 (a) | 3 | `/data/imagenet-100`",
+     "0.5 h\\*, $0.26\\* | 0.5 h\\*, $0.26\\* | as above"),
+    ("2 x g5.2xlarge (about $1.20 per hour; A10G, 8 vCPUs)", 1.20, "imagenet",
+     "(a) ImageNet from Kaggle | steps 0-10 | 6 | `/data/imagenet`",
+     "2 h\\*, $2.40\\* | 1 h\\*, $1.20\\* | as above"),
+    ("2 A10 nodes elsewhere (e.g. 30 vCPUs, one local disk)", 0.75, "imagenet",
+     "(a), onto the local disk | [nodes.md](nodes.md#a10-nodes-off-aws) for step 1 | 24 | `/data/imagenet`",
+     "1.5 h\\*, $1.13\\* | 1 h\\*, $0.75\\* | as above"),
+]
+
+
+def path_table() -> None:
+    """Cog: lab/README.md's path table, whose *data* column is lab/data.md's node-hours (data_steps: one source)
+    and each row's dollars those hours times its price."""
+    steps = data_steps()
+    rows = ["| you have | data (step 2) | read | `WORKERS` | `DATA_DIR` | data | runs | questions | questions to answer |",
+            "| --- | --- | --- | ---: | --- | --- | --- | --- | --- |"]
+    for have, price, kind, middle, rest in PATH_ROWS:
+        hours = round(steps[kind]["node-hours"], 1)
+        rows.append(f"| {have} | {middle} | {hours:.1f} h\\*, ${hours * price:.2f}\\* | {rest} |")
+    rows.append("| a laptop, no GPU | the bundled `demo` digits | step 0, then questions 12-14 | 0 | `../data/demo` | "
+                "none, $0 | minutes, $0 | your own time, $0 | 12, 13, 14 (1-10 need the nodes) |")
+    _out("\n".join(rows))
+
+
 def data_plan() -> None:
     """Cog: lab/data.md's table of the data steps, per data set, with the node-hours they add up to."""
     s = data_steps()
