@@ -259,8 +259,9 @@ def same_price(a: str, b: str) -> bool:
 
 
 def course_instance() -> str:
-    """The instance type the walkthrough provisions (its ``aws ec2 run-instances`` command)."""
-    [kind] = set(re.findall(r"--instance-type (\S+)", (ROOT / "lab" / "README.md").read_text(encoding="utf-8")))
+    """The instance type the walkthrough provisions (its ``nodes.py launch`` command)."""
+    walkthrough = (ROOT / "lab" / "README.md").read_text(encoding="utf-8")
+    [kind] = set(re.findall(r"nodes\.py launch \S+ --type (\S+)", walkthrough))
     return kind
 
 

@@ -191,7 +191,7 @@ def status(config: dict, now: float) -> str:
     state = load(STATE, {"idle_since": None, "warned": False, "paused_until": 0, "disabled": False})
     busy = why_busy(config, now)
     idle = f"idle for {(now - state['idle_since']) / 60:.0f} min" if state["idle_since"] else "not idle at the last check"
-    return (f"now: {busy or 'idle'}; {idle}; stops after {config['idle_minutes']} idle minutes"
+    return (f"now: {busy or 'idle'}; {idle}; stops after {config['idle_minutes']:g} idle minutes"
             + ("; disabled" if state["disabled"] else "")
             + (f"; paused until {time.strftime('%H:%M', time.localtime(state['paused_until']))}"
                if state["paused_until"] > now else ""))
@@ -202,9 +202,15 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("command", choices=("install", "check", "status", "pause", "resume", "disable", "enable"))
     parser.add_argument("minutes", nargs="?", type=float, help="pause: for how long (default 120)")
-    for key, value in DEFAULTS.items():
-        parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None,
-                            help=f"install: (default {value})")
+    parser.add_argument("--idle-minutes", type=float, help="install: stop after this many idle minutes (default 60)")
+    parser.add_argument("--warn-minutes", type=float, help="install: warn this many minutes before (default 5)")
+    parser.add_argument("--gpu-percent", type=float, help="install: a GPU busier than this works (default 5)")
+    parser.add_argument("--load-average", type=float, help="install: a load at least this works (default 1)")
+    parser.add_argument("--server-file", help="install: JupyterLab's address and token (default the kit's "
+                                               ".jupyter_server.json, which docker/start-jupyter.sh writes)")
+    parser.add_argument("--shutdown", help="install: the command that stops the node (default shutdown -h now)")
+    parser.add_argument("--wall", help="install: the command that warns every terminal (default wall)")
+    parser.add_argument("--proc-dir", help=argparse.SUPPRESS)   # tests: a stand-in /proc
     args = parser.parse_args(argv)
     config = load(CONFIG, DEFAULTS)
     config.update({k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "install":
             written = install(config)
-            print(f"installed: {', '.join(map(str, written))}; the node stops after {config['idle_minutes']} idle "
+            print(f"installed: {', '.join(map(str, written))}; the node stops after {config['idle_minutes']:g} idle "
                   f"minutes (status, pause, disable: python3 {Path(__file__).resolve()} --help)")
         elif args.command == "check":
             print(check(config, now))
