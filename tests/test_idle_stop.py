@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.page_commands import page_commands
 from tests.helpers.procs import REPO
 
 SCRIPT = Path(REPO) / "lab" / "scripts" / "idle_stop.py"
@@ -211,7 +212,6 @@ def test_start_jupyter_leaves_the_idle_stop_its_address_and_token_readable_by_ro
 def test_every_idle_stop_command_the_pages_give_runs_as_typed(node):
     """Issue 57's Done-when: the idle stop's commands on the pages (install in step 2, status, pause, resume,
     disable) run as typed, sudo aside (this test runs as whoever runs the suite)."""
-    from tests.test_nodes import page_commands
     commands = page_commands("idle_stop.py", inline=True)
     assert [c[0] for c in commands] == ["install", "install", "status", "pause", "resume", "disable"], commands
     node.config.unlink()

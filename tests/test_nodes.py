@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.page_commands import page_commands
 from tests.helpers.procs import REPO
 
 SCRIPT = Path(REPO) / "lab" / "scripts" / "nodes.py"
@@ -120,25 +121,6 @@ def test_print_shows_the_commands_and_runs_none(laptop):
     out = laptop.run("--print", "launch", "node1", "--key", "KEY").stdout
     assert "$ aws ec2 run-instances --image-id AMI" in out and "--instance-initiated-shutdown-behavior stop" in out
     assert laptop.calls() == [] and not laptop.ids.exists()
-
-
-def page_commands(script: str, inline: bool = False) -> list[list[str]]:
-    """Every command of lab/README.md and lab/nodes.md (in that order) that runs ``script``, as its words after the
-    script's path: the code blocks' lines (comments dropped), and with ``inline`` the prose's `code` spans too."""
-    import re
-    import shlex
-    found = []
-    for page in ("lab/README.md", "lab/nodes.md"):
-        for line in (Path(REPO) / page).read_text().splitlines():
-            if "`" in line:
-                spans = re.findall(r"`([^`]+)`", line) if inline else []
-            else:
-                spans = [line.split("#")[0].strip()]
-            for span in spans:
-                if f"lab/scripts/{script} " in span and not span.startswith("|"):
-                    words = shlex.split(span)
-                    found.append(words[next(i for i, w in enumerate(words) if w.endswith(script)) + 1:])
-    return found
 
 
 def test_every_nodes_command_the_pages_give_runs_as_typed_against_the_stand_in(laptop):
