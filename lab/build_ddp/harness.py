@@ -132,7 +132,7 @@ def run_ranks(fn, world_size: int) -> None:
                    world_size=world_size, ranks_per_node=per_node, backend=launch.backend,
                    init_method=f"tcp://{launch.master_addr}:{port}", ifname=_interface_towards(launch.master_addr),
                    log_dir=log_dir, time_limit=launch.time_limit)
-        processes, readers, results = {}, {}, {}
+        processes, readers, results, seconds = {}, {}, {}, {}
         try:
             for rank in ranks:
                 reader, writer = context.Pipe(duplex=False)
@@ -141,7 +141,7 @@ def run_ranks(fn, world_size: int) -> None:
                 processes[rank].start()
                 writer.close()
                 readers[rank] = reader
-            results = _collect(processes, readers, launch.time_limit)
+            results = _collect(processes, readers, launch.time_limit, seconds)
         finally:
             for process in processes.values():
                 if process.is_alive():
@@ -154,13 +154,15 @@ def run_ranks(fn, world_size: int) -> None:
         for rank in ranks:
             if logs[rank].strip():
                 print(f"----- rank {rank} of {world_size}: its output -----\n{logs[rank].rstrip()}")
-    _raise_first_failure(results, ranks, world_size, launch.time_limit, logs)
+    _raise_first_failure(results, ranks, world_size, launch.time_limit, logs, seconds)
 
 
-def _collect(processes: dict, readers: dict, time_limit: float) -> dict:
-    """``{rank: (status, pickled exception, traceback)}`` as the ranks report; ranks still running are absent."""
+def _collect(processes: dict, readers: dict, time_limit: float, seconds: dict) -> dict:
+    """``{rank: (status, pickled exception, traceback)}`` as the ranks report; ranks still running are absent.
+    ``seconds``: filled with ``{rank: seconds from now until its report}``."""
     results: dict[int, tuple] = {}
-    deadline = time.monotonic() + time_limit
+    started = time.monotonic()
+    deadline = started + time_limit
     while len(results) < len(processes):
         now = time.monotonic()
         if now >= deadline:
@@ -177,6 +179,7 @@ def _collect(processes: dict, readers: dict, time_limit: float) -> dict:
             except EOFError:
                 processes[rank].join(timeout=1)
                 results[rank] = _no_result(processes[rank])
+            seconds[rank] = time.monotonic() - started
             if results[rank][0] != "ok":   # one failed: the others get GRACE_S to say why they failed too
                 deadline = min(deadline, time.monotonic() + GRACE_S)
     return results
@@ -186,7 +189,8 @@ def _no_result(process) -> tuple:
     return ("ended", None, f"the process ended without a result (exit code {process.exitcode})")
 
 
-def _raise_first_failure(results: dict, ranks: list, world_size: int, time_limit: float, logs: dict) -> None:
+def _raise_first_failure(results: dict, ranks: list, world_size: int, time_limit: float, logs: dict,
+                         seconds: dict) -> None:
     __tracebackhide__ = True
     failed = [rank for rank in results if results[rank][0] == "error"] or \
              [rank for rank in results if results[rank][0] == "ended"]
@@ -199,7 +203,8 @@ def _raise_first_failure(results: dict, ranks: list, world_size: int, time_limit
         if hasattr(error, "add_note"):   # Python 3.11+
             others = f"; rank(s) {', '.join(map(str, hung))} were still running and were stopped" if hung else ""
             output = "; the ranks' output is printed under 'Captured stdout call'" if any(logs.values()) else ""
-            error.add_note(f"(raised on rank {rank} of {world_size}{others}{output})")
+            error.add_note(f"(raised on rank {rank} of {world_size}, {seconds[rank]:.1f} s after the ranks started"
+                           f"{others}{output})")
         raise error
     if hung:
         where = "".join(f"\n  rank {rank} was waiting at {_where(logs[rank])}" for rank in hung)

@@ -186,14 +186,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
     moments, SGD's momentum); after its step every parameter is sent from its owner to all ranks. The
     owners are chosen so that each rank steps about 1/N of the parameters' bytes. ``param_groups``,
     ``zero_grad()`` and ``step()`` work as on any torch optimizer (a learning-rate schedule that changes
-    ``param_groups[i]["lr"]`` changes the step); ``self.state`` holds the state of this rank's own
-    parameters only.
+    ``param_groups[i]["lr"]`` changes the step), and so does ``add_param_group`` (a group added later, on every
+    rank alike: fine-tuning's unfrozen layers); ``self.state`` holds the state of this rank's own parameters
+    only.
     """
 
     def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
-        super().__init__(params, kwargs)   # given: self.param_groups, every rank's parameters, defaults filled in
         raise NotImplementedError(
             'write ShardedOptimizer.__init__ (part f): the docstring is the contract; '
+            'lab/build_ddp/README.md (f) says what the tests check; HINTS.md (f) has hints, one tier at a time')
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group of parameters and its hyper-parameters, as on any torch optimizer; on every rank, the same
+        group. Its parameters get owners as the first ones did; this rank's own are stepped from now on."""
+        raise NotImplementedError(
+            'write ShardedOptimizer.add_param_group (part f): the docstring is the contract; '
             'lab/build_ddp/README.md (f) says what the tests check; HINTS.md (f) has hints, one tier at a time')
 
     @torch.no_grad()

@@ -35,7 +35,7 @@ from torch import nn
 
 from build_ddp import checks
 from build_ddp.adapter import implementation
-from build_ddp.checks import ATOL, RTOL, AllReduce, AllReduceLog, Arrivals
+from build_ddp.checks import ATOL, RTOL, AllReduce, AllReduceLog, Arrivals, RingLog
 from build_ddp.harness import run_ranks
 
 ddp = implementation()   # student.py, or the kit's solution with BUILD_DDP=reference (adapter.py)
@@ -170,7 +170,7 @@ def train_beside_one_process(rank, world_size, device, wrap, sync, case: str = "
         step = Step(number, calls, arrivals.take(), dict(arrivals.bytes))
         when = f"{where}step {number}"
         checks.assert_all_waited(works, when)
-        checks.explain_gradients(net, want, mine, when, sent=f"{sum(c.bytes for c in calls)} of "
+        checks.explain_gradients(net, want, mine, when, calls=calls, sent=f"{sum(c.bytes for c in calls)} of "
                                  f"{sum(step.used_bytes)} gradient bytes in {len(calls)} call(s): {calls}")
         optimizer.step()
         single_optimizer.step()
@@ -317,12 +317,14 @@ def check_ring_all_reduce(rank, world_size, device):
             mine = (torch.randn(shape, generator=generator) * 100).to(dtype).to(device)
             want = mine.clone()
             dist.all_reduce(want)
-            log = AllReduceLog()
+            log = RingLog(mine)   # every message, to whom and how large, and the tensor at each step (checks.py)
             with log.recording(ddp):
                 got = ddp.ring_all_reduce(mine)
+            log.returned(got)
             case = f"ring_all_reduce of a {dtype} tensor of shape {shape} on {world_size} ranks"
-            assert not log.calls, f"{case}: use point-to-point messages, not dist.all_reduce"
-            assert got is mine, f"{case}: sum in place and return the tensor given"
+            # a ring: no collective; each rank sends 2 (N - 1) chunks to its right neighbour and receives as many
+            # from its left; else, or when a chunk is wrong, the step and the chunk where it went wrong
+            checks.explain_ring(log, case)
             # values of about +-100: another order of addition moves each partial sum's last bit (100 x 1.2e-7)
             torch.testing.assert_close(mine, want, atol=1e-4, rtol=RTOL, msg=lambda text, case=case: (
                 f"rank {rank}: {case} differs from dist.all_reduce's\n{text}"))
@@ -355,16 +357,35 @@ def state_bytes(optimizer) -> int:
     return sum(state_bytes_of(state) for state in optimizer.state.values())
 
 
+SHARDED_CASES = [   # (name, optimizer class, its arguments, whether the head's group comes from add_param_group)
+    ("AdamW with weight decay", torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1), False),
+    ("SGD with momentum", torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-4), False),
+    ("AdamW, the head's group added by add_param_group", torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1), True),
+]
+
+
+def build_optimizer(make, net: nn.Module, cls, kwargs: dict, head_added: bool):
+    """``make(params, cls, **kwargs)``; with ``head_added``, over all but the head, whose group of its own (its own
+    lr, no weight decay) ``add_param_group`` adds next, as fine-tuning adds the layers it unfreezes."""
+    if not head_added:
+        return make(net.parameters(), cls, **kwargs)
+    optimizer = make([p for name, p in net.named_parameters() if not name.startswith("head.")], cls, **kwargs)
+    optimizer.add_param_group({"params": list(net.head.parameters()), "lr": 0.02, "weight_decay": 0.0})
+    return optimizer
+
+
 def check_sharded_optimizer(rank, world_size, device):
     shard = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
-    for name, cls, kwargs in [("AdamW with weight decay", torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
-                              ("SGD with momentum", torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-4))]:
+    for name, cls, kwargs, head_added in SHARDED_CASES:
         net, single = lab_net(seed=0, device=device), lab_net(seed=0, device=device)   # the same start everywhere
-        optimizer = ddp.ShardedOptimizer(net.parameters(), cls, **kwargs)
-        single_optimizer = cls(single.parameters(), **kwargs)
+        agreed = checks.AgreedCollectives(net, f"{name}, ShardedOptimizer")   # owners that differ: named, not hung
+        with agreed.checking(ddp):
+            optimizer = build_optimizer(ddp.ShardedOptimizer, net, cls, kwargs, head_added)
+        single_optimizer = build_optimizer(lambda params, cls, **kw: cls(params, **kw), single, cls, kwargs, head_added)
         assert isinstance(optimizer, torch.optim.Optimizer), "ShardedOptimizer must be a torch.optim.Optimizer"
         schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1 / (1 + step))   # lr changes every step
                      for o in (optimizer, single_optimizer)]
+        history = []   # the lr of each step, one per group: what the schedule set before it
         for number in range(1, STEPS + 1):
             net.use_aux = single.use_aux = uses_aux(number)
             inputs, labels = global_batch(number, device)
@@ -374,12 +395,18 @@ def check_sharded_optimizer(rank, world_size, device):
             single_optimizer.zero_grad()
             for mine, theirs in zip(net.parameters(), single.parameters()):   # the same gradients: exact equality
                 theirs.grad = None if mine.grad is None else mine.grad.clone()
-            optimizer.step()
+            history.append([group["lr"] for group in single_optimizer.param_groups])
+            before = checks.OneOptimizerStep(single, single_optimizer)
+            agreed.when = f"{name}, step {number}"
+            with agreed.checking(ddp):
+                optimizer.step()
             single_optimizer.step()
+            when = f"{name}, after step {number} (lr {checks.lr_text(history[-1])})"
+            checks.explain_sharded_step(net, single, before, history, when)   # never sent, stale lr: named
+            assert_same_weights(net, single, f"{when}: compared with {cls.__name__} on one process, given the same "
+                                             f"gradients,")
             for schedule in schedules:
                 schedule.step()
-            assert_same_weights(net, single, f"{name}, after step {number} (lr {schedules[1].get_last_lr()[0]:.3g}): "
-                                             f"compared with {cls.__name__} on one process, given the same gradients,")
         everyone = [None] * world_size
         dist.all_gather_object(everyone, state_bytes(optimizer))
         total = state_bytes(single_optimizer)

@@ -272,24 +272,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
     moments, SGD's momentum); after its step every parameter is sent from its owner to all ranks. The
     owners are chosen so that each rank steps about 1/N of the parameters' bytes. ``param_groups``,
     ``zero_grad()`` and ``step()`` work as on any torch optimizer (a learning-rate schedule that changes
-    ``param_groups[i]["lr"]`` changes the step); ``self.state`` holds the state of this rank's own
-    parameters only.
+    ``param_groups[i]["lr"]`` changes the step), and so does ``add_param_group`` (a group added later, on every
+    rank alike: fine-tuning's unfrozen layers); ``self.state`` holds the state of this rank's own parameters
+    only.
     """
 
     def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
-        super().__init__(params, kwargs)   # self.param_groups: every rank's parameters, the defaults filled in
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        self.owner: dict[nn.Parameter, int] = {}   # parameter -> the rank that steps it
-        owned_bytes = [0] * world_size
-        params = [p for group in self.param_groups for p in group["params"]]
-        for param in sorted(params, key=lambda p: -p.numel() * p.element_size()):   # largest first (stable: the
-            owner = min(range(world_size), key=owned_bytes.__getitem__)            # same order on every rank),
-            self.owner[param] = owner                                              # each to the lightest rank
-            owned_bytes[owner] += param.numel() * param.element_size()
-        # the real optimizer, over this rank's own parameters only: it alone makes (and keeps) state
-        self.local = optimizer_cls([{**group, "params": [p for p in group["params"] if self.owner[p] == rank]}
-                                    for group in self.param_groups], **kwargs)
-        self.state = self.local.state
+        self.optimizer_cls, self.kwargs = optimizer_cls, kwargs
+        self.local: torch.optim.Optimizer | None = None   # the real optimizer, over this rank's own parameters
+        self.owner: dict[nn.Parameter, int] = {}           # parameter -> the rank that steps it
+        self.owned_bytes = [0] * dist.get_world_size()     # per rank: the bytes of the parameters it steps
+        super().__init__(params, kwargs)   # self.param_groups: each group through add_param_group (below)
+        self.state = self.local.state      # this rank's parameters' state only: the inner optimizer alone makes it
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group of parameters and its hyper-parameters, as on any torch optimizer; on every rank, the same
+        group. Its parameters get owners as the first ones did; this rank's own are stepped from now on."""
+        super().add_param_group(param_group)   # into self.param_groups: every rank's parameters, defaults filled in
+        group, rank = self.param_groups[-1], dist.get_rank()
+        for param in sorted(group["params"], key=lambda p: -p.numel() * p.element_size()):   # largest first (stable:
+            owner = min(range(len(self.owned_bytes)), key=self.owned_bytes.__getitem__)   # the same order on every
+            self.owner[param] = owner                                                     # rank), each to the
+            self.owned_bytes[owner] += param.numel() * param.element_size()               # lightest rank so far
+        mine = {**group, "params": [p for p in group["params"] if self.owner[p] == rank]}   # may be empty: fine
+        if self.local is None:   # torch.optim.Optimizer.__init__ calls this for each group it is given
+            self.local = self.optimizer_cls([mine], **self.kwargs)
+        else:
+            self.local.add_param_group(mine)
 
     @torch.no_grad()
     def step(self, closure=None):
