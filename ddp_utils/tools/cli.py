@@ -1,4 +1,4 @@
-"""Command line: ``python -m ddp_utils {train,launch,check,demo,report,compare} ...``.
+"""Command line: ``python -m ddp_utils {train,launch,check,demo,report,compare,grade} ...``.
 
 Two nodes, one GPU each (the commands differ only in --rank)::
 
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     _add_check_and_demo(sub)
     _add_report(sub)
+    _add_grade(sub)
     return parser
 
 
@@ -115,6 +116,35 @@ def _add_report(sub) -> None:
                          help="run folders holding results.json, e.g. every seed of each mode")
 
 
+def _add_grade(sub) -> None:
+    grade = sub.add_parser("grade", help="for instructors: a student's hand-in checked (the lab's tests on a copy of "
+                                         "student.py, the table against the run folders) into sheet.md and sheet.json")
+    grade.add_argument("handin", metavar="HANDIN", help="the folder of one student's hand-in (its layout: "
+                                                        "lab/instructors.md)")
+    grade.add_argument("--tests", metavar="PATH", default=None,
+                       help="the instructor's hidden tests, a .py file or a folder of them, run beside the lab's")
+    grade.add_argument("--out", metavar="DIR", default=None,
+                       help="folder for the sheet: a new or an empty one (default: a new grades/<HANDIN>/<time>/)")
+    grade.add_argument("--time-limit", type=float, default=None, metavar="S",
+                       help="seconds the lab's tests may take in all before they are stopped (default 600)")
+    grade.add_argument("--world-sizes", type=world_sizes, metavar="2,3,4", default=None,
+                       help="run the lab's tests on these numbers of ranks only (default: all of them)")
+    grade.add_argument("-k", metavar="EXPR", default=None, help="pytest's -k: only the lab's tests it selects")
+    grade.add_argument("--dataset", metavar="NAME", default=None,
+                       help="the data set every run must have trained (default: any, the same for all)")
+
+
+def world_sizes(text: str) -> list[int]:
+    """``"2,3"`` -> ``[2, 3]``: numbers of ranks, each at least 1."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give numbers of ranks separated by commas, e.g. 2,3")
+    return sizes
+
+
 def seed_list(text: str) -> list[int]:
     """``"2,4,42"`` -> ``[2, 4, 42]``; distinct integers, at least one."""
     try:
@@ -166,6 +196,9 @@ def _command(args, run: RunGuard) -> int:
             print(results_table(args.run_dirs, baseline=args.baseline))
             for path in write_report(args.run_dirs, out, baseline=args.baseline, kit_images=args.kit_images):
                 print(f"wrote {path}")
+        elif args.command == "grade":
+            from .grade import grade_command
+            return grade_command(args)
         elif args.command == "compare":
             from .report import compare_table
             print(compare_table(args.run_dirs))

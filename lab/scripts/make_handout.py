@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Not in it (it takes {args.ref}'s files, not the working tree's): your uncommitted changes to "
               + ", ".join(changed[:8]) + (" ..." if len(changed) > 8 else ""))
     print("Students: python -m pytest lab/build_ddp (tests their student.py). Grading: python -m ddp_utils grade "
-          "HANDIN, in the kit's repository (lab/README.md, For instructors).")
+          "HANDIN, in the kit's repository (lab/instructors.md).")
     return 0
 
 
