@@ -39,6 +39,7 @@ WORK = ("ddp_utils", "torchrun", "bench.py", "resize_imagenet", "prepare_cinic10
         "sort_imagenet_val", "tar ", "unzip", "rsync", "aws s3", "kaggle")
 DEFAULTS = {"idle_minutes": 60, "warn_minutes": 5, "gpu_percent": 5, "server_file": str(KIT / ".jupyter_server.json"),
             "shutdown": "shutdown -h now", "wall": "wall", "load_average": 1.0, "proc_dir": "/proc"}
+FRESH = {"idle_since": None, "warned": False, "paused_until": 0, "disabled": False}   # the state before any check
 
 
 def load(path: Path, default: dict) -> dict:
@@ -125,7 +126,7 @@ def why_busy(config: dict, now: float) -> str | None:
 def check(config: dict, now: float | None = None) -> str:
     """One look: update the idle clock; warn, then shut down, when idle long enough. Returns what it did."""
     now = time.time() if now is None else now
-    state = load(STATE, {"idle_since": None, "warned": False, "paused_until": 0, "disabled": False})
+    state = load(STATE, FRESH)
     busy = why_busy(config, now)
     if busy:
         state.update(idle_since=None, warned=False)
@@ -173,7 +174,7 @@ def install(config: dict, units: Path = UNITS) -> list[Path]:
 
 
 def steer(command: str, minutes: float | None, now: float) -> str:
-    state = load(STATE, {"idle_since": None, "warned": False, "paused_until": 0, "disabled": False})
+    state = load(STATE, FRESH)
     if command == "pause":
         state["paused_until"] = now + 60 * (minutes or 120)
         said = f"paused: no stop before {time.strftime('%H:%M', time.localtime(state['paused_until']))}"
@@ -188,7 +189,7 @@ def steer(command: str, minutes: float | None, now: float) -> str:
 
 
 def status(config: dict, now: float) -> str:
-    state = load(STATE, {"idle_since": None, "warned": False, "paused_until": 0, "disabled": False})
+    state = load(STATE, FRESH)
     busy = why_busy(config, now)
     idle = f"idle for {(now - state['idle_since']) / 60:.0f} min" if state["idle_since"] else "not idle at the last check"
     return (f"now: {busy or 'idle'}; {idle}; stops after {config['idle_minutes']:g} idle minutes"
