@@ -10,7 +10,8 @@
 Each node is launched tagged ``course=ddp`` and ``Name=ddp-<name>``, with shutdown behaviour ``stop`` (a
 ``shutdown`` on the node, the idle stop's included, stops it instead of deleting it), in the cluster placement
 group and security group ``ddp-course`` of step 1, from the Deep Learning AMI looked up by name, with a gp3 root
-disk deleted with the node. Their ids are kept in ~/.ddp-nodes.json (--ids FILE), so every later command names
+disk deleted with the node. When the group has no room for a node launched later (node 2, hours after node 1),
+it goes to the first kept node's subnet (the same zone) outside the group. Their ids are kept in ~/.ddp-nodes.json (--ids FILE), so every later command names
 them; ``status`` also finds the course's nodes by tag. What survives what: a stop keeps the EBS disk (/data, the
 kit, your runs) and the private IP, erases the NVMe scratch (/opt/dlami/nvme) and gives a new public IP at the
 next start; terminate deletes the node and its disk. Every command is the AWS CLI's (``aws ec2 ...``), printed
@@ -85,12 +86,28 @@ def launch(args) -> None:
     groups = aws("ec2", "describe-security-groups", "--group-names", GROUP, dry=args.print)
     group = groups.get("SecurityGroups", [{}])[0].get("GroupId", "SG")
     tags = (f"ResourceType=instance,Tags=[{{Key=course,Value=ddp}},{{Key=Name,Value=ddp-{args.name}}}]")
-    answer = aws("ec2", "run-instances", "--image-id", ami, "--instance-type", args.type, "--count", "1",
-                 "--key-name", args.key, "--security-group-ids", group, "--placement", f"GroupName={GROUP}",
-                 "--instance-initiated-shutdown-behavior", "stop", "--tag-specifications", tags,
-                 "--block-device-mappings",
-                 f"DeviceName=/dev/sda1,Ebs={{VolumeSize={args.volume_gb},VolumeType=gp3,DeleteOnTermination=true}}",
-                 dry=args.print)
+    def run_instance(*where: str) -> dict | str:
+        return aws("ec2", "run-instances", "--image-id", ami, "--instance-type", args.type, "--count", "1",
+                   "--key-name", args.key, "--security-group-ids", group, *where,
+                   "--instance-initiated-shutdown-behavior", "stop", "--tag-specifications", tags,
+                   "--block-device-mappings",
+                   f"DeviceName=/dev/sda1,Ebs={{VolumeSize={args.volume_gb},VolumeType=gp3,DeleteOnTermination=true}}",
+                   dry=args.print)
+    try:
+        zone = f"AvailabilityZone={args.zone}," if args.zone else ""
+        answer = run_instance("--placement", f"{zone}GroupName={GROUP}")
+    except NodesError as error:
+        # A node launched hours after the first (node 2 once node 1's data is ready) finds the group's rack full
+        # more often. Starting over elsewhere would strand node 1's data: node 2 goes to node 1's subnet (its zone)
+        # instead, outside the group; the link may be slower, and step 5's check measures it.
+        first = next(iter(kept().values()), None)
+        if "InsufficientInstanceCapacity" not in str(error) or first is None:
+            raise
+        subnet = aws("ec2", "describe-instances", "--instance-ids", first)["Reservations"][0]["Instances"][0]["SubnetId"]
+        print(f"the placement group {GROUP} has no room for a {args.type} now: launching {args.name} in the subnet "
+              f"(zone) of {first} instead, outside the group (the link between the nodes may be slower: step 5's "
+              f"check measures it)", flush=True)
+        answer = run_instance("--subnet-id", subnet)
     if args.print:
         return
     instance = answer["Instances"][0]["InstanceId"]
@@ -168,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--type", default="g4dn.2xlarge", help="instance type (your row's; default g4dn.2xlarge)")
     one.add_argument("--key", required=True, help="your key pair's name (step 1)")
     one.add_argument("--volume-gb", type=int, default=300, help="gp3 root disk (default 300)")
+    one.add_argument("--zone", default="", help="an Availability Zone (e.g. us-east-1b) when AWS has no capacity "
+                                               "in the one it chose; the group's first node sets its zone")
     commands.add_parser("status", help="state and addresses of the kept nodes, and any other course node")
     for verb in ("stop", "start", "terminate"):
         sub = commands.add_parser(verb, help=f"{verb} the kept nodes (or those named)")

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """A stand-in ``aws`` for tests/test_nodes.py: records each call (one JSON line of its arguments in $FAKE_AWS_LOG)
 and answers as the AWS CLI does with ``--output json``, keeping the instances it launched in $FAKE_AWS_STATE
-(their state, type and addresses: a stop drops the public IP, a start gives a new one). $FAKE_AWS_FAIL names a
-call ("ec2 run-instances") that fails as AWS's do: exit 254 and the service's message on stderr."""
+(their state, type, subnet and addresses: a stop drops the public IP, a start gives a new one). $FAKE_AWS_FAIL
+names a call that fails as AWS's do, exit 254 and the service's message on stderr: "ec2 run-instances", or with
+more words that must all be among the call's arguments ("ec2 run-instances GroupName=ddp-course")."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,8 @@ def main(argv: list[str]) -> int:
     state_file = Path(os.environ["FAKE_AWS_STATE"])
     state = json.loads(state_file.read_text()) if state_file.exists() else {"instances": {}, "launched": 0}
     call = " ".join(argv[:2])
-    if call == os.environ.get("FAKE_AWS_FAIL"):
+    fail = os.environ.get("FAKE_AWS_FAIL", "").split()
+    if fail and " ".join(fail[:2]) == call and all(word in argv for word in fail[2:]):
         print(f"\nAn error occurred (InsufficientInstanceCapacity) when calling the {argv[1]} operation: We "
               f"currently do not have sufficient capacity in the Availability Zone you requested.", file=sys.stderr)
         return 254
@@ -42,7 +44,8 @@ def main(argv: list[str]) -> int:
         tags = value("--tag-specifications")
         instances[instance] = {"InstanceId": instance, "InstanceType": value("--instance-type"),
                                "State": {"Name": "running"}, "PrivateIpAddress": f"172.31.9.{state['launched']}",
-                               "PublicIpAddress": f"3.80.0.{state['launched']}", "Tags": tags}
+                               "PublicIpAddress": f"3.80.0.{state['launched']}", "Tags": tags,
+                               "SubnetId": value("--subnet-id") if "--subnet-id" in argv else "subnet-0fake1a"}
         answer = {"Instances": [{**instances[instance], "State": {"Name": "pending"}}]}
     elif call == "ec2 describe-instances":
         chosen = ids() if "--instance-ids" in argv else [i for i in instances if "course" in instances[i]["Tags"]]
