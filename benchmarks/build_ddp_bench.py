@@ -7,7 +7,7 @@ machine: ``collectives --ranks 2`` (4 KiB to 256 MiB), ``step --hosts local`` (l
 and ``step --hosts netns --rate 1gbit`` (two namespace hosts joined by a 1 Gbit/s link), each in --repeat rounds
 (bench.py's default, 5: every figure a median with its lowest-highest round). Writes
 benchmarks/results/build_ddp_bench.json (each command's table, figures and seconds) and images/collectives.png
-(the plot the lab's question 13 shows). Take it on an idle machine: the ranks share its cores.
+(the plot the lab's question 12 shows). Take it on an idle machine: the ranks share its cores.
 """
 from __future__ import annotations
 

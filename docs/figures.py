@@ -307,7 +307,7 @@ def data_steps() -> dict[str, dict[str, float]]:
 PATH_ROWS = [   # lab/README.md's path table: (you have, price a node-hour, data set, the rest of the row's cells)
     ("2 x g4dn.2xlarge ($0.752 per hour; T4, 8 vCPUs): the course's", 0.752, "imagenet",
      "(a) ImageNet from Kaggle | steps 0-10 | 6 | `/data/imagenet`",
-     "4.9 h, $3.68 (with `WORKERS = 2`; 6 is faster) | 1 h\\*, $0.75\\* | 1-10 and 13; 11, 12, 14 optional"),
+     "4.9 h, $3.68 (with `WORKERS = 2`; 6 is faster) | 1 h\\*, $0.75\\* | 1-10 and 12; 11, 13, 14 optional"),
     ("2 x g4dn.xlarge ($0.526 per hour; T4, 4 vCPUs)", 0.526, "subset",
      "the 100-class subset from the zip ([data.md](data.md#on-a-g4dnxlarge-the-subset-straight-from-the-zip)) | "
      "steps 0-10, that section for step 2 (a) | 3 | `/data/imagenet-100`",
@@ -315,7 +315,7 @@ PATH_ROWS = [   # lab/README.md's path table: (you have, price a node-hour, data
     ("2 x g5.2xlarge (about $1.20 per hour; A10G, 8 vCPUs)", 1.20, "imagenet",
      "(a) ImageNet from Kaggle | steps 0-10 | 6 | `/data/imagenet`",
      "2 h\\*, $2.40\\* | 1 h\\*, $1.20\\* | as above"),
-    ("2 A10 nodes elsewhere (e.g. 30 vCPUs, one local disk)", 0.75, "imagenet",
+    ("2 A10 nodes elsewhere (e.g. $0.75 per hour; 30 vCPUs, one local disk)", 0.75, "imagenet",
      "(a), onto the local disk | [nodes.md](nodes.md#a10-nodes-off-aws) for step 1 | 24 | `/data/imagenet`",
      "1.5 h\\*, $1.13\\* | 1 h\\*, $0.75\\* | as above"),
 ]
@@ -333,6 +333,31 @@ def path_table() -> None:
     rows.append("| a laptop, no GPU | the bundled `demo` digits | step 0, then questions 12-14 | 0 | `../data/demo` | "
                 "none, $0 | minutes, $0 | your own time, $0 | 12, 13, 14 (1-10 need the nodes) |")
     _out("\n".join(rows))
+
+
+DISK_DOLLARS_A_DAY = 300 * 0.08 / 30   # a node's 300 GB gp3 root volume at $0.08 per GB and month
+BUDGET_DAYS = 7                        # the disks of both nodes for a week: the homework's usual span
+
+
+def budgets() -> dict[str, int]:
+    """Each AWS row's budget (step 1's ``nodes.py budget --dollars``): the row's dollars (data, runs, questions)
+    plus both disks for BUDGET_DAYS, rounded up to the next $5."""
+    steps, out = data_steps(), {}
+    for have, price, kind, _middle, rest in PATH_ROWS:
+        if "elsewhere" in have:
+            continue   # not AWS: the provider's own alarms
+        row = round(steps[kind]["node-hours"], 1) * price + sum(float(d) for d in re.findall(r"\$(\d+\.\d+)", rest))
+        total = row + 2 * DISK_DOLLARS_A_DAY * BUDGET_DAYS
+        out[re.search(r"g\w+\.\w+", have).group()] = int(-(-total // 5) * 5)
+    return out
+
+
+def budget_sentence() -> None:
+    """Cog: the sentence under step 1's budget command, one amount per AWS row."""
+    amounts = ", ".join(f"{kind} ${dollars}" for kind, dollars in budgets().items())
+    _out(textwrap.fill(
+        f"`BUDGET`: your row's dollars plus both disks for a week (${2 * DISK_DOLLARS_A_DAY * BUDGET_DAYS:.2f}), "
+        f"rounded up: {amounts}. AWS e-mails you at 80 % of it and when it forecasts more.", WIDTH))
 
 
 def data_plan() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.page_commands import page_commands
+from tests.helpers.page_commands import page_commands, path_rows, typed
 from tests.helpers.procs import REPO
 
 SCRIPT = Path(REPO) / "lab" / "scripts" / "nodes.py"
@@ -117,20 +117,47 @@ def test_a_failing_call_is_a_sentence_and_nothing_is_kept(laptop):
     assert "the AWS CLI is not installed here" in laptop.run("status", rc=2, PATH="/nonexistent").stderr
 
 
+def test_node2_launched_later_goes_to_node1s_zone_when_the_placement_group_is_full(laptop):
+    """Node 2 is launched hours after node 1 (step 2); a full cluster group must not strand node 1's data."""
+    laptop.run("launch", "node1", "--key", "KEY")
+    out = laptop.run("launch", "node2", "--key", "KEY", FAKE_AWS_FAIL="ec2 run-instances GroupName=ddp-course").stdout
+    launches = [c for c in laptop.calls() if c[:2] == ["ec2", "run-instances"]]
+    assert len(launches) == 3 and "--placement" in launches[1] and "--placement" not in launches[2]
+    assert launches[2][launches[2].index("--subnet-id") + 1] == "subnet-0fake1a"   # node 1's subnet
+    assert launches[2][launches[2].index("--instance-initiated-shutdown-behavior") + 1] == "stop"
+    assert "no room" in out and "outside the group" in out
+    assert json.loads(laptop.ids.read_text()) == {"node1": "i-0fake0001", "node2": "i-0fake0002"}
+    # node 1 itself has nowhere to fall back to: the refusal is the sentence of a failed call, and --zone the fix
+    laptop.ids.write_text("{}")
+    err = laptop.run("launch", "node1", "--key", "KEY", rc=2, FAKE_AWS_FAIL="ec2 run-instances GroupName=ddp-course")
+    assert "InsufficientInstanceCapacity" in err.stderr and not json.loads(laptop.ids.read_text())
+    laptop.run("launch", "node1", "--key", "KEY", "--zone", "us-east-1b")
+    last = laptop.calls()[-3]
+    assert last[last.index("--placement") + 1] == "AvailabilityZone=us-east-1b,GroupName=ddp-course"
+
+
 def test_print_shows_the_commands_and_runs_none(laptop):
     out = laptop.run("--print", "launch", "node1", "--key", "KEY").stdout
     assert "$ aws ec2 run-instances --image-id AMI" in out and "--instance-initiated-shutdown-behavior stop" in out
     assert laptop.calls() == [] and not laptop.ids.exists()
 
 
-def test_every_nodes_command_the_pages_give_runs_as_typed_against_the_stand_in(laptop):
-    """Issue 57's Done-when: each lifecycle command a page prints is run here, in the pages' order, and does what
-    it says to the ids it kept."""
+@pytest.mark.parametrize("row", [r for r in path_rows() if r["TYPE"]], ids=lambda r: r["TYPE"])
+def test_every_nodes_command_the_pages_give_runs_as_typed_against_the_stand_in(tmp_path, row):
+    """Issue 57's Done-when: each lifecycle command a page prints is run here, in the pages' order, with each AWS
+    row's values typed in, and does what it says to the ids it kept: the row's type, its budget."""
+    laptop = Laptop(tmp_path)
     commands = page_commands("nodes.py")
-    assert [c[0] for c in commands] == ["budget", "launch", "status", "stop", "start", "terminate"], commands
+    assert [c[0] for c in commands] == ["budget", "launch", "launch", "status", "stop", "start", "terminate"], commands
     for command in commands:
-        laptop.run(*command)
-    verbs = [c[1] for c in laptop.calls()]
+        laptop.run(*typed(command, row))
+    calls = laptop.calls()
+    verbs = [c[1] for c in calls]
     for verb in ("create-budget", "run-instances", "stop-instances", "start-instances", "terminate-instances"):
         assert verb in verbs, verbs
+    launches = [c for c in calls if c[1] == "run-instances"]
+    assert [c[c.index("--instance-type") + 1] for c in launches] == [row["TYPE"]] * 2
+    assert ["ddp-node1" in c[c.index("--tag-specifications") + 1] for c in launches] == [True, False]
+    budget = next(c for c in calls if c[1] == "create-budget")
+    assert json.loads(budget[budget.index("--budget") + 1])["BudgetLimit"]["Amount"] == f"{int(row['BUDGET'])}.00"
     assert json.loads(laptop.ids.read_text()) == {}   # terminated: nothing left to cost

@@ -259,9 +259,9 @@ def same_price(a: str, b: str) -> bool:
 
 
 def course_instance() -> str:
-    """The instance type the walkthrough provisions (its ``nodes.py launch`` command)."""
-    walkthrough = (ROOT / "lab" / "README.md").read_text(encoding="utf-8")
-    [kind] = set(re.findall(r"nodes\.py launch \S+ --type (\S+)", walkthrough))
+    """The instance type of the walkthrough's default row ("the course's": its reference run and parameter cell)."""
+    from tests.helpers.page_commands import path_rows
+    [kind] = [row["TYPE"] for row in path_rows() if "the course's" in row["you have"]]
     return kind
 
 
@@ -378,15 +378,20 @@ def test_every_kit_command_on_a_page_parses_and_its_settings_are_valid():
     commands = kit_commands()
     assert len(commands) >= 10, commands
     bad = []
+    from tests.helpers.page_commands import ROW_WORDS, path_rows, typed
+    node_rows = [row for row in path_rows() if row["WORKERS"] != "0"]
     for page, line in commands:
-        argv = shlex.split(line)[3:]
-        try:
-            args = build_parser().parse_args(argv)
-        except SystemExit:
-            bad.append(f"{page}: does not parse: {line}")
-            continue
-        if args.command in ("train", "launch", "check"):
-            problems = settings_module.from_args(args, environ={}).problems()
-            if problems:
-                bad.append(f"{page}: {line}: {problems}")
+        words = shlex.split(line)[3:]
+        # a row's words (DATA_DIR, WORKERS, PRICE): the line as each node row types it
+        each_row = any(ROW_WORDS.search(word) for word in words)
+        for argv in {tuple(typed(words, row)) for row in node_rows} if each_row else {tuple(words)}:
+            try:
+                args = build_parser().parse_args(list(argv))
+            except SystemExit:
+                bad.append(f"{page}: does not parse: {shlex.join(argv)}")
+                continue
+            if args.command in ("train", "launch", "check"):
+                problems = settings_module.from_args(args, environ={}).problems()
+                if problems:
+                    bad.append(f"{page}: {shlex.join(argv)}: {problems}")
     assert not bad, "\n".join(bad)

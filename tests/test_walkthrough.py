@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.page_commands import path_rows, typed
 from tests.helpers.procs import REPO
 
 ROOT = Path(REPO)
@@ -184,7 +185,87 @@ def test_the_resume_of_question_9_keeps_the_price_of_the_run():
     resumes = [line.strip() for line in text().splitlines()
                if line.strip().startswith("python -m ddp_utils train") and "--resume" in line]
     assert len(resumes) == 2
-    assert all(f"--price-per-hour {price_line}" in line for line in resumes), resumes
+    assert all("--price-per-hour PRICE" in line for line in resumes), resumes   # each row's own, typed in
+    default = next(r for r in path_rows() if r["TYPE"] == "g4dn.2xlarge")
+    assert all(f"--price-per-hour {default['PRICE']}" in " ".join(typed(line.split(), default)) for line in resumes)
+    assert price_line == default["PRICE"]   # the parameter cell shows the default row's price
+
+
+# -- walked literally, row by row (issue 57) --------------------------------------------------------------
+ROW_FLAGS = {"--data-dir": "DATA_DIR", "--workers": "WORKERS", "--price-per-hour": "PRICE", "--type": "TYPE",
+             "--dollars": "BUDGET"}
+
+
+def steps() -> dict[int, str]:
+    """lab/README.md's numbered steps: {number: the section's text, HTML comments dropped}."""
+    parts = re.split(r"^## (\d+)\. ", re.sub(r"<!--.*?-->", "", text(), flags=re.S), flags=re.M)
+    return {int(parts[i]): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def test_every_command_a_row_runs_carries_that_rows_data_dir_workers_and_price():
+    """Steps 1-10 are every node row's: a command there with a literal data folder, worker count, price, type or
+    budget fails as typed on some row. Each says the row's word instead, and each row has a value for it."""
+    literal = []
+    for number, body in steps().items():
+        if number == 0:
+            continue   # the laptop's rehearsal: the demo data, its own values
+        for block in FENCE.findall(body):
+            if block.lstrip().startswith("```text"):
+                continue   # output, not a command
+            for line in block.splitlines():
+                for flag, word in ROW_FLAGS.items():
+                    for value in re.findall(rf"{flag}[ =](\S+)", line.split("#")[0]):
+                        if value != word:
+                            literal.append(f"step {number}: {flag} {value}: {line.strip()[:100]}")
+    assert literal == [], "\n".join(literal)
+    rows = [r for r in path_rows() if r["WORKERS"] != "0"]   # the node rows (the laptop's: step 0 only)
+    assert len(rows) == 4
+    for row in rows:
+        assert row["DATA_DIR"].startswith("/data/") and int(row["WORKERS"]) > 0 and float(row["PRICE"]) > 0
+        assert bool(row["TYPE"]) == bool(row["BUDGET"]), row   # every AWS row has its budget
+    # the parameter cell is the default row's, and each value the rows differ in says so
+    cell = re.search(r"^```python\nMASTER_ADDR = .*?^```", text(), re.M | re.S).group()
+    for name in ("DATA_DIR", "WORKERS", "PRICE_PER_HOUR"):
+        line = next(line for line in cell.splitlines() if line.startswith(f"{name} = "))
+        assert "your row's" in line, line
+
+
+# A figure that holds only for full ImageNet (1000 classes, 1,281,167 images) and the phrase that must come with it.
+FULL_IMAGENET_FIGURES = ["1281", "1,281", "2562", "46.8 MB", "60 GB", "94 MB", "93,625,805", "69.8 %", "1.7 s",
+                         "11,689,512"]
+
+
+def test_no_question_quotes_a_full_imagenet_figure_to_the_subset_row():
+    """The g4dn.xlarge row answers questions 1-10 on the 100-class subset (about 128 steps, 45 MB of gradients):
+    a full-ImageNet figure in a question is labelled as such, and the question names where the student's own is."""
+    subset = next(r for r in path_rows() if r["TYPE"] == "g4dn.xlarge")
+    assert subset["questions to answer"] == "as above" and subset["DATA_DIR"] == "/data/imagenet-100"
+    questions = re.sub(r"\s+", " ", steps()[9])
+    unlabelled = [f"{figure}: ...{questions[max(0, m.start() - 120):m.end() + 20]}"
+                  for figure in FULL_IMAGENET_FIGURES for m in re.finditer(re.escape(figure), questions)
+                  if "full ImageNet" not in questions[max(0, m.start() - 250):m.end() + 30]]
+    assert unlabelled == [], "\n".join(unlabelled)
+    for own in ("`measured_step_s`", "`probe.grad_mb`", "`steps` / `epochs_run`", "`probe.compute_alone_s`"):
+        assert own in questions, own
+
+
+def test_no_step_refers_to_a_later_steps_result():
+    """A step may point ahead ("step 8 copies the file"), never depend on a later step's result ("once the
+    container runs (step 3)", "step 5's check says READY"); a question never needs a later question's."""
+    ahead = []
+    for number, body in steps().items():
+        prose_only = re.sub(r"\s+", " ", FENCE.sub("", body))
+        for m in re.finditer(r"\bsteps? (\d+)'s\b|\b(?:once|after|until)\b[^.;:]{0,80}?\(?step (\d+)\b", prose_only, re.I):
+            later = int(m.group(1) or m.group(2))
+            if later > number:
+                ahead.append(f"step {number} -> step {later}: ...{prose_only[max(0, m.start() - 60):m.end() + 40]}")
+    questions = re.split(r"^(\d+)\. \*\*", steps()[9], flags=re.M)
+    for i in range(1, len(questions), 2):
+        number = int(questions[i])
+        for m in re.finditer(r"\bquestion (\d+)'s\b", questions[i + 1]):
+            if int(m.group(1)) > number:
+                ahead.append(f"question {number} -> question {m.group(1)}'s")
+    assert ahead == [], "\n".join(ahead)
 
 
 def test_the_hand_in_lists_every_file_it_asks_for():

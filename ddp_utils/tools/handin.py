@@ -8,9 +8,9 @@ The layout (lab/README.md, "What you hand in"), one folder per student::
     answers.md         the answers to step 9's questions (or answers.txt, answers.pdf)
     report/            the reports/<YYYYmmdd-HHMMSS>/ folder `report` wrote, with iperf3.txt copied into it
     runs/              the run folders of the table's rows: settings.json, results.json, log.txt, tb/ (no *.pt)
-    student.py         question 13: lab/build_ddp/student.py
-    pytest-log.txt     question 13: python -m pytest lab/build_ddp -rA > pytest-log.txt
-    bench/             question 13: the folder bench.py wrote (runs/build_ddp_bench/<date-time>/)
+    student.py         question 12: lab/build_ddp/student.py
+    pytest-log.txt     question 12: python -m pytest lab/build_ddp -rA > pytest-log.txt
+    bench/             question 12: the folder bench.py wrote (runs/build_ddp_bench/<date-time>/)
 
 A figure of the table agrees with its run folder within the table's printed rounding (1.78x: 0.005; 0:00:29:
 half a second; "about": 5 %). Nothing here runs the student's code: it reads files.
@@ -65,8 +65,8 @@ def check_files(sheet: Sheet, handin: Path) -> list[dict]:
     report = report_folder(handin)
     for name in (*REPORT_FILES, "iperf3.txt"):
         found(report / name, "written by python -m ddp_utils report" if name != "iperf3.txt" else "step 5's iperf3")
-    found(handin / "student.py", "question 13's lab/build_ddp/student.py")
-    found(handin / "pytest-log.txt", "question 13's python -m pytest lab/build_ddp -rA")
+    found(handin / "student.py", "question 12's lab/build_ddp/student.py")
+    found(handin / "pytest-log.txt", "question 12's python -m pytest lab/build_ddp -rA")
     bench = sorted((handin / "bench").rglob("*.json")) if (handin / "bench").is_dir() else []
     readable = [p for p in bench if _json(p) is not None]
     sheet.add("hand-in", "bench/", bool(readable), f"{len(readable)} readable JSON file(s) of bench.py" if readable

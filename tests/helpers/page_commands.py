@@ -24,3 +24,34 @@ def page_commands(script: str, inline: bool = False) -> list[list[str]]:
                     words = shlex.split(span)
                     found.append(words[next(i for i, w in enumerate(words) if w.endswith(script)) + 1:])
     return found
+
+
+def path_rows() -> list[dict[str, str]]:
+    """lab/README.md's path table, a dict per row: its cells by column, and the values its commands stand for,
+    ``TYPE`` (the AWS instance type, "" off AWS), ``PRICE``, ``DATA_DIR``, ``WORKERS`` and ``BUDGET`` (step 1's
+    sentence; "" where the row has none)."""
+    text = (Path(REPO) / "lab" / "README.md").read_text()
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| you have |"))
+    header = [c.strip() for c in lines[start].strip("|").split(" | ")]
+    budget_line = " ".join(text[text.index("`BUDGET`:"):].split("\n\n")[0].split())
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        row = dict(zip(header, [c.strip() for c in line.strip("|").split(" | ")], strict=True))
+        kind = re.search(r"\bg\w+\.\w+", row["you have"])
+        price = re.search(r"\$(\d+\.\d+) per hour", row["you have"])
+        budget = re.search(rf"{re.escape(kind.group())} \$(\d+)", budget_line) if kind else None
+        rows.append({**row, "TYPE": kind.group() if kind else "", "PRICE": price.group(1) if price else "",
+                     "DATA_DIR": row["`DATA_DIR`"].strip("`"), "WORKERS": row["`WORKERS`"],
+                     "BUDGET": budget.group(1) if budget else ""})
+    return rows
+
+
+ROW_WORDS = re.compile(r"\b(TYPE|PRICE|DATA_DIR|WORKERS|BUDGET)\b")   # the values a row of the path table gives
+
+
+def typed(command: list[str], row: dict[str, str]) -> list[str]:
+    """A page's command with the row's values typed in for its words in capitals."""
+    return [ROW_WORDS.sub(lambda m: row[m.group(1)], word) for word in command]
