@@ -7,6 +7,7 @@ none of whose strings spells out a call."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 import subprocess
@@ -32,7 +33,7 @@ PARTS = {   # part -> the function whose NotImplementedError its tests meet firs
 TESTS_PER_PART = {"part_a": 1, "part_b": 2, "part_c": 2, "part_d": 1, "part_f": 1}   # each on every world size
 WORLD_SIZES = (2, 3, 4)
 RUN_LIMIT_S = 240
-LAB_RUNS_LIMIT_S, AT_ONCE = 540, 6   # lab_runs: about 20 pytest runs, each starting 2 to 4 ranks
+LAB_RUNS_LIMIT_S = 540   # lab_runs: 5 processes, each starting 2 to 4 ranks for each of its tests
 # each deliberately wrong file: the part whose test it fails, on how many ranks (2, or 3 where 2 ranks cannot show the
 # mistake), and what that failure must say (the same on every run, whichever rank reports first)
 MISTAKE_MESSAGES = {
@@ -161,32 +162,36 @@ def lab_env(**extra) -> dict:
 @pytest.fixture(scope="module")
 def lab_runs(tmp_path_factory) -> dict:
     """``python -m pytest lab/build_ddp`` as a student types it, all at once: against the solution, against
-    student.py, against the solution split over two "nodes" (part d on 127.0.0.1), and against each deliberately
-    wrong file on 2 or 3 ranks (its part only). For each run its exit code, output, seconds, and ``{test name: failure
-    message, or None if it passed}`` from its JUnit XML."""
+    student.py and against the solution split over two "nodes" (part d on 127.0.0.1), each a process of its own;
+    and against each deliberately wrong file on 2 or 3 ranks (its part only), as ``BUILD_DDP=<file> python -m
+    pytest lab/build_ddp -k ...`` would, one after the other in one process (tests/helpers/lab_runs.py: torch and
+    the ranks' fork server start once for all the files, not once for each).
+    For each run its exit code, output, seconds, and ``{test name: failure message, or None if it passed}`` from
+    its JUnit XML."""
     tmp = tmp_path_factory.mktemp("build_ddp")
     port = free_port()
     nodes = dict(BUILD_DDP="reference", BUILD_DDP_NODES=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    runs = {"reference": (lab_env(BUILD_DDP="reference"), []),   # the two nodes' runs within the first AT_ONCE:
-            "student": (lab_env(BUILD_DDP="student"), []),         # they wait for each other
-            "node0": (lab_env(**nodes, BUILD_DDP_NODE_RANK=0), ["-k", "part_d"]),
-            "node1": (lab_env(**nodes, BUILD_DDP_NODE_RANK=1), ["-k", "part_d"]),
-            **{mistake: (lab_env(BUILD_DDP=str(MISTAKES / f"{mistake}.py")), ["-k", f"{part} and {ranks}-ranks"])
-               for mistake, (part, ranks, _) in MISTAKE_MESSAGES.items()}}
-    started, procs, logs, results, waiting = time.monotonic(), {}, {}, {}, list(runs)
+    pytest_runs = {"reference": (lab_env(BUILD_DDP="reference"), []),
+                   "student": (lab_env(BUILD_DDP="student"), []),
+                   "node0": (lab_env(**nodes, BUILD_DDP_NODE_RANK=0), ["-k", "part_d"]),   # they wait for each
+                   "node1": (lab_env(**nodes, BUILD_DDP_NODE_RANK=1), ["-k", "part_d"])}   # other
+    commands = {name: ([sys.executable, "-m", "pytest", "lab/build_ddp", "-p", "no:cacheprovider",
+                        f"--junitxml={tmp / name}.xml", *args], env) for name, (env, args) in pytest_runs.items()}
+    mistakes = [[mistake, str(MISTAKES / f"{mistake}.py"), ["-k", f"{part} and {ranks}-ranks"]]
+                for mistake, (part, ranks, _) in MISTAKE_MESSAGES.items()]
+    (tmp / "mistakes.json").write_text(json.dumps({"out": str(tmp / "mistakes"), "runs": mistakes}))
+    (tmp / "mistakes").mkdir()
+    commands["mistakes"] = ([sys.executable, "-m", "tests.helpers.lab_runs", str(tmp / "mistakes.json")], lab_env())
+    started, procs, logs, ended = time.monotonic(), {}, {}, {}
     try:
-        while (waiting or len(results) < len(procs)) and time.monotonic() - started < LAB_RUNS_LIMIT_S:
-            while waiting and len(procs) - len(results) < AT_ONCE:   # a few at a time: 20 at once thrash 2 cores
-                name = waiting.pop(0)
-                env, args = runs[name]
-                logs[name] = open(tmp / f"{name}.log", "w+")
-                procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "pytest", "lab/build_ddp", "-p", "no:cacheprovider",
-                     f"--junitxml={tmp / name}.xml", *args],
-                    cwd=REPO, env=env, stdout=logs[name], stderr=subprocess.STDOUT, text=True)
+        for name, (argv, env) in commands.items():   # 5 processes: 20 at once thrashed 2 cores
+            logs[name] = open(tmp / f"{name}.log", "w+")
+            procs[name] = subprocess.Popen(argv, cwd=REPO, env=env, stdout=logs[name], stderr=subprocess.STDOUT,
+                                           text=True)
+        while len(ended) < len(procs) and time.monotonic() - started < LAB_RUNS_LIMIT_S:
             for name, proc in procs.items():
-                if name not in results and proc.poll() is not None:
-                    results[name] = {"rc": proc.returncode, "seconds": time.monotonic() - started}
+                if name not in ended and proc.poll() is not None:
+                    ended[name] = {"rc": proc.returncode, "seconds": time.monotonic() - started}
             time.sleep(0.1)
     finally:
         for proc in procs.values():
@@ -195,11 +200,15 @@ def lab_runs(tmp_path_factory) -> dict:
                 proc.wait()
         for log in logs.values():
             log.close()
-    assert len(results) == len(runs), (f"still running after {LAB_RUNS_LIMIT_S} s: "
-                                       f"{sorted(set(runs) - set(results))}")
+    assert len(ended) == len(procs), f"still running after {LAB_RUNS_LIMIT_S} s: {sorted(set(procs) - set(ended))}"
+    results = {name: {**ended[name], "at": tmp} for name in pytest_runs}
+    for mistake, _, _ in mistakes:
+        done = tmp / "mistakes" / f"{mistake}.json"
+        assert done.exists(), f"not run: {mistake}\n{(tmp / 'mistakes.log').read_text()}"
+        results[mistake] = {**json.loads(done.read_text()), "at": tmp / "mistakes"}
     for name, result in results.items():
-        result["output"] = (tmp / f"{name}.log").read_text()
-        result["tests"] = junit_results(tmp / f"{name}.xml")
+        result["output"] = (result["at"] / f"{name}.log").read_text()
+        result["tests"] = junit_results(result["at"] / f"{name}.xml")
     return results
 
 

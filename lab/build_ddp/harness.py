@@ -100,6 +100,8 @@ class _Job:
     ifname: str | None
     log_dir: str
     time_limit: float
+    build_ddp: str | None    # the file under test (adapter.py) as this pytest process chose it: the fork server
+                             # keeps the environment it started with, so a later BUILD_DDP must reach the ranks here
 
 
 class RankTraceback(Exception):
@@ -131,7 +133,7 @@ def run_ranks(fn, world_size: int) -> None:
         job = _Job(fn_file=str(Path(fn.__code__.co_filename).resolve()), fn_name=fn.__name__,
                    world_size=world_size, ranks_per_node=per_node, backend=launch.backend,
                    init_method=f"tcp://{launch.master_addr}:{port}", ifname=_interface_towards(launch.master_addr),
-                   log_dir=log_dir, time_limit=launch.time_limit)
+                   log_dir=log_dir, time_limit=launch.time_limit, build_ddp=os.environ.get("BUILD_DDP"))
         processes, readers, results, seconds = {}, {}, {}, {}
         try:
             for rank in ranks:
@@ -235,6 +237,10 @@ def _rank_main(job: _Job, rank: int, conn) -> None:
         if job.ifname:   # unless the user chose: the interface that routes to the master
             for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 os.environ.setdefault(var, job.ifname)
+        if job.build_ddp is None:
+            os.environ.pop("BUILD_DDP", None)
+        else:
+            os.environ["BUILD_DDP"] = job.build_ddp
         torch.set_num_threads(1)   # several ranks share the laptop's cores; the test's model is tiny
         device = torch.device("cpu")
         if job.backend == "nccl":
