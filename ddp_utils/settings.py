@@ -137,8 +137,9 @@ class Settings:
     link_probe: bool = _f(True, "before training, time a few all-reduces of the gradients' size and one "
                                 "step's compute: link bandwidth and predicted speed-up (a few seconds)",
                           section=DISTRIBUTED, agree=True)
-    comm: str = _f("none", lambda: f"gradient communication: {describe_comms()}, or auto (choose from the link probe: "
-                                   f"compress when communication would take more than comm_auto_share of a step)",
+    comm: str = _f("none", lambda: f"gradient communication: {describe_comms()}, or auto (from the link probe: half "
+                                   f"precision when communication would take more than comm_auto_share of a step; "
+                                   f"never powersgd or localsgd, which trade accuracy: by name only)",
                    choices=lambda: ("auto", *COMMS), section=DISTRIBUTED, agree=True)
     build_ddp: str = _f("", "train with what you wrote in lab/build_ddp (student.py; BUILD_DDP=reference: the kit's "
                             "solution) instead of torch's: a (all-reduce every gradient after backward), b (one "
@@ -181,12 +182,12 @@ class Settings:
     localsgd_warmup_steps: int = _f(8, "localsgd: optimizer steps of plain DDP (gradients all-reduced) before the "
                                        "ranks step on their own", type=int,
                                     section=DISTRIBUTED, bound=NOT_NEGATIVE, agree=True)
-    comm_auto_share: float = _f(0.2, "comm=auto: compress when the probe predicts communication above this share "
-                                     "of a step", section=DISTRIBUTED, bound=NOT_NEGATIVE, agree=True)
-    auto_local_sgd: bool = _f(False, "comm=auto may choose local SGD, another algorithm than DDP's (the ranks' "
-                                     "weights differ between averages; a few points of Acc@1 in the benchmarks); "
-                                     "without it auto keeps one model and averages the gradients at every step "
-                                     "(none, half precision or PowerSGD)", section=DISTRIBUTED, agree=True)
+    comm_auto_share: float = _f(0.2, "comm=auto: send half-precision gradients when the probe predicts "
+                                     "communication above this share of a step", section=DISTRIBUTED,
+                                bound=NOT_NEGATIVE, agree=True)
+    auto_local_sgd: bool = _f(False, "kept for old command lines; changes nothing: comm=auto never chooses local "
+                                     "SGD (another algorithm: a few points of Acc@1 in the benchmarks), choose it "
+                                     "by name, comm=localsgd", section=DISTRIBUTED, agree=True)
     master_addr: str = _f("127.0.0.1", "IP of the rank-0 node: its private IP on a cloud network", section=DISTRIBUTED)
     master_port: int = _f(29500, "TCP port rank 0 listens on; open it (and the ports NCCL/Gloo add) "
                                  "between the nodes", section=DISTRIBUTED, agree=True)
@@ -278,7 +279,7 @@ class Settings:
     def _combination_problems(self) -> list[str]:
         """Settings that each work alone but not together."""
         out = []
-        # Accumulation and local SGD train under DDP's no_sync() (comm=auto never picks localsgd with static_graph).
+        # Accumulation and local SGD train under DDP's no_sync() (comm=auto never picks localsgd).
         under_no_sync = (f"accumulate={self.accumulate}" if self.accumulate > 1 else
                          "comm=localsgd" if self.comm == "localsgd" else None)
         if under_no_sync and self.static_graph:
@@ -294,15 +295,14 @@ class Settings:
             out.append(f"{' and '.join(ddp_only)} with parallel=fsdp: these set how DDP sends the gradients, and FSDP "
                        f"reduce-scatters them itself (a parameter no forward uses keeps its value): use comm=none "
                        f"without static_graph or find_unused_parameters, or parallel=ddp or zero1")
-        if self.parallel == "zero1" and (self.comm == "localsgd" or self.auto_local_sgd):
-            out.append(f"{'comm=localsgd' if self.comm == 'localsgd' else 'auto_local_sgd'} with parallel=zero1: local "
-                       f"SGD averages every rank's whole optimizer state, which ZeRO-1 splits between the ranks: use "
-                       f"another comm, or parallel=ddp")
+        if self.parallel == "zero1" and self.comm == "localsgd":
+            out.append("comm=localsgd with parallel=zero1: local SGD averages every rank's whole optimizer state, "
+                       "which ZeRO-1 splits between the ranks: use another comm, or parallel=ddp")
         if self.build_ddp in ("a", "b", "c") and (self.comm != "none" or self.accumulate > 1 or self.parallel != "ddp"):
             out.append(f"build_ddp={self.build_ddp!r} trains with your own DDP, which has no comm hooks, and the kit's "
                        f"loop times its finish_gradient_sync() for one backward pass a step: use it with comm=none, "
                        f"accumulate=1 and parallel=ddp")
-        if self.build_ddp == "f" and (self.parallel != "ddp" or self.comm == "localsgd" or self.auto_local_sgd):
+        if self.build_ddp == "f" and (self.parallel != "ddp" or self.comm == "localsgd"):
             out.append("build_ddp='f' runs ZeRO-1 with your ShardedOptimizer beside torch's DDP: use it with "
                        "parallel=ddp (the run is then zero1's) and without local SGD")
         return out

@@ -299,8 +299,8 @@ def test_ddps_gradient_options_are_refused_with_fsdp_and_local_sgd_with_zero1():
         Settings(parallel="fsdp", world_size=2, comm="fp16", static_graph=True)
     with pytest.raises(ValueError, match=r"comm=localsgd with parallel=zero1: local SGD averages every rank's whole"):
         Settings(parallel="zero1", world_size=2, comm="localsgd")
-    with pytest.raises(ValueError, match=r"auto_local_sgd with parallel=zero1"):
-        Settings(parallel="zero1", world_size=2, comm="auto", auto_local_sgd=True)
+    # comm=auto never chooses local SGD (issue 58): the old --auto-local-sgd no longer clashes with ZeRO-1
+    Settings(parallel="zero1", world_size=2, comm="auto", auto_local_sgd=True)
     Settings(parallel="zero1", world_size=2, comm="powersgd")   # a DDP hook: fine under ZeRO-1
 
 

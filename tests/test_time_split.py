@@ -420,8 +420,8 @@ class _Net(torch.nn.Module):
         self.module = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 10))
 
 
-def _communication(monkeypatch, compute_s: float, allreduce_s: float, ddp_step_s: float):
-    """comm.gradient_communication(comm=auto) of two ranks on an emulated link: the all-reduce of the gradients
+def _communication(monkeypatch, compute_s: float, allreduce_s: float, ddp_step_s: float, choice: str = "auto"):
+    """comm.gradient_communication(comm=choice) of two ranks on an emulated link: the all-reduce of the gradients
     takes ``allreduce_s``, a plain step ``compute_s``, a DDP step of the copy ``ddp_step_s``. Returns the
     Communication and the hooks registered on the probe's DDP copy."""
     import types
@@ -447,16 +447,20 @@ def _communication(monkeypatch, compute_s: float, allreduce_s: float, ddp_step_s
     monkeypatch.setattr(comm.CommTimer, "attach", lambda self, model, hook=None, state=None: None)
     ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
     lines = []
-    chosen = comm.gradient_communication(_Net(), Settings(world_size=2, comm="auto"), ctx, run_data(10, 2),
+    chosen = comm.gradient_communication(_Net(), Settings(world_size=2, comm=choice), ctx, run_data(10, 2),
                                          log=lines.append)
     return chosen, [hook for c in copies for hook in c.hooks], lines
 
 
-def test_the_prediction_follows_powersgd_when_auto_chooses_it_on_a_slow_link(monkeypatch):
-    """Issue 46: the probe predicted the fp32 all-reduce even where comm=auto then sent PowerSGD. The choice comes
-    first now, and the DDP copy is timed with PowerSGD's hook: its bytes and its arithmetic."""
+def test_the_prediction_follows_powersgd_when_it_is_chosen_on_a_slow_link(monkeypatch):
+    """Issue 46: the probe predicted the fp32 all-reduce even where the run then sent PowerSGD. The choice comes
+    first now, and the DDP copy is timed with PowerSGD's hook: its bytes and its arithmetic. (comm=auto never
+    chooses it since issue 58: --comm powersgd does.)"""
     from ddp_utils.speed import powersgd
-    chosen, hooks, lines = _communication(monkeypatch, compute_s=0.2, allreduce_s=1.0, ddp_step_s=0.25)
+    auto, _, _ = _communication(monkeypatch, compute_s=0.2, allreduce_s=1.0, ddp_step_s=0.25)
+    assert auto.choice == auto.probe["predicted_comm"] == "bf16" and "--comm powersgd" in auto.reason
+    chosen, hooks, lines = _communication(monkeypatch, compute_s=0.2, allreduce_s=1.0, ddp_step_s=0.25,
+                                          choice="powersgd")
     probe = chosen.probe
     assert chosen.choice == probe["predicted_comm"] == "powersgd"
     assert len(hooks) == 1 and isinstance(hooks[0][0], powersgd.Memory)   # the copy's own PowerSGD state

@@ -16,14 +16,15 @@ all-reduce; PyTorch ships the ones used here:
 - ``localsgd``: no gradient all-reduce; each rank steps on its own gradients and the weights are averaged
   every ``average_every`` steps (``localsgd.py``);
 - ``auto``: decided from the link probe (``linkprobe.py``): when communication is predicted to
-  take more than ``comm_auto_share`` of a step, half precision if that brings it under the share (fp16
-  under fp16 AMP, bf16 otherwise: see ``choose``), else PowerSGD. All of these keep DDP's algorithm: one
-  model, the gradients averaged at every step (rounded, or compressed with error feedback). Local SGD is
-  another algorithm (the ranks' weights differ between averages): auto takes it only with
-  ``auto_local_sgd`` (``--auto-local-sgd``), before PowerSGD unless the link is so slow that even local SGD
-  would mostly wait. The choice and the reason are printed, the algorithm is on every epoch line
-  (``algorithm``) and both are kept in ``results.json``. Gradient accumulation is never chosen for you: it
-  changes the recipe (a larger global batch, fewer optimizer steps).
+  take more than ``comm_auto_share`` of a step, half precision (fp16 under fp16 AMP, bf16 otherwise: see
+  ``choose``); else the exact all-reduce. **auto never trades accuracy**: PowerSGD and local SGD are taken only
+  by name. On 16 fresh seeds PowerSGD was not shown non-inferior to exact DDP (docs/benchmarks.md, "PowerSGD
+  on fresh seeds"), and local SGD is another algorithm (the ranks' weights differ between averages). Where
+  half precision still leaves communication above the share, auto's line says what each would give on this
+  link (its predicted share of a step) and where its cost in accuracy is measured. The choice and the reason
+  are printed, the algorithm is on every epoch line (``algorithm``) and both are kept in ``results.json``.
+  Gradient accumulation is never chosen for you either: it changes the recipe (a larger global batch, fewer
+  optimizer steps). ``auto_local_sgd`` (``--auto-local-sgd``) is kept for old command lines and changes nothing.
 
 Every rank takes the same decision: the probe's figures are the same on every rank.
 """
@@ -42,9 +43,11 @@ from ..optim import optimizer_steps, precision_name
 from . import linkprobe, powersgd, sharding
 from .commtime import CommTimer
 
-# comm=auto takes local SGD while its averages are predicted to take at most this share of the time; beyond,
-# the link is so slow that PowerSGD's much smaller messages at every step win (measured: docs/benchmarks.md)
-LOCALSGD_LIMIT = 0.5
+# What comm=auto may resolve to: the choices that average the exact gradients (half precision rounds each
+# average, within fp16's or bf16's precision). PowerSGD and local SGD trade accuracy: by name only.
+AUTO_CHOICES = ("none", "fp16", "bf16")
+# Where the accuracy those two cost is measured (the pages' anchors)
+TRADES = 'docs/benchmarks.md, "PowerSGD on fresh seeds" and "A slow link: local SGD"'
 # PowerSGD's exact warm-up when powersgd_warmup_steps is 0: PyTorch's guidance for start_powerSGD_iter is to start
 # from 10 % of the training steps and raise it until the accuracy is kept; over 1 Gbit, 8 seeds, a tenth lost 1.6
 # points of Acc@1 against exact DDP and a quarter 0.3 (docs/benchmarks.md, "PowerSGD's settings"; on 16 fresh seeds
@@ -68,8 +71,8 @@ def gradient_communication(model, settings, ctx, data, log=print, kept: dict | N
 
     ``data``: the run's Data (its classes and image size; the probe times a few batches of its ``train`` loader,
     whose steps also set PowerSGD's default warm-up: a share of the run's optimizer steps). ``kept``: a resumed
-    run's checkpoint's ``comm`` (the hook it names, PowerSGD's memory and warm-up). comm=auto keeps the hook, whatever the probe says now: the resumed run continues the
-    same run (and stays bit-exact)."""
+    run's checkpoint's ``comm`` (the hook it names, PowerSGD's memory and warm-up). comm=auto keeps its hook,
+    whatever the probe says now, so that the resumed run continues the same run (and stays bit-exact)."""
     total_steps = settings.epochs * optimizer_steps(len(data.train), settings.accumulate) if data.train is not None else 0
     if not ctx.distributed:
         return Communication(reason="one process: nothing to send")
@@ -113,49 +116,50 @@ def on_a_copy(choice: str, settings, backend: str | None):
 
 
 def choose(settings, probe: dict | None, kept: str | None = None, precision: str = "fp32") -> tuple[str, str]:
-    """``(choice, why)``: the hook ``settings.comm`` asks for, ``auto`` resolved from the probe (or ``kept``).
+    """``(choice, why)``: the hook ``settings.comm`` asks for, ``auto`` resolved from the probe (or ``kept``):
+    always one of AUTO_CHOICES.
 
     ``precision``: the run's (optim.precision_name). Halving the bytes takes fp16 only where fp16 AMP's loss
     scale lifts the gradients into fp16's range; a bf16 or fp32 run has none, so its small gradients would
     flush to zero in fp16: it gets bf16, which has fp32's range."""
     if settings.comm != "auto":
         return settings.comm, f"--comm {settings.comm}"
-    if kept == "localsgd" and settings.static_graph:   # the refusal settings.problems() makes for comm=localsgd
-        raise ValueError("this run trains with local SGD (comm=auto chose it when the run started; its checkpoint "
-                         "says so), which runs under DDP's no_sync(), and static_graph cannot (pytorch/pytorch"
-                         "#187732): resume it without static_graph (--static-graph), or start a new run")
-    if kept in COMMS:
+    if kept in AUTO_CHOICES:
         now, _ = choose(settings, probe, precision=precision)
         return kept, (f"comm=auto: {kept}, as this run chose when it started (its checkpoint says so), so that "
                       f"the resume continues it" + ("" if now == kept else f";\n  the link probe would choose {now} now"))
+    older = (f"; this run's checkpoint says {kept} (an older kit's auto), which trades accuracy: the resume "
+             f"continues without it" if kept in COMMS else "")
     if probe is None:
-        return "none", ("comm=auto without a link probe (one rank, or --no-link-probe): no compression")
+        return "none", f"comm=auto without a link probe (one rank, or --no-link-probe): no compression{older}"
     compute, allreduce, limit = probe["compute_s"], probe["allreduce_s"], settings.comm_auto_share
     share = allreduce / (compute + allreduce)
     if share <= limit:
         return "none", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, under "
-                        f"{100 * limit:.0f} %: no compression")
+                        f"{100 * limit:.0f} %: no compression{older}")
     half = (allreduce / 2) / (compute + allreduce / 2)
-    if half <= limit:
-        halved = "fp16" if precision == "fp16" else "bf16"
-        return halved, (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step; {halved} halves "
-                        f"the bytes, to about {100 * half:.0f} %" + ("" if halved == "fp16" else
-                        f" ({precision} run: no loss scale, so bf16, with fp32's range, not fp16)"))
+    halved = "fp16" if precision == "fp16" else "bf16"
+    why = (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step; {halved} halves the bytes, to "
+           f"about {100 * half:.0f} %" + ("" if halved == "fp16" else
+           f" ({precision} run: no loss scale, so bf16, with fp32's range, not fp16)"))
+    if half > limit:
+        why += "\n  " + beyond_half(settings, probe)
+    return halved, why + older
+
+
+def beyond_half(settings, probe: dict) -> str:
+    """What the two choices that trade accuracy would give on this link, for comm=auto's line: each one's
+    predicted share of a step, and where its cost is measured. Never taken for the student."""
+    compute, allreduce = probe["compute_s"], probe["allreduce_s"]
+    parts = []
+    if probe.get("grad_mb") and probe.get("powersgd_mb") is not None:
+        sent = allreduce * probe["powersgd_mb"] / probe["grad_mb"]
+        parts.append(f"PowerSGD (--comm powersgd) about {100 * sent / (compute + sent):.0f} %")
     every = settings.average_every   # local SGD: one bf16 average of the weights every `every` steps
-    local = (allreduce / 2 / every) / (compute + allreduce / 2 / every)
-    if settings.auto_local_sgd and local <= LOCALSGD_LIMIT and not settings.static_graph:   # needs no_sync()
-        return "localsgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still "
-                            f"{100 * half:.0f} % in half precision;\n  local SGD (--auto-local-sgd) averages the "
-                            f"weights every {every} steps instead: about {100 * local:.0f} % (same batch and lr; "
-                            f"another algorithm: the ranks differ in between)")
-    still = (f"{100 * local:.0f} % with local SGD averaging every {every} steps" if settings.auto_local_sgd else
-             f"{100 * half:.0f} % in half precision")
-    keeps = ("" if settings.auto_local_sgd else
-             f", and keeps DDP's algorithm (--auto-local-sgd would allow local SGD, about {100 * local:.0f} %)")
-    return "powersgd", (f"comm=auto: the all-reduce is predicted at {100 * share:.0f} % of a step, and still {still};"
-                        f"\n  PowerSGD (rank {settings.powersgd_rank}) sends far fewer bytes per step{keeps}")
-
-
+    local = allreduce / 2 / every
+    parts.append(f"local SGD (--comm localsgd, averaging every {every} steps) about {100 * local / (compute + local):.0f} %")
+    return (f"still above {100 * settings.comm_auto_share:.0f} %: {' and '.join(parts)} of a step; both trade "
+            f"accuracy ({TRADES}), so auto never takes them")
 
 
 def algorithm(choice: str, world_size: int, parallel: str = "ddp", own: str = "") -> str:
