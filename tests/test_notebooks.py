@@ -26,6 +26,7 @@ REQUIRED = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "DATASET", "DATA
             "BATCH_SIZE", "RUN_DIR", "WANDB_MODE")
 SINGLE_ONLY_CHANGES = 2   # code lines single.ipynb adds to main without its `# DDP:` lines: WORLD_SIZE, PARALLEL
 
+COLLECTIVE_S = 15  # the collective timeout of the notebooks run at a student's pace (the kit's is 60 s)
 TIME_BOUND = 240  # seconds for a group of notebooks started together (kernels + torch imports + training)
 METRICS = ("acc1", "acc5", "loss", "val_images", "world_size", "global_batch_size")
 
@@ -421,18 +422,23 @@ def test_main_and_worker_train_across_two_hosts_given_only_master_addr(two_hosts
 @pytest.mark.slow
 def test_main_and_worker_run_cell_by_cell_with_pauses_and_both_finish(tmp_path):
     """Two notebooks stepped through cell by cell: main reads 20 s before its model cell, the worker 10 s before
-    its run cell, 60 s before its Train cell (longer than a collective may wait, 60 s, plus the watch's 15 s) and
-    then 5 s and 15 s before its results and teardown cells, after main has left the process group.
-    Every cell that needs the other rank waits for it; nothing counts the late rank as lost."""
+    its run cell, 25 s before its Train cell (longer than a collective may wait, COLLECTIVE_S, and than the
+    watch's 15 s without a beat) and then 5 s and 15 s before its results and teardown cells, after main has left
+    the process group. Every cell that needs the other rank waits for it; nothing counts the late rank as lost.
+    The collective timeout is COLLECTIVE_S, not the kit's 60 s, set after the Settings cell as a student could
+    (``settings.replace``; settings.json shows it): the pauses outlast it as 60 s ones would the kit's, 35 s sooner."""
     params = {**DDP, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port(), "DATA_DIR": str(tmp_path / "demo"),
               "RUN_DIR": str(tmp_path / "runs" / "ddp"), "EPOCHS": 2, "INIT_TIMEOUT": 300}   # the notebooks' default
     pauses = {MAIN: {"prepare_model(": 20},   # then main runs on to its teardown cell while the worker still reads:
-              WORKER: {"open_run(": 10, "fit(job)": 60, "results_table(": 5, "teardown()": 15}}
+              WORKER: {"open_run(": 10, "fit(job)": 25, "results_table(": 5, "teardown()": 15}}
+    after = {"print(describe_batch(settings))": f"settings = settings.replace(collective_timeout={COLLECTIVE_S})"}
     results = run_all([[sys.executable, "-m", "tests.helpers.run_cells", str(nb), json.dumps(params), json.dumps(pauses[nb]),
-                        str(NOTEBOOKS)] for nb in (MAIN, WORKER)], timeout=TIME_BOUND + 90, env=base_env())
+                        str(NOTEBOOKS), json.dumps(after)] for nb in (MAIN, WORKER)], timeout=TIME_BOUND + 90,
+                      env=base_env())
     assert_finished(results)
     out = [r.output for r in results]
-    assert "PAUSE 60 s" in out[1] and "PAUSE 20 s" in out[0] and "PAUSE 15 s" in out[1]
+    assert "PAUSE 25 s" in out[1] and "PAUSE 20 s" in out[0] and "PAUSE 15 s" in out[1]
+    assert json.loads((tmp_path / "runs" / "ddp" / "settings.json").read_text())["collective_timeout"] == COLLECTIVE_S
     assert "stopped answering" not in out[0] + out[1]
     lines = [re.findall(r"^epoch \d+/\d+: train loss.*$", o, re.M) for o in out]
     assert len(lines[0]) == 2 and lines[0] == lines[1]   # one run: the same global epoch lines on both ranks

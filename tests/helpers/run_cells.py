@@ -1,12 +1,13 @@
 """Run one notebook as a student does: cell by cell, reading between cells.
 
-``python -m tests.helpers.run_cells NOTEBOOK PARAMS_JSON PAUSES_JSON CWD``
+``python -m tests.helpers.run_cells NOTEBOOK PARAMS_JSON PAUSES_JSON CWD [AFTER_JSON]``
 
 Executes the code cells one at a time in a fresh kernel started in CWD, with PARAMS_JSON's values set right
 after the ``parameters`` cell (as papermill injects them). PAUSES_JSON maps a piece of a cell's code (e.g.
-``"fit(job)"``) to the seconds to wait before running that cell. Prints each cell's output as it comes,
-``CELL n: ok`` after each cell, and exits 1 at the first cell that raises (its error printed).
-Kernels talk over Unix sockets, for the reason tests/helpers/run_notebook.py gives.
+``"fit(job)"``) to the seconds to wait before running that cell; AFTER_JSON a piece of a cell's code to code run
+as a cell of its own right after that cell (a student's line, say ``settings = settings.replace(...)``). Prints
+each cell's output as it comes, ``CELL n: ok`` after each cell, and exits 1 at the first cell that raises (its
+error printed). Kernels talk over Unix sockets, for the reason tests/helpers/run_notebook.py gives.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def _show(msg) -> None:
         print("\n".join(content["traceback"]), flush=True)
 
 
-def main(notebook: str, params: str, pauses: str, cwd: str) -> int:
-    values, waits = json.loads(params), json.loads(pauses)
+def main(notebook: str, params: str, pauses: str, cwd: str, after: str = "{}") -> int:
+    values, waits, added = json.loads(params), json.loads(pauses), json.loads(after)
     cells = []
     for cell in read(notebook).cells:
         if cell.cell_type != "code":
@@ -41,6 +42,7 @@ def main(notebook: str, params: str, pauses: str, cwd: str) -> int:
         cells.append(cell.source)
         if "parameters" in cell.get("metadata", {}).get("tags", []):
             cells.append("\n".join(f"{name} = {value!r}" for name, value in values.items()))
+        cells += [code for piece, code in added.items() if piece in cell.source]
     with tempfile.TemporaryDirectory(prefix="kernel-") as sockets:
         km = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(sockets) / "k"))
         zygote.kernel_from_fork_server(km)
