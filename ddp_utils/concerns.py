@@ -89,12 +89,15 @@ class TimeSplit(Observer):
         comm_s, comm_total_s = timer.take() if timer is not None else (0.0, 0.0)
         mine = {"data_s": self.data_s, "compute_s": max(0.0, self.step_s - comm_s), "comm_s": comm_s,
                 "comm_total_s": comm_total_s, "idle_s": max(0.0, wall - self.data_s - self.step_s), "wall_s": wall}
-        per_rank = gather_times(mine, loop.ctx)   # DDP: a small collective; every rank gets every rank's split
+        extra = stats.pop("gather", {})   # inner observers' per-rank figures (the feed check's): the same gather
+        per_rank, gathered = gather_times(mine, loop.ctx, extra)   # DDP: a small collective; every rank gets all
         # DDP: the epoch took as long as its slowest rank; every rank computes the same global figures from the
         # gathered times, so every rank prints the same line. Same steps on every rank (drop_last): images/s add up.
         wall = max(r["wall_s"] for r in per_rank)
         means = {key: sum(r[key] for r in per_rank) / len(per_rank) for key in mine}   # the ranks' means
         means["wall_mean_s"] = means.pop("wall_s")
+        if extra:
+            stats["gathered"] = gathered   # each rank's, for the observer that asked (it takes them at epoch_end)
         stats.update(means, per_rank=per_rank, wall_s=wall, first_step_s=self.first_step_s,
                      images_per_s_rank=stats["count"] / loop.ctx.world_size / max(wall, 1e-9),
                      images_per_s=stats["count"] / max(wall, 1e-9))
@@ -105,12 +108,17 @@ class TimeSplit(Observer):
                          steady_images_per_s=steady)
 
 
-def gather_times(mine: dict, ctx) -> list[dict]:
-    """Every rank's time split, on every rank: one row per rank, summed over the ranks."""
-    table = torch.zeros(ctx.world_size, len(TIME_KEYS), dtype=torch.float64)
-    table[ctx.rank] = torch.tensor([mine[key] for key in TIME_KEYS], dtype=torch.float64)
+def gather_times(mine: dict, ctx, extra: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """Every rank's time split, and every rank's ``extra`` figures (the same keys on every rank), on every rank:
+    one row per rank each, in one all-reduce of a table with a row per rank."""
+    extra = extra or {}
+    keys = (*TIME_KEYS, *sorted(extra))
+    table = torch.zeros(ctx.world_size, len(keys), dtype=torch.float64)
+    table[ctx.rank] = torch.tensor([float({**mine, **extra}[key]) for key in keys], dtype=torch.float64)
     collectives.all_reduce_sum(table, ctx)
-    return [{"rank": r, **dict(zip(TIME_KEYS, map(float, row)))} for r, row in enumerate(table)]
+    rows = [dict(zip(keys, map(float, row))) for row in table]
+    return ([{"rank": r, **{k: row[k] for k in TIME_KEYS}} for r, row in enumerate(rows)],
+            [{k: row[k] for k in sorted(extra)} for row in rows])
 
 
 @register(after=(TimeSplit,))

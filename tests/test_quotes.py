@@ -37,11 +37,13 @@ GPU_ONLY = [
     "      4096 ...",
     "  46758048 ...",
     # the feed check's paragraph (docs/time-split.md; tests/test_feed.py checks it is feed.describe's text)
-    "feed check: the data loader bounds this run. Over 20 steps it delivered 312 img/s,",
+    "feed check: the data loader bounds this run on rank 1. Over 20 steps it delivered 312 img/s,",
     "  where this GPU trains 880 img/s when fed (its own time for those steps): it waited for data",
-    "  61 % of the time. To feed it: a copy of the data resized once, on the local disk",
-    "  (lab/data.md), more loader workers (now 2; this node has 8 CPUs),",
-    "  or a GPU decoder (--loader dali).",
+    "  61 % of the time. 2 worker(s) gave 156 img/s each:",
+    "  at that rate about 6 would feed it; this node has 8 CPUs, one for training:",
+    "  set WORKERS to 6.",
+    "  A copy resized once, on the local disk (lab/data.md), decodes 1.41x the images per",
+    "  core (measured: docs/benchmarks.md, ImageNet input).",
 ]
 
 
