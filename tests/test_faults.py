@@ -7,6 +7,10 @@ processes are killed on failure (tests/helpers/procs.py).
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -22,6 +26,16 @@ def scenario(name, rank, port, folder):
 
 def checks(result) -> dict[str, str]:
     return dict(re.findall(r"^CHECK (\w+)=(.*)$", result.output, re.M))
+
+
+def at_once(request, test: str, run) -> dict[str, Future]:
+    """``{name: the Future of run(name)}`` for each ``name`` parameter of ``test`` that this session runs, all
+    started together (a thread each) and all ended on return. Such scenarios spend most of their time waiting for
+    the watch to name a silent rank: their waits overlap instead of adding up. Each test takes its own result
+    (``.result()``: a scenario's failure or skip is raised in its own test, not in its twins')."""
+    names = [item.callspec.params["name"] for item in request.session.items if item.originalname == test]
+    with ThreadPoolExecutor(max(1, len(names))) as pool:
+        return {name: pool.submit(run, name) for name in names}
 
 
 @pytest.mark.slow
@@ -107,40 +121,57 @@ def test_a_rank_that_pauses_before_every_cell_longer_than_a_collective_may_wait_
     assert "stopped answering" not in results[0].output + results[1].output
 
 
-@pytest.fixture
-def two_hosts():
-    with netns.two_hosts_or_skip("10.213.5") as hosts:
-        yield hosts
-
-
 # The watch (heartbeat.py) must catch these, not the collective timeout: with --collective-timeout 600 nothing
 # else could stop the ranks within 30 s; at the default (60 s) it still must be the watch.
+@pytest.fixture(scope="module")
+def frozen_peers(request, tmp_path_factory) -> dict[str, Future]:
+    """The frozen-peer scenarios, all at once: ``{name: Future of ((return code, seconds, output), folder)}``."""
+    folders = {name: tmp_path_factory.mktemp(f"frozen-{name}") for name in ("patient", "default")}
+    return at_once(request, "test_a_frozen_peer_stops_the_other_rank_within_30_s_naming_it", lambda name: (
+        signal_rank_1_after_epoch_1(name, signal.SIGSTOP, folders[name]), folders[name]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param("patient", marks=pytest.mark.floor), "default"])
-def test_a_frozen_peer_stops_the_other_rank_within_30_s_naming_it(name, tmp_path):
+def test_a_frozen_peer_stops_the_other_rank_within_30_s_naming_it(name, frozen_peers):
     """SIGSTOP on rank 1 (a suspended VM, a kernel stuck in a C call): its connections stay open, so nothing
-    but its silence tells rank 0. Rank 0 used to wait out the collective timeout (64 s at the default)."""
-    import signal
-    returncode, stopped, out = signal_rank_1_after_epoch_1(name, signal.SIGSTOP, tmp_path)
+    but its silence tells rank 0. Rank 0 used to wait out the collective timeout (64 s at the default).
+    The two twins run at the same time (frozen_peers)."""
+    (returncode, stopped, out), folder = frozen_peers[name].result()
     assert returncode == 2 and stopped < 30, (stopped, out[-3000:])
     assert "rank 0: training stopped because another rank stopped answering" in out, out[-3000:]
     assert re.search(r"rank 1's last sign of life: \d+ s ago", out), out[-3000:]
     assert "last.pt holds epoch" in out and "--resume" in out, out[-3000:]
-    assert checkpoint.load_checkpoint(tmp_path / "run0" / "last.pt")["epoch"] >= 0
+    assert checkpoint.load_checkpoint(folder / "run0" / "last.pt")["epoch"] >= 0
+
+
+STUCK = ["stuck_loader", "stuck_loader_ignoring_sigint", "stuck_val_loader"]
+
+
+def both_ranks(name: str, folder) -> list:
+    port = free_port()
+    return run_all([scenario(name, r, port, folder) for r in range(2)], timeout=120, env=base_env())
+
+
+@pytest.fixture(scope="module")
+def stuck_loaders(request, tmp_path_factory) -> dict[str, Future]:
+    """The stuck-loader scenarios, all at once: ``{name: Future of both ranks' results}``."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in STUCK}
+    return at_once(request, "test_a_rank_stuck_in_its_data_loader_is_named_by_every_rank_before_the_collective_timeout",
+                   lambda name: both_ranks(name, folders[name]))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["stuck_loader", "stuck_loader_ignoring_sigint", "stuck_val_loader"])
-def test_a_rank_stuck_in_its_data_loader_is_named_by_every_rank_before_the_collective_timeout(name, tmp_path):
+@pytest.mark.parametrize("name", STUCK)
+def test_a_rank_stuck_in_its_data_loader_is_named_by_every_rank_before_the_collective_timeout(name, stuck_loaders):
     """Rank 1 still beats, but its main thread waits for a batch that never comes: rank 0 waits for it in a
     collective. Both stop after the watch's 12 s (not the collective timeout's 24 s, not its raw error), naming
     rank 1's data loader; rank 1 says where its thread is. Also in ranks that ignore SIGINT (started by `cmd &`
     from a script; issue 37, finding 6), where the watch's self-interrupt did nothing and rank 1 hung for good; and
     in the evaluation after an epoch (issue 55, D5: it told the watch nothing, so no rank was named and, under the
-    two-node commands, the processes never exited)."""
+    two-node commands, the processes never exited). The three run at the same time (stuck_loaders)."""
     what = "validation" if name == "stuck_val_loader" else "training"
-    port = free_port()
-    results = run_all([scenario(name, r, port, tmp_path) for r in range(2)], timeout=120, env=base_env())
+    results = stuck_loaders[name].result()
     assert [r.returncode for r in results] == [2, 2], describe(results)
     stuck = float(checks(results[1])["stuck_at"])
     for rank, result in enumerate(results):
@@ -181,33 +212,48 @@ def test_when_the_master_dies_the_survivors_paragraph_is_the_first_thing_it_prin
     assert "frame #" not in out and "TCPStore.cpp" not in out, out[-3000:]
 
 
+def drop_off_the_network(name: str, folder) -> tuple:
+    """Scenario ``name`` on two hosts (namespaces of its own); once epoch 1 is saved rank 1's link goes down. Each
+    rank's (return code, seconds from the cut to its exit, output)."""
+    with netns.two_hosts_or_skip("10.213.5") as hosts:
+        procs = start_ranks(name, free_port(), folder, prefixes=(hosts.exec_prefix(0), hosts.exec_prefix(1)),
+                            addr=hosts.addrs[0])
+        try:
+            wait_for_epoch_1(folder, procs)
+            subprocess.run(["ip", "-n", hosts.names[1], "link", "set", hosts.veths[1], "down"], check=True)
+            cut = time.monotonic()
+            outs, stopped = [], []
+            for p in procs:
+                outs.append(output_of(p, 60))
+                stopped.append(time.monotonic() - cut)
+        finally:
+            stop_all(procs)
+        return [p.returncode for p in procs], stopped, outs
+
+
+@pytest.fixture(scope="module")
+def network_drops(request, tmp_path_factory) -> dict[str, Future]:
+    """The network-drop scenarios, all at once, each on two hosts of its own: ``{name: Future of (its result,
+    folder)}``."""
+    folders = {name: tmp_path_factory.mktemp(f"drop-{name}") for name in ("plain", "patient", "default")}
+    return at_once(request, "test_a_node_that_drops_off_the_network_stops_both_ranks_within_30_s",
+                   lambda name: (drop_off_the_network(name, folders[name]), folders[name]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["plain", pytest.param("patient", marks=pytest.mark.floor), "default"])
-def test_a_node_that_drops_off_the_network_stops_both_ranks_within_30_s(name, two_hosts, tmp_path):
+def test_a_node_that_drops_off_the_network_stops_both_ranks_within_30_s(name, network_drops):
     """Rank 1's link goes down mid-run: both ranks stop within 30 s, also with a collective timeout of 600 s (only
-    the kit's watch can do that), and rank 0 names the rank that went silent, rank 1 the store it lost."""
-    import subprocess
-    import time as _time
-    hosts = two_hosts
-    procs = start_ranks(name, free_port(), tmp_path, prefixes=(hosts.exec_prefix(0), hosts.exec_prefix(1)),
-                        addr=hosts.addrs[0])
-    try:
-        wait_for_epoch_1(tmp_path, procs)
-        subprocess.run(["ip", "-n", hosts.names[1], "link", "set", hosts.veths[1], "down"], check=True)
-        cut = _time.monotonic()
-        outs, stopped = [], []
-        for p in procs:
-            outs.append(output_of(p, 60))
-            stopped.append(_time.monotonic() - cut)
-    finally:
-        stop_all(procs)
-    for rank, p in enumerate(procs):
-        assert p.returncode == 2 and stopped[rank] < 30, (rank, stopped, outs[rank][-3000:])
+    the kit's watch can do that), and rank 0 names the rank that went silent, rank 1 the store it lost. The three
+    run at the same time (network_drops)."""
+    (returncodes, stopped, outs), folder = network_drops[name].result()
+    for rank, returncode in enumerate(returncodes):
+        assert returncode == 2 and stopped[rank] < 30, (rank, stopped, outs[rank][-3000:])
         assert f"rank {rank}: training stopped because another rank stopped answering" in outs[rank], outs[rank][-3000:]
     assert re.search(r"rank 1's last sign of life: \d+ s ago", outs[0]), outs[0][-3000:]
     assert re.search(r"rank 0's store( \(on [^)]*\))? gave no answer", outs[1]) or "Connection" in outs[1], \
         outs[1][-3000:]
-    assert checkpoint.load_checkpoint(tmp_path / "run0" / "last.pt")["epoch"] >= 0
+    assert checkpoint.load_checkpoint(folder / "run0" / "last.pt")["epoch"] >= 0
 
 
 @pytest.mark.slow

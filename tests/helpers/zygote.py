@@ -49,6 +49,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # The variables a forked child takes as it is given them: read from os.environ after start-up (by the kit, torch's
@@ -72,6 +73,7 @@ PRELOAD = ("torch", "torch.distributed", "torchvision", "numpy", "PIL.Image", "t
            "ddp_utils.speed.memdata")
 
 _servers: dict = {}   # the startup variables -> (Popen, socket path) or None (failed), in the pytest process
+_starting = threading.Lock()   # tests that start scenarios from threads (test_faults.py): one server per key
 _exec_dir: list = []  # the folder of python_exec()'s shim and the servers' names for it, once made
 MAX_SERVERS = 4       # environments beyond these (a leaked variable each) run as real processes
 stats = {"forked": 0, "real": 0}   # for the session's summary line (conftest.py); "keys": variables that split servers
@@ -143,11 +145,12 @@ def _server_for(env: dict):
     """The server started with these startup variables (one per distinct set: a test or an in-process call may
     leave, say, OMP_NUM_THREADS set in pytest's environment, which every later command inherits)."""
     key = _startup(env)
-    if key not in _servers:
-        _servers[key] = _start(env) if len(_servers) < MAX_SERVERS else None
-        # for the session's summary: what made this server (or real process) differ from the first
-        stats["keys"] = sorted(set(stats.get("keys", [])) | {k for k, _ in key ^ next(iter(_servers))})
-    server = _servers[key]
+    with _starting:
+        if key not in _servers:
+            _servers[key] = _start(env) if len(_servers) < MAX_SERVERS else None
+            # for the session's summary: what made this server (or real process) differ from the first
+            stats["keys"] = sorted(set(stats.get("keys", [])) | {k for k, _ in key ^ next(iter(_servers))})
+        server = _servers[key]
     return server if server is not None and server[0].poll() is None else None
 
 
