@@ -279,6 +279,7 @@ def kit_run(loader: str, cpus: list[int], args, root: Path, runs: Path) -> dict:
                 "gpu_util": util if isinstance(util, (int, float)) else None,
                 "gpu_util_peak": r.get("gpu_util_peak"), "gpu_reason": r.get("gpu_reason") or
                 (util if isinstance(util, str) else ""), "device": r.get("device_name"), "threads": r.get("threads"),
+                "feed": r.get("feed"),   # the kit's feed check on this node: what bound the run, and the workers it needs
                 "first_step_s": first, "steady_after_batches": epoch.get("steady_after_batches", warm_batches(workers)),
                 "steady_steps": epoch.get("steady_steps", 0),
                 "time_split": {k: r.get(k) for k in ("train_time_s", "data_s", "compute_s", "comm_s", "idle_s",
