@@ -2,9 +2,9 @@
 # Every figure the pages mark as waiting for a GPU, taken on the GPU node you have (a g4dn's T4 first: the pages'
 # T4 figures are estimates until this has run there). In the kit's folder, inside the course's container:
 #
-#   bash benchmarks/gpu_node.sh            # about 40 minutes on a g4dn.2xlarge (8 vCPUs, one T4)
+#   bash benchmarks/gpu_node.sh [OUT]      # about 40 minutes on a g4dn.2xlarge (8 vCPUs, one T4)
 #
-# It writes, each named after the GPU (e.g. tesla-t4), into benchmarks/results/:
+# It writes, each named after the GPU (e.g. tesla-t4), into OUT (default benchmarks/results/, which the pages read):
 #   gpu_peak-GPU.json        the ceiling: ResNet-18 and -50 at 224 px on data already on the GPU (AMP as the kit)
 #   student_job-GPU.json     ImageNet-like JPEGs (real size) through the kit on a quarter, half and all of the
 #                            node's vCPUs: images/s per vCPU, the feed check's verdict of each run, nvJPEG, and DALI
@@ -19,7 +19,8 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr '[:upper:
 cpus=$(nproc)
 quarter=$(( cpus / 4 > 0 ? cpus / 4 : 1 )); half=$(( cpus / 2 > 0 ? cpus / 2 : 1 ))
 cores=$(printf '%s\n' "$quarter" "$half" "$cpus" | sort -nu | paste -sd, -)
-out=benchmarks/results
+out="${1:-benchmarks/results}"
+mkdir -p "$out"
 echo "gpu_node.sh: $gpu, $cpus vCPUs; the kit's runs on $cores of them"
 status=0
 python -m pytest -m gpu -rs --continue-on-collection-errors > "$out/gpu_node-$gpu-tests.txt" 2>&1 || status=1
