@@ -9,6 +9,9 @@ README with cog (``python docs/quotes.py pages``), so a page quotes only what a 
     recorder = results.Recorder("loop_overhead", args)    # at the start: the clock and the machine's CPU use
     recorder.save(figures={...}, table=[...])             # at the end: writes args.out
 
+Each file also holds a ``calibration``: one thread's fp32 matrix products (GFLOP/s), taken at the start and at the
+end of the same run, so that runs of other days, or of a VM whose neighbours were busy, can be set side by side.
+
 A tree with uncommitted changes to the code is refused (``--allow-dirty``: a trial, its commit marked ``+changes``).
 """
 from __future__ import annotations
@@ -73,6 +76,29 @@ def fork_server_cpu_seconds() -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def calibration() -> float:
+    """This machine's speed now, in a second: one thread's 256 x 256 fp32 matrix products, GFLOP/s (the median of
+    five 0.1-s rounds). Not a benchmark of anything the kit does: a yardstick taken beside every figure."""
+    import statistics
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        for _ in range(3):
+            a @ b
+        rates = []
+        for _ in range(5):
+            start, n = time.perf_counter(), 0
+            while time.perf_counter() - start < 0.1:
+                a @ b
+                n += 1
+            rates.append(n * 2 * 256 ** 3 / (time.perf_counter() - start) / 1e9)
+        return round(statistics.median(rates), 2)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def gpu_name() -> str:
     try:
         import torch
@@ -121,6 +147,7 @@ class Recorder:
         self.name, self.args = name, args
         self.command = "python " + " ".join(shlex.quote(a) for a in
                                             [os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+        self.calibration_start = calibration()
         self.start = (time.perf_counter(), busy_cpu_seconds(), own_cpu_seconds())
         self.date = datetime.datetime.now().strftime("%Y-%m-%d")
         self.commit = commit()   # the code that runs is the code at the start
@@ -141,6 +168,7 @@ class Recorder:
         record = {"benchmark": self.name, "command": self.command, "date": self.date, "commit": self.commit,
                   "seconds": round(time.perf_counter() - self.start[0], 1), "machine": machine(),
                   "other_processes_cores": round(others, 2),
+                  "calibration": {"matmul_gflops_1_thread": {"start": self.calibration_start, "end": calibration()}},
                   "args": {k: v for k, v in vars(self.args).items() if k not in ("out", "allow_dirty")},
                   "figures": figures, "table": table or [], **extra}
         out = Path(self.args.out)

@@ -32,12 +32,48 @@ def bench(name: str) -> dict:
 
 
 def machine_of(name: str) -> str:
-    """'an idle 2-core AMD EPYC VM (23.5 GiB, no GPU), torch 2.14.1, 2026-11-25': where a file's figures come from."""
+    """'an idle 2-core AMD EPYC VM (23.5 GiB, no GPU), torch 2.14.1, 2026-11-25': where a file's figures come from
+    (and, where the file breaks a rule of RULES, what it lacks: ``caveat``)."""
     r = bench(name)
     m = r["machine"]
     others = r["other_processes_cores"]
     busy = "an idle" if others < 0.2 else f"a busy (other processes used {others:.1f} cores meanwhile)"
-    return f"{busy} {hardware(m)}, torch {m['torch']}, {r['date']}"
+    return f"{busy} {hardware(m)}, torch {m['torch']}, {r['date']}{caveat(name)}"
+
+
+# The rules a quoted figure's file keeps (issue 58), or its quote says which it breaks (``caveat``).
+MIN_REPETITIONS = 3   # rounds or seeds, each figure then a median or mean with its spread
+
+
+def repetitions(r: dict) -> int | None:
+    """How many times a file's figures were taken: its rounds, or its seeds; None where it records neither."""
+    args = r.get("args", {})
+    if args.get("rounds") is not None:
+        return int(args["rounds"])
+    if args.get("seeds"):
+        return len(str(args["seeds"]).split(","))
+    return None
+
+
+def lacks(name: str) -> list[str]:
+    """The rules benchmarks/results/NAME.json breaks: a clean commit, MIN_REPETITIONS repetitions (where it records
+    them), a calibration figure taken in the same run."""
+    r, out = bench(name), []
+    if r["commit"].endswith("+changes"):
+        out.append("uncommitted code")
+    reps = repetitions(r)
+    if reps is not None and reps < MIN_REPETITIONS:
+        out.append(f"{reps} round{'s' * (reps != 1)}")
+    if "calibration" not in r:
+        out.append("no calibration")
+    return out
+
+
+def caveat(name: str) -> str:
+    """'' for a file that keeps the rules; else '; to re-run: uncommitted code, 1 round, no calibration', appended
+    to the machine a quote names (tests/test_figures.py holds every quote of such a file to it)."""
+    missing = lacks(name)
+    return f"; to re-run: {', '.join(missing)}" if missing else ""
 
 
 def cpu(m: dict) -> str:
@@ -65,10 +101,11 @@ class _Figures(string.Formatter):
 
 
 def where(name: str) -> str:
-    """'a 2-core AMD EPYC VM': the machine in a few words (the README's), the whole of it being on the linked page."""
+    """'a 2-core AMD EPYC VM': the machine in a few words (the README's), the whole of it being on the linked page,
+    and the file's ``caveat``."""
     m = bench(name)["machine"]
-    return f"a {m['cores']}-core {cpu(m)} {'VM' if m.get('virtual') else 'machine'}" + (f", {m['gpu']}" if m["gpu"]
-                                                                                           else "")
+    return (f"a {m['cores']}-core {cpu(m)} {'VM' if m.get('virtual') else 'machine'}"
+            + (f", {m['gpu']}" if m["gpu"] else "") + caveat(name))
 
 
 def fill(name: str, template: str, **more) -> str:

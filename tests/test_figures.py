@@ -95,6 +95,7 @@ def test_no_measured_figure_is_written_by_hand(page):
 
 def test_the_machine_is_named_and_a_busy_one_is_said(tmp_path, monkeypatch):
     r = {"command": "python benchmarks/x.py", "date": "2026-11-25", "other_processes_cores": 0.0, "args": {},
+         "commit": "abc1234", "calibration": {"matmul_gflops_1_thread": {"start": 30.0, "end": 31.0}},
          "machine": {"cpu": "AMD EPYC", "cores": 2, "memory_gib": 23.5, "gpu": "", "torch": "2.6.0",
                      "virtual": True}, "figures": {"speedup": {"mean": 1.234, "std": 0.05}}, "table": []}
     monkeypatch.setattr(figures, "RESULTS", tmp_path)
@@ -126,6 +127,9 @@ def test_a_recorder_writes_the_figures_the_command_and_the_load_beside_it(tmp_pa
     assert saved["command"].startswith("python ") and saved["machine"]["cores"] >= 1
     assert saved["other_processes_cores"] > 0.5, saved["other_processes_cores"]
     assert not list(tmp_path.glob(".*.tmp")), "a temporary file was left"
+    # issue 58: a yardstick of the machine's speed at the start and the end of the same run (days compare by it)
+    calibration = saved["calibration"]["matmul_gflops_1_thread"]
+    assert calibration["start"] > 0 and calibration["end"] > 0, calibration
 
 
 def test_a_recorder_refuses_a_tree_with_uncommitted_changes_unless_told_and_then_says_so(tmp_path, monkeypatch):
@@ -184,6 +188,39 @@ def test_the_loader_benchmarks_quoted_come_from_clean_commits_over_steady_window
             gpu = json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text())["machine"]["gpu"]
             assert not lacks or (gpu and "not yet re-run" in " ".join(block.split())), \
                 f"{page} quotes benchmarks/results/{name}.json, which lacks {lacks}: run it again ({block[:200]})"
+
+
+def test_a_file_that_breaks_the_rules_says_which_and_a_file_that_keeps_them_says_nothing(monkeypatch):
+    """Issue 58: a clean commit, three repetitions (where a file records them) and a calibration figure."""
+    from docs import figures
+    kept = {"commit": "abc1234", "args": {"rounds": 3}, "calibration": {"matmul_gflops_1_thread": {}},
+            "machine": {"cores": 2, "cpu": "AMD EPYC", "virtual": True, "gpu": ""}}
+    files = {"kept": kept, "seeds": {**kept, "args": {"seeds": "1,2"}},
+             "old": {**kept, "commit": "abc1234+changes", "args": {"rounds": 1}, "calibration": None}}
+    files["old"].pop("calibration")
+    monkeypatch.setattr(figures, "bench", lambda name: files[name])
+    assert figures.caveat("kept") == "" and figures.where("kept") == "a 2-core AMD EPYC VM"
+    assert figures.caveat("seeds") == "; to re-run: 2 rounds"
+    assert figures.where("old") == "a 2-core AMD EPYC VM; to re-run: uncommitted code, 1 round, no calibration"
+
+
+def test_every_section_that_quotes_a_file_breaking_the_rules_says_so():
+    """Each page section quoting benchmarks/results/NAME.json that lacks a clean commit, three repetitions or a
+    calibration figure names what it lacks (figures.caveat, which {where} and {machine} carry) at least once."""
+    from docs import figures
+    call = re.compile(r"figures\.(?:say|table|bench|chose|noninferiority|fill)\(\[?\"([\w.-]+)\"")
+    silent = []
+    for page in PAGES:
+        for section in re.split(r"^#{1,4} ", (REPO / page).read_text(encoding="utf-8"), flags=re.M):
+            names, rendered = set(), ""
+            for block in GENERATED.findall(section):
+                code, _, out = block.partition("]]] -->")
+                names |= set(call.findall(code))
+                rendered += " " + out
+            flat = " ".join(rendered.split())
+            silent += [f"{page}, {section.splitlines()[0][:50]}: {name}" for name in sorted(names)
+                       if figures.caveat(name) and figures.caveat(name).strip("; ") not in flat]
+    assert silent == [], "\n".join(silent)
 
 
 def test_noninferiority_judges_the_paired_seeds_of_one_or_several_files_against_the_marks(monkeypatch):
