@@ -50,8 +50,8 @@ def repetitions(r: dict) -> int | None:
     args = r.get("args", {})
     if args.get("rounds") is not None:
         return int(args["rounds"])
-    if args.get("seeds"):
-        return len(str(args["seeds"]).split(","))
+    if args.get("seeds"):   # "1,2,3" or "301-316"
+        return sum(int(b) - int(a) + 1 if b else 1 for a, _, b in (s.partition("-") for s in str(args["seeds"]).split(",")))
     return None
 
 

@@ -195,12 +195,12 @@ def test_a_file_that_breaks_the_rules_says_which_and_a_file_that_keeps_them_says
     from docs import figures
     kept = {"commit": "abc1234", "args": {"rounds": 3}, "calibration": {"matmul_gflops_1_thread": {}},
             "machine": {"cores": 2, "cpu": "AMD EPYC", "virtual": True, "gpu": ""}}
-    files = {"kept": kept, "seeds": {**kept, "args": {"seeds": "1,2"}},
+    files = {"kept": kept, "seeds": {**kept, "args": {"seeds": "1,2"}}, "range": {**kept, "args": {"seeds": "301-316"}},
              "old": {**kept, "commit": "abc1234+changes", "args": {"rounds": 1}, "calibration": None}}
     files["old"].pop("calibration")
     monkeypatch.setattr(figures, "bench", lambda name: files[name])
     assert figures.caveat("kept") == "" and figures.where("kept") == "a 2-core AMD EPYC VM"
-    assert figures.caveat("seeds") == "; to re-run: 2 rounds"
+    assert figures.caveat("seeds") == "; to re-run: 2 rounds" and figures.caveat("range") == ""
     assert figures.where("old") == "a 2-core AMD EPYC VM; to re-run: uncommitted code, 1 round, no calibration"
 
 
