@@ -12,17 +12,14 @@ from __future__ import annotations
 import argparse
 import re
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests.helpers import netns  # noqa: E402
-from tests.helpers.fault_scenarios import (output_of, signal_rank_1_after_epoch_1, start_ranks, stop_all,  # noqa: E402
-                                   wait_for_epoch_1)
+from tests.helpers.fault_scenarios import cut_link_after_epoch_1, signal_rank_1_after_epoch_1  # noqa: E402
 from tests.helpers.procs import base_env, free_port, python, run_all  # noqa: E402
 from results import Recorder, add_out  # noqa: E402  (benchmarks/results.py)
 
@@ -48,18 +45,8 @@ def frozen_or_killed(name: str, timeout: str, signal_name: str, folder: Path) ->
 def cut_link(name: str, timeout: str, folder: Path) -> tuple:
     """Rank 1's link between two namespace hosts goes down after epoch 1; each rank's seconds to stop."""
     with netns.two_hosts("10.213.8") as hosts:
-        procs = start_ranks(name, free_port(), folder, prefixes=(hosts.exec_prefix(0), hosts.exec_prefix(1)),
-                            addr=hosts.addrs[0])
-        try:
-            wait_for_epoch_1(folder, procs)
-            subprocess.run(["ip", "-n", hosts.names[1], "link", "set", hosts.veths[1], "down"], check=True)
-            start, outs, seconds = time.monotonic(), [], []
-            for p in procs:
-                outs.append(output_of(p, 120))
-                seconds.append(f"{time.monotonic() - start:.1f}")
-        finally:
-            stop_all(procs)
-    return (f"rank 1's network link down after epoch 1, collective timeout {timeout}", *seconds,
+        _, stopped, outs = cut_link_after_epoch_1(name, folder, hosts, 120)
+    return (f"rank 1's network link down after epoch 1, collective timeout {timeout}", *(f"{s:.1f}" for s in stopped),
             f"{last_line(outs[0])} / {last_line(outs[1])}")
 
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
 from ddp_utils import checkpoint
 from tests.helpers import netns
-from tests.helpers.fault_scenarios import output_of, signal_rank_1_after_epoch_1, start_ranks, stop_all, wait_for_epoch_1
+from tests.helpers.fault_scenarios import cut_link_after_epoch_1, signal_rank_1_after_epoch_1
 from tests.helpers.procs import base_env, describe, free_port, python, run_all, stop
 
 
@@ -216,19 +214,7 @@ def drop_off_the_network(name: str, folder) -> tuple:
     """Scenario ``name`` on two hosts (namespaces of its own); once epoch 1 is saved rank 1's link goes down. Each
     rank's (return code, seconds from the cut to its exit, output)."""
     with netns.two_hosts_or_skip("10.213.5") as hosts:
-        procs = start_ranks(name, free_port(), folder, prefixes=(hosts.exec_prefix(0), hosts.exec_prefix(1)),
-                            addr=hosts.addrs[0])
-        try:
-            wait_for_epoch_1(folder, procs)
-            subprocess.run(["ip", "-n", hosts.names[1], "link", "set", hosts.veths[1], "down"], check=True)
-            cut = time.monotonic()
-            outs, stopped = [], []
-            for p in procs:
-                outs.append(output_of(p, 60))
-                stopped.append(time.monotonic() - cut)
-        finally:
-            stop_all(procs)
-        return [p.returncode for p in procs], stopped, outs
+        return cut_link_after_epoch_1(name, folder, hosts, 60)
 
 
 @pytest.fixture(scope="module")

@@ -252,6 +252,25 @@ def signal_rank_1_after_epoch_1(name, sig, folder, victim: int = 1) -> tuple:
         stop_all(procs)
 
 
+def cut_link_after_epoch_1(name, folder, hosts, bound: float) -> tuple[list, list, list]:
+    """Both ranks of scenario ``name`` on two namespace hosts (``netns.two_hosts``); once epoch 1 is saved rank 1's
+    link goes down. Each rank's return code, seconds from the cut to its exit (waited at most ``bound``), output."""
+    import subprocess
+    from tests.helpers.procs import free_port
+    procs = start_ranks(name, free_port(), folder, prefixes=(hosts.exec_prefix(0), hosts.exec_prefix(1)),
+                        addr=hosts.addrs[0])
+    try:
+        wait_for_epoch_1(folder, procs)
+        subprocess.run(["ip", "-n", hosts.names[1], "link", "set", hosts.veths[1], "down"], check=True)
+        cut, outs, stopped = time.monotonic(), [], []
+        for p in procs:
+            outs.append(output_of(p, bound))
+            stopped.append(time.monotonic() - cut)
+    finally:
+        stop_all(procs)
+    return [p.returncode for p in procs], stopped, outs
+
+
 def printed_so_far(proc) -> str:
     """What ``proc`` has written to its stdout pipe until now (read from the pipe itself: nothing has read it yet)."""
     fd, chunks = proc.stdout.fileno(), []
