@@ -158,6 +158,11 @@ def test_every_nodes_command_the_pages_give_runs_as_typed_against_the_stand_in(t
     launches = [c for c in calls if c[1] == "run-instances"]
     assert [c[c.index("--instance-type") + 1] for c in launches] == [row["TYPE"]] * 2
     assert ["ddp-node1" in c[c.index("--tag-specifications") + 1] for c in launches] == [True, False]
+    assert all("Key=course,Value=ddp" in c[c.index("--tag-specifications") + 1] for c in launches)
+    assert all(c[c.index("--instance-initiated-shutdown-behavior") + 1] == "stop" for c in launches)
+    for verb in ("stop-instances", "start-instances", "terminate-instances"):   # the ids launch kept, both nodes
+        call = next(c for c in calls if c[1] == verb)
+        assert call[call.index("--instance-ids") + 1:call.index("--output")] == ["i-0fake0001", "i-0fake0002"], call
     budget = next(c for c in calls if c[1] == "create-budget")
     assert json.loads(budget[budget.index("--budget") + 1])["BudgetLimit"]["Amount"] == f"{int(row['BUDGET'])}.00"
     assert json.loads(laptop.ids.read_text()) == {}   # terminated: nothing left to cost
