@@ -9,7 +9,9 @@ from ddp_utils.robust.stderr import HeldStderr, profiler_noise, store_noise
 KINETO = "USDT:2026-11-28 20:05:21 20305:20305 SyncActivityProfilerHandler.cpp:39] profiler_start\n"
 STORE = ("[W1128 20:05:21.123456 12345 TCPStore.cpp:123] [c10d] recvValue failed\n"
          "Exception raised from recvBytes at /pytorch/torch/csrc/distributed/c10d/Utils.hpp:670\n"
-         "frame #0: c10::Error::Error() + 0x98\n")
+         "frame #0: c10::Error::Error() + 0x98\n"
+         "<omitting python frames>\n"
+         "  <omitting python frames>\n")
 
 
 def test_while_fd_2_is_held_another_threads_lines_are_kept_and_the_noise_dropped(capfd):

@@ -81,8 +81,9 @@ def release_all() -> None:
 # profiler_start"; on a CUDA build without a GPU an "ERROR:... gpuGetDeviceCount" that is none)
 _KINETO = re.compile(r"^\s*[A-Z]*:?\s*\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+:\d+\]")
 # torch's C++ log lines ("[W1128 20:05:21.123456 12345 TCPStore.cpp:123] ...") and an exception's C++ frames
-# ("[rank1]:[W1202 ...": the c10d logger's, which names the rank first)
-_CPP = re.compile(r"^(\[rank\d+\]:)?(\[[WEIF]\d{4} |frame #\d+:|Exception raised from |\s*$)")
+# ("[rank1]:[W1202 ...": the c10d logger's, which names the rank first), whose Python part torch writes as one
+# "<omitting python frames>" line (one per failed request: the count varies with the threads that asked)
+_CPP = re.compile(r"^(\[rank\d+\]:)?(\[[WEIF]\d{4} |frame #\d+:|Exception raised from |\s*<omitting python frames>|\s*$)")
 
 
 def profiler_noise(line: str) -> bool:
