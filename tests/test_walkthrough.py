@@ -38,15 +38,8 @@ def prose(page: Path = README) -> str:
 
 
 def path_table() -> list[dict[str, str]]:
-    lines = text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("| you have |"))
-    header = [c.strip() for c in lines[start].strip("|").split("|")]
-    rows = []
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        rows.append(dict(zip(header, [c.strip() for c in line.strip("|").split(" | ")], strict=True)))
-    return rows
+    """The path table's rows by column (tests/helpers/page_commands.py reads it, with each row's values)."""
+    return path_rows()
 
 
 def price(kind: str) -> float:
