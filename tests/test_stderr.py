@@ -34,3 +34,25 @@ def test_the_profilers_lines_are_noise_and_a_students_are_not(capfd):
         os.write(2, (KINETO + "ERROR:2026-11-28 20:05:21 1:1 CuptiActivityApi.cpp:1] gpuGetDeviceCount failed\n"
                      + "UserWarning: something the student should see\n").encode())
     assert capfd.readouterr().err == "UserWarning: something the student should see\n"
+
+
+def test_a_process_forked_during_a_hold_writes_to_the_real_stderr_after_the_hold_ends(capfd):
+    """A DataLoader worker forked while the watch's thread held fd 2 (every 2 s, around a store request) kept the
+    temporary file as its fd 2 for its whole life: a warning or crash message it wrote after the parent's release
+    was lost."""
+    held = HeldStderr(store_noise)
+    held.hold()   # as the watch's thread holds it
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the worker: waits until the parent released its hold, then writes
+        try:
+            os.read(go_r, 1)
+            os.write(2, b"worker: a warning\n")
+        finally:
+            os._exit(0)
+    held.release()
+    os.write(go_w, b"x")
+    assert os.waitpid(pid, 0)[1] == 0
+    os.close(go_r)
+    os.close(go_w)
+    assert capfd.readouterr().err == "worker: a warning\n"

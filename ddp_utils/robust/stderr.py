@@ -71,6 +71,27 @@ class HeldStderr:
         self.release()
 
 
+def _after_fork_in_child() -> None:
+    """A process forked while a hold was on (a DataLoader worker started while the watch asked the store) holds a
+    copy of the turned-away fd 2, and the parent's release never reaches it: everything the worker wrote afterwards
+    (a warning, a crash's message) went into a temporary file nobody reads. The child takes the real fd 2 back, and
+    the locks the parent's threads held start free."""
+    global _fd2
+    for held in reversed(_holding):
+        held._lock = threading.Lock()
+        with contextlib.suppress(OSError):
+            os.dup2(held._saved, 2)
+            os.close(held._saved)
+        held._saved = None
+        with contextlib.suppress(OSError):
+            held._file.close()   # the child's descriptor; the parent's copy stays open
+    _holding.clear()
+    _fd2 = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def release_all() -> None:
     """Every hold still on released, the last one first (each restores the fd 2 it found)."""
     for held in reversed(list(_holding)):
