@@ -30,9 +30,14 @@ process on one thread (DataLoader workers=0, DALI num_threads=1), each up to wha
   ... + normalise    the same on the copy, normalised on this CPU
 
 plus two decode-only rows (decode_jpeg of the originals and of the 288-px copy), the crop-resize-only row (the kit's
-crop, resize, flip and batching on images decoded beforehand) and the entropy decoding alone (Pillow decoding the
+crop, resize, flip and batching on images decoded beforehand), the same with each other resize (OpenCV's bilinear
+and area resizes on decode_jpeg's own HWC pixels, Pillow's antialiased bilinear, with and without reduce() first:
+`reducing_gap=2`; OpenCV's rows need `pip install opencv-python-headless` and are left out without it) and the
+entropy decoding alone (Pillow decoding the
 originals at 1/8 scale: every byte entropy-decoded, almost no pixels made). The kit's uint8 path is held to
-OF_FLOOR_MARK of 1 / (decode + crop-resize) on its whole-decode path, the three measured in the same rounds. Every
+OF_FLOOR_MARK of 1 / (decode + crop-resize) on its whole-decode path, the three measured in the same rounds. Each
+resize is also compared with the kit's, pixel by pixel, on the same crops (RESIZE_TOLERANCE): the fastest one within
+it is what the kit should use. Every
 round runs every path once, in rotating order, so that drifts in machine speed hit all alike. Per core = images per
 CPU-second of this process (all its threads: DALI runs a few of its own), the fair figure for "how many cores feed
 one GPU"; the ratio is the median over rounds of each round's ratio to the course's path. Run it on an idle
@@ -52,6 +57,11 @@ import numpy as np
 import PIL
 import torch
 import torchvision
+
+try:
+    import cv2
+except ImportError:   # the OpenCV rows are left out
+    cv2 = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_utils.speed import fastjpeg, regionjpeg  # noqa: E402
@@ -78,12 +88,19 @@ LABELS = {   # what each path is, as the table says it
     "kit workers, 288-px copy, normalised on the CPU": "the same normalised on this CPU too",
     "decode only, originals": "decode only, `decode_jpeg`: the originals",
     "crop-resize only": "crop, resize, flip and batching only, the kit's (images decoded beforehand)",
+    "crop-resize only, OpenCV bilinear": "the same, resized by OpenCV's `INTER_LINEAR` (no antialiasing)",
+    "crop-resize only, OpenCV area": "the same, resized by OpenCV's `INTER_AREA` (bilinear when enlarging)",
+    "crop-resize only, Pillow": "the same, resized by Pillow's antialiased bilinear (the course's resize)",
+    "crop-resize only, Pillow reduce": "the same, Pillow with `reducing_gap=2` (`reduce()` by a whole factor first)",
     "decode only, 288-px copy": "decode only, `decode_jpeg`: the 288-px copy",
     "entropy decoding only": "decode floor: Pillow decodes the originals at 1/8 scale (every byte still "
                              "entropy-decoded, 1/64 of the pixels made)",
 }
 REPO = Path(__file__).resolve().parents[1]
 OF_FLOOR_MARK = 0.85   # the kit's uint8 path at least this share of 1 / (decode + crop-resize) (issue 46)
+# A resize gives "the same pixels" as the kit's when, on the same crops, at most 0.5 % of its values differ from
+# the kit's by more than 2 of 255 levels (Pillow's resize, the course's: 0.17 %) and by 0.5 of a level on average.
+RESIZE_TOLERANCE = {"levels": 2, "share_over": 0.005, "mean_abs": 0.5}
 
 
 def resized_copy(src: Path, dst: Path, short_side: int = 288) -> Path:
@@ -178,14 +195,93 @@ class EntropyOnly(DecodeOnly):
             yield None, paths
 
 
+class OpenCVCropFlip(fastjpeg.RandomCropFlip):
+    """The kit's crop and flip (the same draws), the resize by OpenCV's ``cv2.resize`` on the crop's HWC pixels:
+    decode_jpeg's (3, H, W) is a view of HWC memory, so OpenCV reads it without a copy."""
+
+    def __init__(self, size: int, interpolation: str):
+        super().__init__(size)
+        self.interpolation = interpolation
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        top, left, height, width = self.crop.get_params(image, self.crop.scale, self.crop.ratio)
+        size = self.crop.size[0]
+        crop = image.permute(1, 2, 0).numpy()[top:top + height, left:left + width]
+        # INTER_AREA averages only when shrinking; enlarging it is bilinear
+        how = cv2.INTER_AREA if self.interpolation == "area" else cv2.INTER_LINEAR
+        out = torch.from_numpy(cv2.resize(crop, (size, size), interpolation=how)).permute(2, 0, 1)
+        if self.hflip and torch.rand(1) < 0.5:
+            out = out.flip(-1)
+        return out
+
+
+class PillowCropFlip(fastjpeg.RandomCropFlip):
+    """The kit's crop and flip draws, the resize by Pillow's antialiased bilinear on a PIL image (what Pillow's own
+    decode gives: the conversion from the tensor is made beforehand, untimed); ``reducing_gap`` as Pillow's."""
+
+    def __init__(self, size: int, reducing_gap: float | None = None):
+        super().__init__(size)
+        self.reducing_gap = reducing_gap
+
+    def __call__(self, image) -> torch.Tensor:
+        from PIL import Image
+        top, left, height, width = self.crop.get_params(image, self.crop.scale, self.crop.ratio)
+        size = self.crop.size[0]
+        out = image.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, left + width, top + height),
+                           reducing_gap=self.reducing_gap)
+        if self.hflip and torch.rand(1) < 0.5:
+            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return torch.from_numpy(np.array(out)).permute(2, 0, 1)
+
+
+def resize_options(size: int) -> dict:
+    """name -> (crop-flip-resize object, whether it takes PIL images): the kit's and the others measured beside it."""
+    options = {"crop-resize only": (fastjpeg.RandomCropFlip(size), False)}
+    if cv2 is not None:
+        cv2.setNumThreads(1)   # one core, as every other path here
+        options["crop-resize only, OpenCV bilinear"] = (OpenCVCropFlip(size, "bilinear"), False)
+        options["crop-resize only, OpenCV area"] = (OpenCVCropFlip(size, "area"), False)
+    options["crop-resize only, Pillow"] = (PillowCropFlip(size), True)
+    options["crop-resize only, Pillow reduce"] = (PillowCropFlip(size, reducing_gap=2.0), True)
+    return options
+
+
+def pixel_differences(images: list, options: dict, seed: int = 0) -> dict:
+    """Each resize against the kit's on the same crops and flips (the same seed before each image): the mean
+    absolute difference in levels, the share of values more than RESIZE_TOLERANCE's levels apart, the largest, and
+    whether it is within the tolerance."""
+    from PIL import Image
+    pil = [Image.fromarray(image.permute(1, 2, 0).numpy()) for image in images]
+    outs = {}
+    for name, (crop, takes_pil) in options.items():
+        outs[name] = []
+        for i, image in enumerate(images):
+            torch.manual_seed(seed + i)
+            outs[name].append(crop(pil[i] if takes_pil else image).int())
+    kit = outs["crop-resize only"]
+    found = {}
+    for name, out in outs.items():
+        d = torch.cat([(a - b).abs().flatten() for a, b in zip(out, kit)]).float()
+        over = float((d > RESIZE_TOLERANCE["levels"]).float().mean())
+        found[name] = {"mean_abs": float(d.mean()), "share_over": over, "max": int(d.max()),
+                       "within": over <= RESIZE_TOLERANCE["share_over"]
+                       and float(d.mean()) <= RESIZE_TOLERANCE["mean_abs"]}
+    return found
+
+
 class CropResizeOnly:
     """The kit's crop, resize and flip (RandomCropFlip on uint8) and its batching, on images decoded beforehand:
-    the workers path without its decode. ``keep`` images are decoded once and cycled (all of them would not fit)."""
+    the workers path without its decode. ``keep`` images are decoded once and cycled (all of them would not fit).
+    ``crop``: another resize's crop-flip object (``resize_options``); ``pil``: it takes PIL images."""
 
-    def __init__(self, root: Path, batch_size: int, keep: int = 256):
+    def __init__(self, root: Path, batch_size: int, keep: int = 256, crop=None, pil: bool = False):
         paths = sorted(str(p) for p in (root / "train").glob("*/*.JPEG"))[:keep]
         self.images = [fastjpeg.decode_rgb(path) for path in paths]
-        self.crop, self.batch_size = fastjpeg.train_transform(load_preset("imagenet")), batch_size
+        if pil:
+            from PIL import Image
+            self.images = [Image.fromarray(image.permute(1, 2, 0).numpy()) for image in self.images]
+        self.crop = crop or fastjpeg.train_transform(load_preset("imagenet"))
+        self.batch_size = batch_size
         self.length = len(list((root / "train").glob("*/*.JPEG")))   # an epoch as long as the others'
 
     def epoch(self, epoch: int):
@@ -240,7 +336,8 @@ def main():
              "kit workers, 288-px copy": uint8(copy),
              "kit workers, 288-px copy, normalised on the CPU": kit(copy),
              "decode only, originals": DecodeOnly(original, args.batch_size),
-             "crop-resize only": CropResizeOnly(original, args.batch_size),
+             **{name: CropResizeOnly(original, args.batch_size, crop=crop, pil=pil)
+                for name, (crop, pil) in resize_options(224).items()},
              "decode only, 288-px copy": DecodeOnly(copy, args.batch_size),
              "entropy decoding only": EntropyOnly(original, args.batch_size)}
     # batches made ahead of the clock: none in this process (workers 0), DALI's queue of 2 with its one thread
@@ -281,6 +378,14 @@ def main():
     print(f"the kit's uint8 path with the whole decode runs at {of_floor:.2f} of 1 / (decode "
           f"{ms['decode only, originals']:.2f} ms + crop-resize {ms['crop-resize only']:.2f} ms an image): the mark is "
           f"{OF_FLOOR_MARK}; decoding only the crop's box makes it {region_gain:.2f}x as fast")
+    differences = pixel_differences(CropResizeOnly(original, args.batch_size).images[:200], resize_options(224))
+    kept = max((name for name in differences if differences[name]["within"]), key=lambda n: ratio[n])
+    print("resizes against the kit's on the same 200 crops: " + "; ".join(
+        f"{name.split(', ', 1)[-1] if ', ' in name else 'the kit (v2)'} {ms[name]:.2f} ms an image, mean "
+        f"{d['mean_abs']:.2f} levels, {100 * d['share_over']:.2f} % over {RESIZE_TOLERANCE['levels']}, max {d['max']}"
+        f"{'' if d['within'] else ' (not the same pixels)'}" for name, d in differences.items()))
+    print(f"the fastest resize with the same pixels: {kept}" + ("" if cv2 is not None else
+                                                                 " (OpenCV not installed: its rows left out)"))
     print(f"Pillow draft decoded {draft_crop.reduced} crops at a reduced scale; the 288-px copy decodes "
           f"{ratio['decode only, 288-px copy'] / ratio['decode only, originals']:.2f}x faster than the originals and "
           f"the kit's workers path runs {ratio['kit workers, 288-px copy'] / ratio['kit workers']:.2f}x faster on it")
@@ -288,11 +393,12 @@ def main():
                    "wall": {name: statistics.median(v) for name, v in wall.items()}, "vs_course": ratio,
                    "rounds": per_core, "draft_reduced": draft_crop.reduced, "ms": ms,
                    "kit_of_floor": of_floor, "of_floor_mark": OF_FLOOR_MARK, "region_gain": region_gain,
+                   "resize_differences": differences, "resize_tolerance": RESIZE_TOLERANCE, "resize_kept": kept,
                    "files": files}, table, others=others,
                   steady_after_batches=max(warm.values()), steady_steps=args.steps,
                   # the ratios are against Pillow's path and with torchvision's decoder: their releases move them
                   libraries={"Pillow": PIL.__version__, "torchvision": torchvision.__version__,
-                             "nvImageCodec": regionjpeg.version()})
+                             "nvImageCodec": regionjpeg.version(), "OpenCV": cv2.__version__ if cv2 else None})
 
 
 if __name__ == "__main__":

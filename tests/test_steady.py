@@ -2,6 +2,7 @@
 a figure is timed after the batches the loader made ahead, so the prefetch does not pass for the loader's speed."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing
 import subprocess
@@ -114,6 +115,19 @@ def test_imagenet_input_times_steady_windows_on_imagenet_like_files_against_the_
     assert r["figures"]["of_floor_mark"] == 0.85
     assert r["figures"]["region_gain"] == pytest.approx(per_core["kit workers"] / k, rel=1e-6)
     assert r["libraries"]["nvImageCodec"]
+    # the resizes measured beside the kit's, each compared with it on the same crops: the kit's own is itself; the
+    # kept one is the fastest within the tolerance (OpenCV's rows only where it is installed, and said so)
+    diffs, tol = r["figures"]["resize_differences"], r["figures"]["resize_tolerance"]
+    assert diffs["crop-resize only"] == {"mean_abs": 0.0, "share_over": 0.0, "max": 0, "within": True}
+    opencv = importlib.util.find_spec("cv2") is not None
+    assert ("crop-resize only, OpenCV bilinear" in diffs) == opencv == (r["libraries"]["OpenCV"] is not None)
+    assert {"crop-resize only, Pillow", "crop-resize only, Pillow reduce"} <= set(diffs) <= set(per_core)
+    for d in diffs.values():
+        assert d["within"] == (d["share_over"] <= tol["share_over"] and d["mean_abs"] <= tol["mean_abs"])
+    within = [n for n, d in diffs.items() if d["within"]]
+    assert r["figures"]["resize_kept"] == max(within, key=lambda n: r["figures"]["vs_course"][n])
+    if opencv:   # no antialiasing: shrinking a crop aliases, far from the kit's pixels
+        assert not diffs["crop-resize only, OpenCV bilinear"]["within"]
 
 
 @pytest.mark.slow
