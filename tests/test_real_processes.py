@@ -69,9 +69,9 @@ def test_a_group_signal_with_workers_on_stops_both_ranks_and_leaves_no_process(t
         procs, run, said = start_two_ranks(tmp_path / f"attempt{attempt}")
         if said is None:
             break
-        # A DataLoader worker that hung in the kit's data loader before the first checkpoint (seen once in CI, on a
-        # loaded machine, not reproduced in 2,000 forks here): the kit's watch named it and stopped both ranks as it
-        # should. That is not what this test is about; a second hang is a failure.
+        # A DataLoader worker that hung in the kit's data loader before the first checkpoint (seen once in CI on a
+        # loaded machine; not reproduced here in some 2,500 worker forks under load): the watch named it and stopped
+        # both ranks as it should. That is not what this test is about; a second hang is a failure.
         if attempt == 2 or "(its data loader)" not in said:
             raise AssertionError(f"no checkpoint was written in time\n{said}")
         warnings.warn(f"a DataLoader worker hung before the first checkpoint; the kit's watch named it (tried again):"
