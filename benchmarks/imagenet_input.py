@@ -80,8 +80,8 @@ LABELS = {   # what each path is, as the table says it
                    "with v2's kernels on uint8 (uint8 batches; the GPU normalises)",
     "kit workers, whole decode": "kit `--loader workers` without nvImageCodec: `decode_jpeg` of the whole image, "
                                  "crop/resize/flip on uint8",
-    "kit workers, normalised on the CPU": "the same with the normalisation on this CPU too (a CPU-only run; into "
-                                          "reused memory)",
+    "kit workers, normalised on the CPU": "kit `--loader workers` (the crop's box decoded) with the normalisation on "
+                                          "this CPU too (a CPU-only run; into reused memory)",
     "Pillow draft": "Pillow `draft()` where the crop allows, Pillow crop and resize (uint8 batches)",
     "DALI CPU": "DALI's CPU pipeline, `--loader dali` without a GPU (float32 batches)",
     "kit workers, 288-px copy": "kit `--loader workers` on the 288-px copy from `resize_imagenet.py` (uint8 batches)",

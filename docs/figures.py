@@ -43,6 +43,7 @@ def machine_of(name: str) -> str:
 
 # The rules a quoted figure's file keeps (issue 58), or its quote says which it breaks (``caveat``).
 MIN_REPETITIONS = 3   # rounds or seeds, each figure then a median or mean with its spread
+MIN_STEPS = 200       # steps a timed figure's window holds at least (benchmarks/steady.py's MIN_STEPS)
 
 
 def repetitions(r: dict) -> int | None:
@@ -55,15 +56,28 @@ def repetitions(r: dict) -> int | None:
     return None
 
 
+def window(r: dict) -> int | None:
+    """The steps a file's timed figures are taken over: its steady window (benchmarks/steady.py), or the steps per
+    round its command timed; None for whole-run figures (a training run's accuracy and time, a fault's delay)."""
+    if r.get("steady_steps") is not None:
+        return int(r["steady_steps"])
+    steps = r.get("args", {}).get("steps")
+    return int(steps) if steps is not None else None
+
+
 def lacks(name: str) -> list[str]:
     """The rules benchmarks/results/NAME.json breaks: a clean commit, MIN_REPETITIONS repetitions (where it records
-    them), a calibration figure taken in the same run."""
+    them), a timed window of at least MIN_STEPS steps (where it times one), a calibration figure taken in the same
+    run."""
     r, out = bench(name), []
     if r["commit"].endswith("+changes"):
         out.append("uncommitted code")
     reps = repetitions(r)
     if reps is not None and reps < MIN_REPETITIONS:
         out.append(f"{reps} round{'s' * (reps != 1)}")
+    steps = window(r)
+    if steps is not None and steps < MIN_STEPS:
+        out.append(f"a window of {steps} steps")
     if "calibration" not in r:
         out.append("no calibration")
     return out

@@ -30,7 +30,7 @@ def test_the_paragraph_names_the_rank_the_workers_its_step_needs_and_the_resized
     assert "delivered 312 img/s" in text and "trains 880 img/s" in text and "61 %" in text
     # 2 workers gave 156 img/s each: 880 / 156 -> 6 workers, and 8 CPUs less the training process hold them
     assert "2 worker(s) gave 156 img/s each" in text and "about 6 would feed it" in text and "set WORKERS to 6" in text
-    assert "this node has 8 CPUs" in text and "resized once, on the local disk" in text and "1.41x" in text
+    assert "this node has 8 CPUs" in text and "resized once, on the local disk" in text and "1.46x" in text
     assert "dali" not in text   # DALI has never run on a GPU here: not offered as the fix
     starved = feed.describe({**feed.verdict(100.0, 880.0, 0.8), "steps": 24, "rank": 0}, workers=6, cpus=8)
     assert "about 53 would feed it" in starved and "more workers cannot feed it here" in starved

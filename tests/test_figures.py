@@ -191,17 +191,21 @@ def test_the_loader_benchmarks_quoted_come_from_clean_commits_over_steady_window
 
 
 def test_a_file_that_breaks_the_rules_says_which_and_a_file_that_keeps_them_says_nothing(monkeypatch):
-    """Issue 58: a clean commit, three repetitions (where a file records them) and a calibration figure."""
+    """Issue 58: a clean commit, three repetitions (where a file records them), a timed window of 200 steps (where it
+    times one; a whole-run figure has none) and a calibration figure."""
     from docs import figures
     kept = {"commit": "abc1234", "args": {"rounds": 3}, "calibration": {"matmul_gflops_1_thread": {}},
             "machine": {"cores": 2, "cpu": "AMD EPYC", "virtual": True, "gpu": ""}}
     files = {"kept": kept, "seeds": {**kept, "args": {"seeds": "1,2"}}, "range": {**kept, "args": {"seeds": "301-316"}},
              "old": {**kept, "commit": "abc1234+changes", "args": {"rounds": 1}, "calibration": None}}
     files["old"].pop("calibration")
+    files["short"] = {**kept, "args": {"rounds": 5, "steps": 40}}     # 40 training steps a round
+    files["steady"] = {**kept, "args": {"rounds": 5, "steps": 20}, "steady_steps": 200}   # the window it recorded
     monkeypatch.setattr(figures, "bench", lambda name: files[name])
     assert figures.caveat("kept") == "" and figures.where("kept") == "a 2-core AMD EPYC VM"
     assert figures.caveat("seeds") == "; to re-run: 2 rounds" and figures.caveat("range") == ""
     assert figures.where("old") == "a 2-core AMD EPYC VM; to re-run: uncommitted code, 1 round, no calibration"
+    assert figures.caveat("short") == "; to re-run: a window of 40 steps" and figures.caveat("steady") == ""
 
 
 def test_every_section_that_quotes_a_file_breaking_the_rules_says_so():

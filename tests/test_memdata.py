@@ -247,7 +247,7 @@ def test_loader_is_a_setting_the_ranks_need_not_share():
 
 def test_auto_decodes_the_small_presets_once_into_memory_and_leaves_imagenet_to_the_workers(tmp_path, demo_dir):
     # the notebooks' default: on a CPU rehearsal two ranks' DataLoader workers took the cores the ranks train on
-    # (benchmarks/notebook_rehearsal.py: 1.27x single.ipynb with workers, about 1.5x without)
+    # (benchmarks/notebook_rehearsal.py: 1.55x single.ipynb with workers, 1.72x without)
     assert [loader_for(Settings(dataset=d, loader="auto")) for d in ("demo", "cinic10", "imagenet", "fake")] == [
         "memory", "memory", "workers", "workers"]
     assert loader_for(Settings(dataset="demo", loader="workers")) == "workers"   # an explicit choice stands

@@ -42,7 +42,7 @@ GPU_ONLY = [
     "  61 % of the time. 2 worker(s) gave 156 img/s each:",
     "  at that rate about 6 would feed it; this node has 8 CPUs, one for training:",
     "  set WORKERS to 6.",
-    "  A copy resized once, on the local disk (lab/data.md), decodes 1.41x the images per",
+    "  A copy resized once, on the local disk (lab/data.md), decodes 1.46x the images per",
     "  core (measured: docs/benchmarks.md, ImageNet input).",
 ]
 

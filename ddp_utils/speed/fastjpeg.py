@@ -7,7 +7,7 @@ every worker, float32 through the worker queues) fed a T4 about 300 img/s agains
 ImageNet's ``loader="workers"`` takes this path (``regionjpeg.build_imagenet_workers``, in data.py's
 ``WORKERS_BY_CROP``). In each worker, per image:
 
-- train: decode only the crop's box where nvImageCodec imports (``regionjpeg``: about 1.06x the images per core of
+- train: decode only the crop's box where nvImageCodec imports (``regionjpeg``: 1.06-1.13x the images per core of
   the whole decode, the same pixels; ``regionjpeg.RegionCropFlip``), else the whole image; val: the whole image. Whole images with
   ``torchvision.io.decode_jpeg`` (libjpeg-turbo, the very same pixels as Pillow's decoder, faster); Pillow for
   what it cannot read (ImageNet has a PNG and some CMYK files named .JPEG), so an

@@ -32,8 +32,8 @@ ROUNDS = 3        # ... and at least this many rounds of the workers (each deliv
 FED = 0.85        # delivered / the step alone, under which the loader is named
 WAITED = 0.10     # the share of the time spent waiting for data, from which the wait is what bounds
 # The kit's loader on a copy of ImageNet resized once (short side 288) against the originals, images per core:
-# benchmarks/results/imagenet_input.json, 644 / 457 img/s per core (tests/test_feed.py holds the two equal).
-RESIZED_PER_CORE = 1.41
+# benchmarks/results/imagenet_input.json, 817 / 560 img/s per core (tests/test_feed.py holds the two equal).
+RESIZED_PER_CORE = 1.46
 # What each rank puts in the epoch's gather (the same keys on every rank; zeros where it timed nothing)
 KEYS = ("feed_images", "feed_wall_s", "feed_step_s", "feed_wait_s", "feed_steps", "feed_cpus")
 

@@ -27,7 +27,7 @@ process per image (``time.process_time``), one torch thread; torch 2.14.1, torch
     =====================================================  ======  =======
 
 (an earlier run, load 3.5, 4 rounds: (b) 0.79, (b') 0.81.) The boxes: 41 % of the image's area on average, and
-86 % of its rows down to their bottom, which are entropy-decoded all the same. About 1.06x the images per core of
+86 % of its rows down to their bottom, which are entropy-decoded all the same. About 1.06-1.13x the images per core of
 the whole decode (benchmarks/results/imagenet_input.json): the decode work skipped, and a quicker resize (a box is a contiguous image, a crop of the whole one a strided view).
 Stopping after the box's last row is most of the decode's saving: the top quarter's rows cost 0.3 of the whole
 decode, the left quarter's columns over all rows 0.9.
@@ -203,7 +203,7 @@ def _check_box(path, box, image_height, image_width) -> None:
 
 class RegionCropFlip:
     """RandomCropFlip from a file's path, decoding only the drawn box (``regionjpeg``: nvImageCodec's CPU decoder,
-    1.06x the images per core): the same draws in the same order, so the same crops and flips for the same
+    1.06-1.13x the images per core): the same draws in the same order, so the same crops and flips for the same
     seed, and the same pixels (0 of 255 levels apart, tests/test_regionjpeg.py). A file it does not take is decoded
     whole, as ``decode_rgb`` does, and cropped. ``build_imagenet_workers`` uses it when nvImageCodec imports."""
 
@@ -226,7 +226,7 @@ class RegionCropFlip:
 
 def build_imagenet_workers(preset, settings, source: Source):
     """The workers path for ImageNet-style crops (``crop="resized"``, speed/fastjpeg.py): the workers decode with
-    libjpeg-turbo (only each crop's box where nvImageCodec imports: the same crops, 1.06x the images per core) and
+    libjpeg-turbo (only each crop's box where nvImageCodec imports: the same crops, 1.06-1.13x the images per core) and
     send uint8 crops, which ``fastjpeg.DeviceNormalize`` normalises a batch at a time on the device."""
     if available():
         train_set = ImageFolderDataset(source.root / preset.train_split, RegionCropFlip(source.image_size,
