@@ -29,4 +29,7 @@ fi
 echo "floor.sh: torch $have in $venv" >&2
 # The kit is not installed into this venv: it is imported from this checkout, as the container does (PYTHONPATH).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The venv's own tools (shellcheck, hadolint from their wheels) first on the PATH, as an activated venv has them:
+# the tests find them there, not in whatever venv the caller happens to have active.
+export PATH="$venv/bin:$PATH"
 exec "$venv/bin/python" -m pytest -n 2 -m "floor or not slow" "$@"   # -n 2: both cores (pytest-xdist)
