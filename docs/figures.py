@@ -134,15 +134,12 @@ def say(name: str, template: str, hang: int = 0, **more) -> None:
     _paragraph(fill(name, template, **more), hang)
 
 
-MIN_STEADY = 200   # steps past the batches made ahead that a loader figure is timed over (benchmarks/steady.py)
-
-
 def rerun_pending(name: str, lacks: str) -> str:
-    """'' when benchmarks/results/NAME.json was measured from a clean commit over a steady window of MIN_STEADY
+    """'' when benchmarks/results/NAME.json was measured from a clean commit over a steady window of MIN_STEPS
     steps; else a sentence saying its figures are not yet re-run and what they lack (``lacks``). GPU files wait for
     the next lent GPU (tests/test_figures.py lets a page quote one only beside these words)."""
     r = bench(name)
-    if r.get("steady_steps", 0) >= MIN_STEADY and not r["commit"].endswith("+changes"):
+    if r.get("steady_steps", 0) >= MIN_STEPS and not r["commit"].endswith("+changes"):
         return ""
     return (f"These figures ({r['date']}, commit {r['commit']}) are not yet re-run with the timing that holds: "
             f"{lacks}; the next lent GPU re-runs them (`{r['command'].split(' --out')[0]}`).")
