@@ -83,10 +83,17 @@ def lacks(name: str) -> list[str]:
     return out
 
 
+# Files kept as the record of a decision whose code is gone, so that no re-run can take them again: why, for the quote.
+RECORDS = {"comm_hooks-powersgd": "its `auto` rows are an `auto` that could send PowerSGD, which the kit no longer has"}
+
+
 def caveat(name: str) -> str:
     """'' for a file that keeps the rules; else '; to re-run: uncommitted code, 1 round, no calibration', appended
-    to the machine a quote names (tests/test_figures.py holds every quote of such a file to it)."""
+    to the machine a quote names (tests/test_figures.py holds every quote of such a file to it); a RECORDS file says
+    why it is not re-run instead."""
     missing = lacks(name)
+    if missing and name in RECORDS:
+        return f"; a record, not re-run ({RECORDS[name]}): {', '.join(missing)}"
     return f"; to re-run: {', '.join(missing)}" if missing else ""
 
 

@@ -206,6 +206,9 @@ def test_a_file_that_breaks_the_rules_says_which_and_a_file_that_keeps_them_says
     assert figures.caveat("seeds") == "; to re-run: 2 rounds" and figures.caveat("range") == ""
     assert figures.where("old") == "a 2-core AMD EPYC VM; to re-run: uncommitted code, 1 round, no calibration"
     assert figures.caveat("short") == "; to re-run: a window of 40 steps" and figures.caveat("steady") == ""
+    monkeypatch.setitem(figures.RECORDS, "old", "its code is gone")
+    assert figures.caveat("old") == "; a record, not re-run (its code is gone): uncommitted code, 1 round, no calibration"
+    assert figures.caveat("kept") == ""   # a record that keeps the rules needs no word
 
 
 def test_every_section_that_quotes_a_file_breaking_the_rules_says_so():
