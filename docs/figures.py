@@ -13,6 +13,7 @@ its command or machine.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import statistics
@@ -106,6 +107,42 @@ def hardware(m: dict) -> str:
     """'2-core AMD EPYC VM (24 GiB, no GPU)' from a results file's machine."""
     return (f"{m['cores']}-core {cpu(m)} {'VM' if m.get('virtual') else 'machine'} "
             f"({m['memory_gib']:.0f} GiB, {m['gpu'] or 'no GPU'})")
+
+
+def sitting(name: str) -> tuple[str, str]:
+    """(what ran it, the day) of benchmarks/results/NAME.json: ('NVIDIA H200', '2026-11-27') or ('2-core AMD EPYC',
+    '2026-11-25'), as ``where`` and ``machine_of`` name them."""
+    r = bench(name)
+    m = r["machine"]
+    gpu = re.sub(r"^\d+ x ", "", m["gpu"] or "")   # '1 x NVIDIA H200': the pages say 'an NVIDIA H200'
+    return (gpu or f"{m['cores']}-core {cpu(m)}", r["date"])
+
+
+# figures.py functions that read a results file by a name of their own, not one the page's block spells out
+READS = {"run_on_a_gpu": ("student_job", "gpu_peak"), "auto_against_none": ("comm_hooks-auto",),
+         "path_table": ("data_prep",), "budgets": ("data_prep",), "budget_sentence": ("data_prep",),
+         "data_plan": ("data_prep",), "data_steps": ("data_prep",)}
+
+
+def files_read(code: str) -> set[str]:
+    """The results files a cog block's code reads: the names it spells out, and those its functions read."""
+    names = {n for n in re.findall(r"[\"']([\w.-]+)[\"']", code) if (RESULTS / f"{n}.json").exists()}
+    return names | {n for fn, ns in READS.items() if re.search(rf"\bfigures\.{fn}\(", code) for n in ns}
+
+
+def unsaid_sittings(names: set[str], text: str) -> list[str]:
+    """Files of different sittings set side by side in one passage (a cog block's output) must each be placed: where
+    two ran on different machines, the passage names both machines; where one machine ran them on different days,
+    it names both days (the issue-58 rule: runs of different days are not compared as if they were one sitting).
+    Returns what is missing, '' nowhere."""
+    flat = " ".join(text.split())
+    missing = []
+    for a, b in itertools.combinations(sorted(names), 2):
+        (ma, da), (mb, db) = sitting(a), sitting(b)
+        need = [ma, mb] if ma != mb else [da, db] if da != db else []
+        missing += [f"{a} and {b} ({ma}, {da} / {mb}, {db}): the passage does not say {w!r}"
+                    for w in dict.fromkeys(need) if w not in flat]
+    return missing
 
 
 class _Figures(string.Formatter):

@@ -230,6 +230,42 @@ def test_every_section_that_quotes_a_file_breaking_the_rules_says_so():
     assert silent == [], "\n".join(silent)
 
 
+COG = re.compile(r"\[\[\[cog(.*?)\]\]\]\s*-->(.*?)\[\[\[end\]\]\]", re.S)   # (its code, its output)
+
+
+def test_a_passage_that_sets_runs_of_different_sittings_side_by_side_says_where_and_when_each_ran():
+    """Issue 58: one rank ran at 88, 121, 297 and 113 img/s on four days of "the 2-core VM". A cog block (one
+    passage) that quotes several results files of different machines names each machine, and of one machine on
+    different days names each day; files of one sitting need neither."""
+    pages = subprocess.run(["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True, check=True)
+    unsaid, compared = [], 0
+    for page in pages.stdout.split():
+        for code, out in COG.findall((REPO / page).read_text(encoding="utf-8")):
+            names = figures.files_read(code)
+            compared += len(names) > 1
+            unsaid += [f"{page}: {m}" for m in figures.unsaid_sittings(names, out)]
+    assert compared >= 3, "the pages no longer quote several files in one passage: is files_read still right?"
+    assert unsaid == [], "\n".join(unsaid)
+
+
+def test_runs_of_different_days_or_machines_are_placed_and_one_sitting_needs_nothing(monkeypatch):
+    from docs import figures as f
+    vm = {"cores": 2, "cpu": "AMD EPYC", "gpu": ""}
+    files = {"mon": {"date": "2026-11-25", "machine": vm}, "mon2": {"date": "2026-11-25", "machine": vm},
+             "tue": {"date": "2026-11-26", "machine": vm},
+             "gpu": {"date": "2026-11-25", "machine": {**vm, "cores": 16, "gpu": "1 x NVIDIA H200"}}}
+    monkeypatch.setattr(f, "bench", lambda name: files[name])
+    assert f.unsaid_sittings({"mon", "mon2"}, "0.95 of the link, against 0.81") == []
+    assert len(f.unsaid_sittings({"mon", "tue"}, "0.95 of the link, against 0.81")) == 2
+    assert len(f.unsaid_sittings({"mon", "tue"}, "0.95 (2026-11-25) of the link, against 0.81")) == 1
+    assert f.unsaid_sittings({"mon", "tue"}, "0.95 (2026-11-25), against 0.81 on\n2026-11-26") == []
+    assert f.unsaid_sittings({"mon", "gpu"}, "on a 2-core AMD EPYC VM 90 img/s, on an NVIDIA H200 900") == []
+    assert len(f.unsaid_sittings({"mon", "gpu"}, "on a 2-core AMD EPYC VM 90 img/s, on a GPU 900")) == 1
+    assert f.files_read('figures.say("comm_hooks", x=figures.bench("comm_hooks-auto"), y="nothing")') == \
+        {"comm_hooks", "comm_hooks-auto"}
+    assert f.files_read("figures.run_on_a_gpu()") == {"student_job", "gpu_peak"}
+
+
 def test_noninferiority_judges_the_paired_seeds_of_one_or_several_files_against_the_marks(monkeypatch):
     """PowerSGD's study (issue 46): mean paired Acc@1 >= -0.5 and its 90 % lower bound >= -1.0, the paired
     validation loss's 90 % upper bound <= +0.03, >= 0.90 of the unshaped link; a study run in parts pools its seeds."""
