@@ -134,7 +134,7 @@ def unsaid_sittings(names: set[str], text: str) -> list[str]:
     """Files of different sittings set side by side in one passage (a cog block's output) must each be placed: where
     two ran on different machines, the passage names both machines; where one machine ran them on different days,
     it names both days (the issue-58 rule: runs of different days are not compared as if they were one sitting).
-    Returns what is missing, '' nowhere."""
+    Returns what is missing (empty when nothing is)."""
     flat = " ".join(text.split())
     missing = []
     for a, b in itertools.combinations(sorted(names), 2):
