@@ -230,9 +230,6 @@ def test_every_section_that_quotes_a_file_breaking_the_rules_says_so():
     assert silent == [], "\n".join(silent)
 
 
-COG = re.compile(r"\[\[\[cog(.*?)\]\]\]\s*-->(.*?)\[\[\[end\]\]\]", re.S)   # (its code, its output)
-
-
 def test_a_passage_that_sets_runs_of_different_sittings_side_by_side_says_where_and_when_each_ran():
     """Issue 58: one rank ran at 88, 121, 297 and 113 img/s on four days of "the 2-core VM". A cog block (one
     passage) that quotes several results files of different machines names each machine, and of one machine on
@@ -240,7 +237,8 @@ def test_a_passage_that_sets_runs_of_different_sittings_side_by_side_says_where_
     pages = subprocess.run(["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True, check=True)
     unsaid, compared = [], 0
     for page in pages.stdout.split():
-        for code, out in COG.findall((REPO / page).read_text(encoding="utf-8")):
+        for block in GENERATED.findall((REPO / page).read_text(encoding="utf-8")):
+            code, _, out = block.partition("]]] -->")
             names = figures.files_read(code)
             compared += len(names) > 1
             unsaid += [f"{page}: {m}" for m in figures.unsaid_sittings(names, out)]
